@@ -1,0 +1,138 @@
+"""The verification sweep behind `commref check`: run collectives on exact-checkable
+inputs and count wrong elements against the numpy references, per case."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import verify
+from .verify import COLLECTIVES, DTYPES, OPS, REDUCING
+
+DEFAULT_COUNTS = (0, 1, 7, 1001)
+SENTINEL = 0x5A  # byte pattern of buffers a collective must not touch
+
+
+def algorithms_for(coll: str) -> tuple[str, ...]:
+    return ("ring", "tree") if coll == "allreduce" else ("ring",)
+
+
+@dataclass(frozen=True)
+class Case:
+    coll: str
+    algorithm: str
+    dtype: str
+    op: str | None  # None for data movement
+    count: int
+    in_place: bool
+    root: int
+    seed: int
+
+
+def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True)):
+    """Every case of the sweep, in a fixed order (all ranks enumerate the same list)."""
+    out = []
+    for coll in collectives:
+        for algo in algorithms_for(coll):
+            if algorithms and algo not in algorithms:
+                continue
+            for di, dtype in enumerate(dtypes):
+                for oi, op in enumerate(ops if coll in REDUCING else [None]):
+                    for count in counts:
+                        for ip in in_place:
+                            root = (count + di + oi) % nranks
+                            s = seed * 1_000_003 + len(out)
+                            out.append(Case(coll, algo, dtype, op, count, ip, root, s))
+    return out
+
+
+def run_case(comm, case: Case) -> int:
+    """Runs one case on this rank; returns the number of wrong elements here."""
+    n, r = comm.nranks, comm.rank
+    dt = DTYPES[case.dtype]
+    x = verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count)
+    expected = verify.expected_output(case.coll, dt, case.op, case.seed, r, n, case.count, case.root)
+    rc = verify.recv_count(case.coll, case.count, n)
+    c = case.count
+    kw = {"algorithm": case.algorithm}
+    if case.coll == "allreduce":
+        if case.in_place:
+            out = x.copy()
+            comm.allreduce(out, out, case.op, **kw)
+        else:
+            out = _sentinel(rc, dt)
+            comm.allreduce(x, out, case.op, **kw)
+    elif case.coll == "reduce_scatter":
+        if case.in_place:
+            buf = x.copy()
+            out = buf[r * c : (r + 1) * c]
+            comm.reduce_scatter(buf, out, case.op, **kw)
+        else:
+            out = _sentinel(rc, dt)
+            comm.reduce_scatter(x, out, case.op, **kw)
+    elif case.coll == "allgather":
+        out = _sentinel(rc, dt)
+        if case.in_place:
+            out[r * c : (r + 1) * c] = x
+            comm.allgather(out[r * c : (r + 1) * c], out, **kw)
+        else:
+            comm.allgather(x, out, **kw)
+    elif case.coll == "broadcast":
+        out = _sentinel(rc, dt)
+        if r == case.root and case.in_place:
+            out[:] = x
+            comm.broadcast(out, out, case.root, **kw)
+        else:
+            comm.broadcast(x, out, case.root, **kw)
+    elif case.coll == "reduce":
+        if case.in_place and r == case.root:
+            out = x.copy()
+            comm.reduce(out, out, case.op, case.root, **kw)
+        else:
+            out = _sentinel(rc, dt)
+            comm.reduce(x, out, case.op, case.root, **kw)
+        if expected is None:  # a non-root recvbuf must be left alone
+            expected = _sentinel(rc, dt)
+    else:
+        raise ValueError(case.coll)
+    return verify.count_wrong(out, expected)
+
+
+def _sentinel(n: int, dt: np.dtype) -> np.ndarray:
+    return np.full(n * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
+
+
+def run_sweep(comm, case_list, progress=None) -> list[int]:
+    """Runs the cases in order on every rank; returns wrong elements per case, summed
+    over ranks (one allgather at the end)."""
+    wrong = []
+    for i, case in enumerate(case_list):
+        wrong.append(run_case(comm, case))
+        if progress:
+            progress(i + 1, len(case_list))
+    per_rank = comm.world.allgather(wrong, what="check results")
+    return [int(sum(w[i] for w in per_rank)) for i in range(len(case_list))]
+
+
+def summary_rows(case_list, wrong):
+    """Rows (collective, algorithm, dtype, {op: (cases, wrong elements)})."""
+    table: dict = {}
+    for case, w in zip(case_list, wrong):
+        key = (case.coll, case.algorithm, case.dtype)
+        cell = table.setdefault(key, {}).setdefault(case.op or "copy", [0, 0])
+        cell[0] += 1
+        cell[1] += w
+    return [(k[0], k[1], k[2], v) for k, v in table.items()]
+
+
+def format_table(rows, nranks: int, device: str) -> str:
+    cols = list(OPS) + ["copy"]
+    head = f"{'collective':<15}{'algo':<6}{'dtype':<10}" + "".join(f"{c:>9}" for c in cols)
+    lines = [f"# commref check: {nranks} ranks, device {device}; wrong elements per collective x dtype x op",
+             head, "-" * len(head)]
+    for coll, algo, dtype, cells in rows:
+        vals = "".join(f"{(str(cells[c][1]) if c in cells else '-'):>9}" for c in cols)
+        lines.append(f"{coll:<15}{algo:<6}{dtype:<10}{vals}")
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""The `commref` command line.
+
+  commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--count ...]
+
+With --np N outside an MPI job, commref relaunches itself under mpiexec with N ranks
+(one process each, `python -m mpi4py` so that an exception on one rank aborts the
+job); inside mpiexec/mpirun it uses the MPI world it was started in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from .verify import COLLECTIVES, DTYPES, OPS
+
+
+def find_mpiexec() -> str:
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    for name in ("mpiexec", "mpirun"):
+        exe = shutil.which(name, path=path)
+        if exe:
+            return exe
+    raise SystemExit("commref: --np needs mpiexec (pip install 'commref[mpich]' or use your MPI's launcher)")
+
+
+def relaunch_under_mpi(nranks: int, argv: list[str]) -> int:
+    """Runs this command again as `nranks` MPI processes and returns their exit code."""
+    cmd = [find_mpiexec(), "-n", str(nranks), sys.executable, "-m", "mpi4py", "-m", "collectives.cli", *argv]
+    env = dict(os.environ, COMMREF_UNDER_MPIEXEC="1")
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _strip_np(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--np":
+            skip = True
+            continue
+        if a.startswith("--np="):
+            continue
+        out.append(a)
+    return out
+
+
+def _world(args):
+    from transports.world import MPIWorld, ThreadWorld
+
+    if MPIWorld.launched_under_mpi():
+        return MPIWorld()
+    return ThreadWorld.single()
+
+
+def cmd_check(args, argv) -> int:
+    from transports.world import MPIWorld
+
+    if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
+        return relaunch_under_mpi(args.np, _strip_np(argv))
+    from . import check
+    from .communicator import Communicator
+
+    world = _world(args)
+    comm = Communicator(world, args.device, max_channels=args.channels, slot_bytes=args.slot_bytes,
+                        threads=args.threads)
+    colls = args.collectives or list(COLLECTIVES)
+    case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed)
+    t0 = time.perf_counter()
+    wrong = check.run_sweep(comm, case_list)
+    elapsed = time.perf_counter() - t0
+    if world.rank == 0:
+        rows = check.summary_rows(case_list, wrong)
+        print(check.format_table(rows, world.size, comm.device))
+        bad = sum(1 for w in wrong if w)
+        print(f"# {len(case_list)} cases, counts {list(args.count)}, in-place and out-of-place, "
+              f"{sum(wrong)} wrong elements in {bad} cases, {elapsed:.1f} s")
+        sys.stdout.flush()
+    ok = sum(wrong) == 0
+    world.barrier(what="check done")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commref", description="Collective-communication kernels: reference and tests.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="run the verification sweep and report wrong elements per case")
+    c.add_argument("collectives", nargs="*", choices=[[], *COLLECTIVES], metavar="collective",
+                   help=f"collectives to check (default: all of {', '.join(COLLECTIVES)})")
+    c.add_argument("--np", type=int, default=None, help="number of ranks (relaunches under mpiexec)")
+    c.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    c.add_argument("--op", nargs="+", default=list(OPS), choices=list(OPS))
+    c.add_argument("--algorithm", nargs="+", default=[], choices=["ring", "tree"],
+                   help="algorithms (default: every one implemented for each collective)")
+    c.add_argument("--count", nargs="+", type=int, default=[0, 1, 7, 1001], help="element counts")
+    c.add_argument("--seed", type=int, default=1)
+    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
+    c.add_argument("--slot-bytes", type=int, default=None, help="FIFO slot size in bytes")
+    c.add_argument("--threads", type=int, default=None, help="threads per block")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "check":
+        return cmd_check(args, argv)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

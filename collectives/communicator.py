@@ -1,0 +1,403 @@
+"""Communicator: the user-facing collectives over LSA connections.
+
+A Communicator is built collectively from a world (transports.world) and a device.
+It owns the connection window (FIFOs, flags, step counters: layout in
+include/commref/args.h), the per-channel ring and tree tables, and the kernels.
+Method names and argument order follow nccl4py: allreduce(sendbuf, recvbuf, op),
+allgather(sendbuf, recvbuf), reduce_scatter(sendbuf, recvbuf, op),
+broadcast(sendbuf, recvbuf, root), reduce(sendbuf, recvbuf, op, root).
+
+Input checks happen before anything is launched and raise ValueError/TypeError on the
+rank that got the bad input. Arguments that must agree across ranks (collective,
+algorithm, dtype, op, root, count) travel with every pipeline step; a rank that sees a
+different call from its peer fails with CommMismatch instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from device_kernels import abi, loader
+from transports.errors import CapabilityError, CommAborted, CommMismatch, CommTimeout
+from transports.windows import register_window
+
+from . import topology, tuner
+from .verify import COLLECTIVES, DTYPE_CODES, OPS, dtype_name
+
+ALGORITHMS = ("ring", "tree")
+COLL_CODES = {c: i for i, c in enumerate(COLLECTIVES)}
+FLAG_STRIDE = 64
+
+
+def _align(x: int, a: int = 64) -> int:
+    return (x + a - 1) // a * a
+
+
+def window_layout(nchannels: int, slot_bytes: int, nsteps: int) -> tuple[np.ndarray, int]:
+    """The connection window layout for up to `nchannels` channels, and its size."""
+    lay = np.zeros((), dtype=abi.WINDOW_LAYOUT)
+    nin = nchannels * abi.CONN_IN
+    off = 0
+    lay["fifoOff"] = off
+    off = _align(off + nin * nsteps * slot_bytes)
+    lay["readyOff"] = off
+    off = _align(off + nin * FLAG_STRIDE)
+    lay["headerOff"] = off
+    off = _align(off + nin * nsteps * 16)
+    lay["creditOff"] = off
+    off = _align(off + nchannels * abi.CONN_OUT * FLAG_STRIDE)
+    lay["stateOff"] = off
+    off = _align(off + nchannels * (abi.CONN_IN + abi.CONN_OUT) * 8)
+    lay["slotBytes"] = slot_bytes
+    lay["nsteps"] = nsteps
+    lay["flagStride"] = FLAG_STRIDE
+    return lay, off
+
+
+def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int) -> int:
+    """The call descriptor every step carries: fields that must agree across ranks."""
+    return (COLL_CODES[coll] | ALGORITHMS.index(algorithm) << 4 | dtype_code << 8 | op_code << 16
+            | (root & 0xFFFF) << 24 | nchannels << 40)
+
+
+def unpack_call(desc: int) -> dict:
+    inv_dtype = {v: k for k, v in DTYPE_CODES.items()}
+    inv_op = {v: k for k, v in OPS.items()}
+    return {
+        "collective": COLLECTIVES[desc & 0xF] if (desc & 0xF) < len(COLLECTIVES) else desc & 0xF,
+        "algorithm": ALGORITHMS[(desc >> 4) & 0xF] if ((desc >> 4) & 0xF) < 2 else (desc >> 4) & 0xF,
+        "dtype": inv_dtype.get((desc >> 8) & 0xFF, (desc >> 8) & 0xFF),
+        "op": inv_op.get((desc >> 16) & 0xFF, (desc >> 16) & 0xFF),
+        "root": (desc >> 24) & 0xFFFF,
+        "nchannels": (desc >> 40) & 0xFF,
+    }
+
+
+@dataclass
+class Buffer:
+    """A validated user buffer: where it is, what it holds."""
+
+    obj: object
+    address: int
+    count: int
+    dtype: np.dtype
+    nbytes: int
+    writeable: bool
+
+    def overlaps(self, other: "Buffer") -> bool:
+        return self.address < other.address + other.nbytes and other.address < self.address + self.nbytes
+
+
+class Communicator:
+    """Collectives among the ranks of `world` on `device` ("auto", "cpu" or "cuda").
+
+    Options: `algorithm` default ("auto", "ring", "tree"); `max_channels` (blocks per
+    launch, also sizes the window); `slot_bytes` and `nsteps` (FIFO geometry);
+    `threads` per block; `timeout` seconds for every wait (default: world.timeout).
+    """
+
+    def __init__(self, world, device: str = "auto", *, algorithm: str = "auto", max_channels: int | None = None,
+                 slot_bytes: int | None = None, nsteps: int | None = None, threads: int | None = None,
+                 timeout: float | None = None, device_id: int | None = None):
+        self.world = world
+        self.rank, self.nranks = world.rank, world.size
+        self.device = _resolve_device(device)
+        if algorithm not in ("auto", *ALGORITHMS):
+            raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', not {algorithm!r}")
+        self.algorithm = algorithm
+        defaults = tuner.defaults(self.device)
+        self.max_channels = int(max_channels or defaults.max_channels)
+        self.slot_bytes = int(slot_bytes or defaults.slot_bytes)
+        self.nsteps = int(nsteps or defaults.nsteps)
+        self.threads = int(threads or defaults.threads)
+        if not 1 <= self.max_channels <= abi.MAX_CHANNELS:
+            raise ValueError(f"max_channels must be in [1, {abi.MAX_CHANNELS}], got {self.max_channels}")
+        if self.slot_bytes < 64 or self.slot_bytes % 64:
+            raise ValueError(f"slot_bytes must be a positive multiple of 64, got {self.slot_bytes}")
+        if self.nsteps < 1:
+            raise ValueError(f"nsteps must be >= 1, got {self.nsteps}")
+        if not 1 <= self.threads <= 1024:
+            raise ValueError(f"threads must be in [1, 1024], got {self.threads}")
+        self.timeout = float(timeout if timeout is not None else world.timeout)
+        self._broken: str | None = None
+
+        if self.device == "cuda":
+            import cupy
+
+            self.device_id = cupy.cuda.Device().id if device_id is None else int(device_id)
+            self.kernels = loader.cuda_kernels(self.device_id)
+        else:
+            self.device_id = None
+            self.kernels = loader.cpu_kernels()
+
+        layout, nbytes = window_layout(self.max_channels, self.slot_bytes, self.nsteps)
+        self.window = register_window(world, nbytes, self.device, self.device_id or 0)
+        missing = [r for r in range(self.nranks) if self.window.peer_addresses[r] == 0]
+        if missing:
+            self.window.close()
+            raise CapabilityError(
+                f"rank {self.rank}: ranks {missing} cannot map this rank's window (not in its LSA team "
+                f"{self.window.lsa_ranks}); the LSA path needs every rank on one host")
+        self._error, self._abort = self._host_words()
+        self._args = np.zeros(1, dtype=abi.COLL_ARGS)
+        a = self._args[0]
+        a["peerWindows"] = _address(self.window.peer_table)
+        a["errorRecord"] = self._error_address
+        a["abortFlag"] = self._abort_address
+        a["timeoutNs"] = int(self.timeout * 1e9)
+        a["layout"] = layout
+        a["rank"], a["nranks"] = self.rank, self.nranks
+        self._peers = {c: topology.channel_peers(self.rank, self.nranks, c) for c in range(1, self.max_channels + 1)}
+        world.barrier(what="communicator ready")
+
+    # ---- host-visible words the kernels write (error record) and poll (abort flag) ----
+
+    def _host_words(self):
+        error = np.zeros(1, dtype=abi.ERROR_RECORD)
+        abort = self.world.abort_word
+        if self.device == "cuda":
+            from cupy.cuda import runtime
+
+            for arr in (error, abort):
+                try:
+                    runtime.hostRegister(arr.ctypes.data, arr.nbytes, 2)  # cudaHostRegisterMapped
+                except runtime.CUDARuntimeError:
+                    pass  # already registered (the world's abort word is shared)
+            self._error_address = runtime.hostGetDevicePointer(error.ctypes.data, 0)
+            self._abort_address = runtime.hostGetDevicePointer(abort.ctypes.data, 0)
+        else:
+            self._error_address = error.ctypes.data
+            self._abort_address = abort.ctypes.data
+        return error, abort
+
+    # ---- collectives (nccl4py names and argument order) ----
+
+    def allreduce(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm: str | None = None) -> None:
+        s, r = self._buffer(sendbuf, "sendbuf"), self._buffer(recvbuf, "recvbuf", write=True)
+        self._same_dtype(s, r)
+        if s.count != r.count:
+            raise ValueError(f"rank {self.rank}: allreduce needs sendbuf and recvbuf of equal count, "
+                             f"got {s.count} and {r.count}")
+        self._in_place_or_disjoint(s, r, s.address == r.address, "allreduce")
+        self._launch("allreduce", algorithm, s, r, s.count, op, 0, stream)
+
+    def reduce_scatter(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm: str | None = None) -> None:
+        s, r = self._buffer(sendbuf, "sendbuf"), self._buffer(recvbuf, "recvbuf", write=True)
+        self._same_dtype(s, r)
+        if s.count != r.count * self.nranks:
+            raise ValueError(f"rank {self.rank}: reduce_scatter needs sendbuf of nranks * recvcount = "
+                             f"{self.nranks} * {r.count} = {self.nranks * r.count} elements, got {s.count}")
+        self._in_place_or_disjoint(s, r, r.address == s.address + self.rank * r.nbytes, "reduce_scatter",
+                                   "recvbuf == sendbuf + rank * recvcount")
+        self._launch("reduce_scatter", algorithm, s, r, r.count, op, 0, stream)
+
+    def allgather(self, sendbuf, recvbuf, *, stream=None, algorithm: str | None = None) -> None:
+        s, r = self._buffer(sendbuf, "sendbuf"), self._buffer(recvbuf, "recvbuf", write=True)
+        self._same_dtype(s, r)
+        if r.count != s.count * self.nranks:
+            raise ValueError(f"rank {self.rank}: allgather needs recvbuf of nranks * sendcount = "
+                             f"{self.nranks} * {s.count} = {self.nranks * s.count} elements, got {r.count}")
+        self._in_place_or_disjoint(s, r, s.address == r.address + self.rank * s.nbytes, "allgather",
+                                   "sendbuf == recvbuf + rank * sendcount")
+        self._launch("allgather", algorithm, s, r, s.nbytes, None, 0, stream)
+
+    def broadcast(self, sendbuf, recvbuf, root: int, *, stream=None, algorithm: str | None = None) -> None:
+        root = self._root(root)
+        r = self._buffer(recvbuf, "recvbuf", write=True)
+        s = r
+        if self.rank == root:
+            s = self._buffer(sendbuf, "sendbuf")
+            self._same_dtype(s, r)
+            if s.count != r.count:
+                raise ValueError(f"rank {self.rank}: broadcast root needs sendbuf and recvbuf of equal count, "
+                                 f"got {s.count} and {r.count}")
+            self._in_place_or_disjoint(s, r, s.address == r.address, "broadcast")
+        self._launch("broadcast", algorithm, s, r, r.nbytes, None, root, stream)
+
+    def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0, *, stream=None,
+               algorithm: str | None = None) -> None:
+        root = self._root(root)
+        s = self._buffer(sendbuf, "sendbuf")
+        r = s
+        if self.rank == root:
+            r = self._buffer(recvbuf, "recvbuf", write=True)
+            self._same_dtype(s, r)
+            if s.count != r.count:
+                raise ValueError(f"rank {self.rank}: reduce root needs sendbuf and recvbuf of equal count, "
+                                 f"got {s.count} and {r.count}")
+            self._in_place_or_disjoint(s, r, s.address == r.address, "reduce")
+        self._launch("reduce", algorithm, s, r, s.count, op, root, stream)
+
+    # ---- launch ----
+
+    def _launch(self, coll, algorithm, s: Buffer, r: Buffer, count, op, root, stream):
+        if self._broken:
+            raise CommAborted(f"rank {self.rank}: communicator unusable after an earlier failure: {self._broken}",
+                              rank=self.rank, origin_rank=None, reason=self._broken)
+        dname = dtype_name(s.dtype)
+        if op is None:
+            op_code = OPS["sum"]
+        else:
+            if op not in OPS:
+                raise ValueError(f"rank {self.rank}: unsupported op {op!r}; supported: {', '.join(OPS)}")
+            op_code = OPS[op]
+        algo = algorithm or self.algorithm
+        plan = tuner.plan(coll, algo, s.nbytes if coll != "allgather" else s.nbytes * self.nranks,
+                          self.nranks, self.device, self.max_channels)
+        name = loader.KERNELS[(coll, plan.algorithm)]
+        a = self._args[0]
+        a["sendbuf"], a["recvbuf"] = s.address, r.address
+        a["count"] = count
+        a["root"] = root
+        a["dtype"] = DTYPE_CODES[dname]
+        a["op"] = op_code
+        a["nchannels"] = plan.nchannels
+        a["elemSize"] = s.dtype.itemsize
+        a["callDesc"] = pack_call(coll, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
+        a["peers"] = self._peers[plan.nchannels]
+        status = self.kernels.launch(name, plan.nchannels, self.threads, self._args, stream)
+        if status:
+            raise self._failure()
+
+    def synchronize(self, stream=None) -> None:
+        """GPU: waits for `stream` and turns a kernel failure into its diagnostic."""
+        if self.device != "cuda":
+            return
+        import cupy
+
+        try:
+            (stream or cupy.cuda.get_current_stream()).synchronize()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            if int(self._error[0]["code"]) != abi.ERR_OK:
+                raise self._failure() from e
+            raise
+
+    def _failure(self) -> Exception:
+        e = self._error[0]
+        code, what = int(e["code"]), abi.WAIT_WHAT.get(int(e["what"]), f"wait #{int(e['what'])}")
+        peer, channel, expected, seen = int(e["peer"]), int(e["channel"]), int(e["expected"]), int(e["seen"])
+        if code == abi.ERR_TIMEOUT:
+            exc = CommTimeout(
+                f"rank {self.rank}: timed out after {self.timeout:g} s waiting for peer {peer}: {what} "
+                f"on channel {channel} (expected >= {expected}, seen {seen})",
+                rank=self.rank, peer=peer, what=what, expected=expected, seen=seen)
+        elif code == abi.ERR_MISMATCH:
+            if int(e["what"]) == 4:
+                field, mine, theirs = "count", expected, seen
+            else:
+                m, t = unpack_call(expected), unpack_call(seen)
+                diffs = [k for k in m if m[k] != t[k]] or ["call"]
+                field = diffs[0]
+                mine, theirs = m[field] if field in m else expected, t[field] if field in t else seen
+            exc = CommMismatch(
+                f"rank {self.rank}: collective call differs from peer {peer}'s: {field} is {mine!r} here "
+                f"and {theirs!r} there", rank=self.rank, peer=peer, field=field, mine=mine, theirs=theirs)
+        elif code == abi.ERR_ABORTED:
+            exc = CommAborted(f"rank {self.rank}: collective aborted while waiting for peer {peer} "
+                              f"because the job is being torn down", rank=self.rank, origin_rank=None,
+                              reason="abort flag raised")
+        else:
+            exc = RuntimeError(f"rank {self.rank}: kernel failed without a diagnostic (record code {code})")
+        self._broken = str(exc)
+        return exc
+
+    # ---- validation ----
+
+    def _root(self, root) -> int:
+        if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.nranks:
+            raise ValueError(f"rank {self.rank}: root must be a rank in [0, {self.nranks}), got {root!r}")
+        return int(root)
+
+    def _same_dtype(self, s: Buffer, r: Buffer) -> None:
+        if s.dtype != r.dtype:
+            raise TypeError(f"rank {self.rank}: sendbuf dtype {s.dtype} differs from recvbuf dtype {r.dtype}")
+
+    def _in_place_or_disjoint(self, s: Buffer, r: Buffer, in_place: bool, coll: str,
+                              layout: str = "sendbuf == recvbuf") -> None:
+        """Buffers may share memory only in NCCL's in-place layout for `coll`."""
+        if s.overlaps(r) and not in_place:
+            raise ValueError(f"rank {self.rank}: {coll} buffers overlap but are not in place ({layout})")
+
+    def _buffer(self, obj, name: str, write: bool = False) -> Buffer:
+        if obj is None:
+            raise TypeError(f"rank {self.rank}: {name} is required")
+        if self.device == "cpu":
+            if not isinstance(obj, np.ndarray):
+                kind = type(obj).__module__.split(".")[0]
+                if hasattr(obj, "__cuda_array_interface__") or kind == "cupy":
+                    raise TypeError(f"rank {self.rank}: {name} is device memory ({type(obj).__name__}) "
+                                    f"but this communicator runs on the CPU")
+                raise TypeError(f"rank {self.rank}: {name} must be a numpy array, got {type(obj).__name__}")
+            arr = obj
+            writeable = arr.flags.writeable
+            address = arr.ctypes.data
+        else:
+            arr, address, writeable = self._device_array(obj, name)
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"rank {self.rank}: {name} must be C-contiguous")
+        dtype_name(arr.dtype)  # raises TypeError for unsupported dtypes
+        if write and not writeable:
+            raise ValueError(f"rank {self.rank}: {name} is read-only")
+        if arr.size and address % arr.dtype.itemsize:
+            raise ValueError(f"rank {self.rank}: {name} is not aligned to its element size {arr.dtype.itemsize}")
+        return Buffer(obj, address, int(arr.size), arr.dtype, int(arr.nbytes), writeable)
+
+    def _device_array(self, obj, name):
+        import cupy
+
+        if isinstance(obj, np.ndarray):
+            raise TypeError(f"rank {self.rank}: {name} is host memory (numpy) but this communicator runs on "
+                            f"cuda:{self.device_id}")
+        if isinstance(obj, cupy.ndarray):
+            arr = obj
+        elif hasattr(obj, "__cuda_array_interface__"):
+            arr = cupy.asarray(obj)
+        elif hasattr(obj, "__dlpack__"):
+            arr = cupy.from_dlpack(obj)
+        else:
+            raise TypeError(f"rank {self.rank}: {name} must be a CuPy array or expose __cuda_array_interface__ "
+                            f"or __dlpack__, got {type(obj).__name__}")
+        if arr.device.id != self.device_id:
+            raise ValueError(f"rank {self.rank}: {name} is on cuda:{arr.device.id} but this communicator runs on "
+                             f"cuda:{self.device_id}")
+        readonly = bool(getattr(obj, "__cuda_array_interface__", {}).get("data", (0, False))[1]) \
+            if hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, cupy.ndarray) else False
+        return arr, int(arr.data.ptr), not readonly
+
+    def close(self) -> None:
+        self.window.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _address(table) -> int:
+    if isinstance(table, np.ndarray):
+        return table.ctypes.data
+    return int(table.data.ptr)
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        try:
+            import cupy
+
+            return "cuda" if cupy.is_available() else "cpu"
+        except ImportError:
+            return "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda":
+        try:
+            import cupy
+        except ImportError as e:
+            raise CapabilityError("device='cuda' needs CuPy (pip install 'commref[cuda12]' or '[cuda13]')") from e
+        if not cupy.is_available():
+            raise CapabilityError("device='cuda' but no CUDA device is available")
+    return device

@@ -1,0 +1,56 @@
+"""Policy: FIFO geometry per device, and per call the algorithm and channel count.
+
+Everything here is a pure function of (collective, bytes, nranks, device, options),
+so every rank picks the same plan without talking to the others.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Defaults:
+    max_channels: int
+    slot_bytes: int
+    nsteps: int
+    threads: int
+
+
+def defaults(device: str) -> Defaults:
+    if device == "cuda":
+        return Defaults(max_channels=8, slot_bytes=512 * 1024, nsteps=8, threads=512)
+    # CPU engine: one block is one OS thread and copies run at memcpy speed, so few
+    # channels; 128 KiB slots keep a step's data in the L2 cache between the writer
+    # and the reader.
+    cores = os.cpu_count() or 1
+    return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=128 * 1024, nsteps=4, threads=1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    algorithm: str
+    nchannels: int
+
+
+# Below this many bytes per rank, a tree's log(n) latency beats a ring's n steps.
+TREE_MAX_BYTES = 64 * 1024
+# Each channel should move at least this much, or its launch and flags cost more than it saves.
+BYTES_PER_CHANNEL = 4 * 1024 * 1024
+
+
+def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int) -> Plan:
+    """Algorithm and channel count for one call. `nbytes` is the size of the full
+    (per-rank, unsplit) buffer the collective reduces or gathers."""
+    if algorithm == "tree" and coll != "allreduce":
+        raise ValueError(f"algorithm 'tree' is implemented for allreduce only, not {coll}")
+    if algorithm == "auto":
+        algorithm = "tree" if coll == "allreduce" and nranks > 2 and nbytes <= TREE_MAX_BYTES else "ring"
+    if device == "cuda":
+        nchannels = max(1, min(max_channels, nbytes // (512 * 1024)))
+    else:
+        nchannels = max(1, min(max_channels, nbytes // BYTES_PER_CHANNEL))
+    if algorithm == "tree" and max_channels >= 2:
+        nchannels = max(2, nchannels)  # both trees of the double binary tree
+    return Plan(algorithm, nchannels)

@@ -1,0 +1,155 @@
+"""Exact-checkable inputs and numpy references for every collective.
+
+Inputs are a function of (seed, rank, index) only, so any rank can recompute every
+other rank's input and the expected output without communicating. They are small
+integers chosen so that every reduction is exact in every dtype and in any order:
+
+- sum, avg, min, max: integers in [-8, 8] (unsigned: [0, 16]); at most 8 ranks keep
+  sums within int8 and exact in float16 and bfloat16;
+- prod: values in {-1, 1, 2} (unsigned: {1, 2}); products stay within 2^8 in magnitude
+  for up to 8 ranks (exact in every float type; int8/uint8 wrap exactly like numpy);
+- allgather and broadcast move data only: integers that use the whole type (integers)
+  or its exactly representable range (floats), so a misplaced shard shows.
+
+The reference arithmetic follows include/commref/reduce.h: integer sum/prod wrap,
+float16/bfloat16 reduce in float32 and round once, avg is sum then one division
+(truncating toward zero for integers). Comparison is bitwise, element by element.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+# NCCL's ncclDataType_t codes.
+DTYPES: dict[str, np.dtype] = {
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+    "uint32": np.dtype(np.uint32),
+    "int64": np.dtype(np.int64),
+    "uint64": np.dtype(np.uint64),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
+DTYPE_CODES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+               "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+# NCCL's ncclRedOp_t codes.
+OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce")
+REDUCING = {"allreduce", "reduce_scatter", "reduce"}
+MAX_EXACT_RANKS = 8
+
+
+def dtype_name(dtype) -> str:
+    dt = np.dtype(dtype)
+    for name, d in DTYPES.items():
+        if d == dt:
+            return name
+    raise TypeError(f"unsupported dtype {dt}; supported: {', '.join(DTYPES)}")
+
+
+def _is_float(dt: np.dtype) -> bool:
+    return dt.kind == "f" or dt == DTYPES["bfloat16"]
+
+
+def _hash(seed: int, rank: int, n: int, salt: int = 0) -> np.ndarray:
+    """splitmix64 of (seed, rank, salt, index) for index in [0, n)."""
+    base = np.uint64((seed * 0x100000001B3 + rank * 0x9E3779B1 + salt * 0x85EBCA77) & 0xFFFFFFFFFFFFFFFF)
+    with np.errstate(over="ignore"):
+        z = np.arange(n, dtype=np.uint64) + base + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def input_values(dtype, op: str | None, seed: int, rank: int, n: int) -> np.ndarray:
+    """Rank `rank`'s n input elements. `op` None means a data-movement collective."""
+    dt = np.dtype(dtype)
+    h = _hash(seed, rank, n)
+    signed = dt.kind == "i" or _is_float(dt)
+    if op is None:  # data movement: use the type's range
+        if _is_float(dt):
+            span = 256 if dt == DTYPES["bfloat16"] else 2048
+            return ((h % np.uint64(2 * span + 1)).astype(np.int64) - span).astype(dt)
+        return h.astype(dt)  # wraps: every bit pattern of the integer type
+    if op == "prod":
+        if signed:
+            return np.array([-1, 1, 2], dtype=np.int64)[(h % np.uint64(3)).astype(np.intp)].astype(dt)
+        return (h % np.uint64(2) + np.uint64(1)).astype(dt)
+    v = (h % np.uint64(17)).astype(np.int64)
+    return (v - 8 if signed else v).astype(dt)
+
+
+def _compute_dtype(dt: np.dtype) -> np.dtype:
+    return np.dtype(np.float32) if dt in (DTYPES["float16"], DTYPES["bfloat16"]) else dt
+
+
+def reduce_reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    """Element-wise reduction of the ranks' arrays, as the kernels compute it."""
+    dt = inputs[0].dtype
+    cdt = _compute_dtype(dt)
+    acc = inputs[0].astype(cdt)
+    with np.errstate(over="ignore"):
+        for x in inputs[1:]:
+            x = x.astype(cdt)
+            if op in ("sum", "avg"):
+                acc = np.add(acc, x, dtype=cdt)
+            elif op == "prod":
+                acc = np.multiply(acc, x, dtype=cdt)
+            elif op == "max":
+                acc = np.maximum(acc, x)
+            elif op == "min":
+                acc = np.minimum(acc, x)
+            else:
+                raise ValueError(f"unsupported op {op!r}")
+        if op == "avg":
+            n = len(inputs)
+            if cdt.kind in "iu":
+                q = np.abs(acc) // cdt.type(n) if cdt.kind == "i" else acc // cdt.type(n)
+                acc = (np.sign(acc) * q).astype(cdt) if cdt.kind == "i" else q
+            else:
+                acc = acc / cdt.type(n)
+    return acc.astype(dt)
+
+
+def send_count(coll: str, count: int, nranks: int) -> int:
+    """Elements in each rank's sendbuf for a collective of `count` (NCCL's count:
+    per-rank recvcount for reduce_scatter, per-rank sendcount for allgather)."""
+    return count * nranks if coll == "reduce_scatter" else count
+
+
+def recv_count(coll: str, count: int, nranks: int) -> int:
+    return count * nranks if coll == "allgather" else count
+
+
+def make_input(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int) -> np.ndarray:
+    return input_values(dtype, op if coll in REDUCING else None, seed, rank, send_count(coll, count, nranks))
+
+
+def expected_output(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int,
+                    root: int = 0) -> np.ndarray | None:
+    """What rank `rank`'s recvbuf must hold; None where the collective leaves it alone
+    (reduce on a non-root rank)."""
+    ins = [make_input(coll, dtype, op, seed, r, nranks, count) for r in range(nranks)]
+    if coll == "allreduce":
+        return reduce_reference(ins, op)
+    if coll == "reduce":
+        return reduce_reference(ins, op) if rank == root else None
+    if coll == "reduce_scatter":
+        return reduce_reference([x[rank * count : (rank + 1) * count] for x in ins], op)
+    if coll == "allgather":
+        return np.concatenate(ins) if ins else np.zeros(0, dtype)
+    if coll == "broadcast":
+        return ins[root]
+    raise ValueError(f"unknown collective {coll!r}")
+
+
+def count_wrong(got: np.ndarray, expected: np.ndarray) -> int:
+    """Number of elements whose bits differ (a length mismatch counts every element)."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return max(got.size, expected.size)
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
+    return int(np.count_nonzero(got.view(width) != expected.view(width)))

@@ -1,0 +1,328 @@
+// The CPU execution engine: runs CUDA-style kernels compiled with the host compiler.
+//
+// Model (what port.h promises kernel code):
+//   - a launch runs gridDim.x blocks at the same time, one OS thread per block (block 0
+//     on the calling thread, the others on pooled worker threads), because blocks of
+//     a collective wait on blocks of other ranks and must all make progress;
+//   - the blockDim.x threads of a block are fibers (ucontext) on that block's OS thread,
+//     switched cooperatively at __syncthreads() and at spin-wait pauses; a block of one
+//     thread runs directly on the OS thread's stack;
+//   - __shared__ is thread_local, so per block; blocks on one OS thread never overlap;
+//   - commref_kernel_abort() (a wait's deadline, a mismatch, the job's abort flag)
+//     ends the whole launch: the failing fiber unwinds, the block's other fibers are
+//     abandoned, the other blocks stop at their next spin pause, and
+//     commref_cpu_launch() returns 1. The device code has already filled the
+//     ErrorRecord that the host turns into an exception.
+// Under ThreadSanitizer (-fsanitize=thread) fiber switches are announced to TSan, and a
+// switch synchronizes (fibers of one block are sequential on one OS thread).
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <ucontext.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "commref/port.h"
+
+#if defined(__SANITIZE_THREAD__)
+#define COMMREF_TSAN 1
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+}
+#endif
+
+namespace commref_cpu {
+
+thread_local ThreadState* tl_thread = nullptr;
+
+namespace {
+
+struct KernelAbort {};
+
+typedef void (*KernelFn)(const void*);
+
+constexpr size_t kFiberStackBytes = 256 * 1024;
+
+struct Launch {
+  KernelFn kernel;
+  const void* args;
+  dim3 grid, block;
+  std::atomic<int> failed{0};
+  std::atomic<unsigned> remaining{0};
+};
+
+enum FiberState { kRunnable, kAtBarrier, kDone };
+
+// One block in execution on the current OS thread.
+struct Block {
+  Launch* launch;
+  unsigned nthreads;
+  std::vector<ThreadState> threads;
+  // Fiber machinery, used when nthreads > 1.
+  std::vector<ucontext_t> ctx;
+  std::vector<FiberState> state;
+  ucontext_t home;  // the OS thread's own context, resumed when the block ends
+  unsigned cur = 0, nlive = 0, natBarrier = 0;
+  bool aborted = false;
+#ifdef COMMREF_TSAN
+  void* homeFiber = nullptr;
+  std::vector<void*> tsanFiber;
+#endif
+};
+
+thread_local Block* tl_block = nullptr;
+thread_local std::vector<char*> tl_stacks;  // fiber stacks of this OS thread, reused
+
+char* stackFor(unsigned i) {
+  while (tl_stacks.size() <= i) {
+    void* p = mmap(nullptr, kFiberStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    tl_stacks.push_back((char*)p);
+  }
+  return tl_stacks[i];
+}
+
+void switchTo(Block* b, unsigned from, unsigned to) {
+  b->cur = to;
+  tl_thread = &b->threads[to];
+#ifdef COMMREF_TSAN
+  __tsan_switch_to_fiber(b->tsanFiber[to], 0);
+#endif
+  swapcontext(&b->ctx[from], &b->ctx[to]);
+  // Resumed: restore what this fiber sees.
+  b->cur = from;
+  tl_thread = &b->threads[from];
+}
+
+void switchHome(Block* b, unsigned from) {
+#ifdef COMMREF_TSAN
+  __tsan_switch_to_fiber(b->homeFiber, 0);
+#endif
+  swapcontext(&b->ctx[from], &b->home);
+}
+
+// The next runnable fiber after `from`, or -1.
+int nextRunnable(Block* b, unsigned from) {
+  for (unsigned k = 1; k <= b->nthreads; k++) {
+    unsigned j = (from + k) % b->nthreads;
+    if (b->state[j] == kRunnable && j != from) return (int)j;
+  }
+  return -1;
+}
+
+void releaseBarrierIfComplete(Block* b) {
+  if (b->natBarrier > 0 && b->natBarrier == b->nlive) {
+    for (unsigned j = 0; j < b->nthreads; j++)
+      if (b->state[j] == kAtBarrier) b->state[j] = kRunnable;
+    b->natBarrier = 0;
+  }
+}
+
+void fiberEntry(unsigned lo, unsigned hi) {
+  Block* b = (Block*)(((uintptr_t)hi << 32) | (uintptr_t)lo);
+  const unsigned me = b->cur;
+  try {
+    b->launch->kernel(b->launch->args);
+  } catch (const KernelAbort&) {
+    b->aborted = true;
+    b->launch->failed.store(1);
+    switchHome(b, me);  // never resumed
+  }
+  b->state[me] = kDone;
+  b->nlive--;
+  releaseBarrierIfComplete(b);
+  int next = nextRunnable(b, me);
+  if (next >= 0) switchTo(b, me, (unsigned)next);  // never resumed: done fibers are not runnable
+  switchHome(b, me);
+}
+
+void runBlock(Launch* L, unsigned blockId) {
+  Block b;
+  b.launch = L;
+  b.nthreads = L->block.x;
+  b.threads.resize(b.nthreads);
+  for (unsigned t = 0; t < b.nthreads; t++) {
+    b.threads[t].tid = dim3{t, 0, 0};
+    b.threads[t].bid = dim3{blockId, 0, 0};
+    b.threads[t].bdim = L->block;
+    b.threads[t].gdim = L->grid;
+  }
+  Block* saved = tl_block;
+  ThreadState* savedThread = tl_thread;
+  tl_block = &b;
+  if (b.nthreads == 1) {
+    tl_thread = &b.threads[0];
+    try {
+      L->kernel(L->args);
+    } catch (const KernelAbort&) {
+      L->failed.store(1);
+    }
+  } else {
+    b.ctx.resize(b.nthreads);
+    b.state.assign(b.nthreads, kRunnable);
+    b.nlive = b.nthreads;
+#ifdef COMMREF_TSAN
+    b.homeFiber = __tsan_get_current_fiber();
+    b.tsanFiber.resize(b.nthreads);
+#endif
+    uintptr_t self = (uintptr_t)&b;
+    for (unsigned t = 0; t < b.nthreads; t++) {
+      char* stack = stackFor(t);
+      if (!stack) { L->failed.store(2); break; }
+      getcontext(&b.ctx[t]);
+      b.ctx[t].uc_stack.ss_sp = stack;
+      b.ctx[t].uc_stack.ss_size = kFiberStackBytes;
+      b.ctx[t].uc_link = nullptr;
+      makecontext(&b.ctx[t], (void (*)())fiberEntry, 2, (unsigned)(self & 0xffffffffu), (unsigned)(self >> 32));
+#ifdef COMMREF_TSAN
+      b.tsanFiber[t] = __tsan_create_fiber(0);
+#endif
+    }
+    if (L->failed.load() != 2) {
+      b.cur = 0;
+      tl_thread = &b.threads[0];
+#ifdef COMMREF_TSAN
+      __tsan_switch_to_fiber(b.tsanFiber[0], 0);
+#endif
+      swapcontext(&b.home, &b.ctx[0]);
+    }
+#ifdef COMMREF_TSAN
+    for (void* f : b.tsanFiber)
+      if (f) __tsan_destroy_fiber(f);
+#endif
+  }
+  tl_block = saved;
+  tl_thread = savedThread;
+}
+
+// ---- worker pool: OS threads that run blocks 1..grid-1 of launches ----
+
+struct Worker {
+  std::atomic<uint32_t> seq{0};  // bumped for each job
+  Launch* launch = nullptr;
+  unsigned blockId = 0;
+};
+
+std::mutex g_poolMu;
+std::vector<Worker*> g_idle;
+
+void workerLoop(Worker* w) {
+  uint32_t seen = 0;
+  for (;;) {
+    w->seq.wait(seen);
+    seen = w->seq.load(std::memory_order_acquire);
+    Launch* L = w->launch;
+    runBlock(L, w->blockId);
+    {
+      std::lock_guard<std::mutex> g(g_poolMu);
+      g_idle.push_back(w);
+    }
+    if (L->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) L->remaining.notify_all();
+  }
+}
+
+Worker* takeWorker() {
+  {
+    std::lock_guard<std::mutex> g(g_poolMu);
+    if (!g_idle.empty()) {
+      Worker* w = g_idle.back();
+      g_idle.pop_back();
+      return w;
+    }
+  }
+  Worker* w = new Worker();  // lives for the process
+  std::thread(workerLoop, w).detach();
+  return w;
+}
+
+void backoff(uint32_t spins) {
+  if (spins < 32) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  } else if (spins < 20000) {
+    sched_yield();
+  } else {
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+}  // namespace
+
+void syncthreads() {
+  Block* b = tl_block;
+  if (b->nthreads == 1) return;
+  const unsigned me = b->cur;
+  b->state[me] = kAtBarrier;
+  b->natBarrier++;
+  releaseBarrierIfComplete(b);
+  while (b->state[me] != kRunnable) {
+    int next = nextRunnable(b, me);
+    if (next < 0) break;  // cannot happen: the barrier would have been released
+    switchTo(b, me, (unsigned)next);
+    if (b->aborted || b->launch->failed.load(std::memory_order_relaxed)) throw KernelAbort();
+  }
+}
+
+void spin_pause(uint32_t spins) {
+  Block* b = tl_block;
+  if (b->launch->failed.load(std::memory_order_relaxed)) throw KernelAbort();
+  if (b->nthreads > 1) {
+    int next = nextRunnable(b, b->cur);
+    if (next >= 0) {
+      switchTo(b, b->cur, (unsigned)next);
+      if (b->aborted) throw KernelAbort();
+    }
+  }
+  backoff(spins);
+}
+
+uint64_t now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void kernel_abort() { throw KernelAbort(); }
+
+}  // namespace commref_cpu
+
+using namespace commref_cpu;
+
+// Runs kernel(args) over grid x block and returns when every block has finished.
+// Returns 0 on success, 1 if the kernel aborted (see the ErrorRecord it wrote),
+// 2 if the engine could not run it (bad dimensions, out of memory).
+extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*kernel)(const void*), const void* args,
+                                                                        unsigned grid, unsigned block) {
+  if (grid < 1 || grid > 65535 || block < 1 || block > 1024) return 2;
+  Launch L;
+  L.kernel = kernel;
+  L.args = args;
+  L.grid = dim3{grid, 1, 1};
+  L.block = dim3{block, 1, 1};
+  L.remaining.store(grid - 1);
+  for (unsigned b = 1; b < grid; b++) {
+    Worker* w = takeWorker();
+    w->launch = &L;
+    w->blockId = b;
+    w->seq.fetch_add(1, std::memory_order_release);
+    w->seq.notify_one();
+  }
+  runBlock(&L, 0);
+  for (uint32_t spins = 0;; spins++) {
+    unsigned left = L.remaining.load(std::memory_order_acquire);
+    if (left == 0) break;
+    if (spins < 1000) sched_yield();
+    else L.remaining.wait(left, std::memory_order_acquire);
+  }
+  return L.failed.load();
+}

@@ -1,0 +1,150 @@
+// commref/reduce.h — element types and reduction operators, one definition for both
+// targets. Codes follow ncclDataType_t and ncclRedOp_t so that a user of NCCL reads
+// them without a table.
+//
+// Arithmetic contract (what the numpy references in collectives/verify.py mirror):
+//   - integer sum and prod wrap modulo 2^bits (computed in the unsigned type);
+//   - float16 and bfloat16 are reduced in float32 and rounded to nearest-even once
+//     per stored value;
+//   - avg is sum followed by one division by nranks at the rank that finishes the
+//     reduction: truncation toward zero for integers, IEEE division for floats.
+#pragma once
+#include "port.h"
+
+enum DataType : int32_t {
+  kInt8 = 0, kUint8 = 1, kInt32 = 2, kUint32 = 3, kInt64 = 4, kUint64 = 5,
+  kFloat16 = 6, kFloat32 = 7, kFloat64 = 8, kBfloat16 = 9,
+};
+enum RedOp : int32_t { kSum = 0, kProd = 1, kMax = 2, kMin = 3, kAvg = 4 };
+
+static COMMREF_HD __forceinline__ uint32_t commref_f2u(float f) {
+#ifdef COMMREF_GPU
+  return __float_as_uint(f);
+#else
+  uint32_t u; memcpy(&u, &f, 4); return u;
+#endif
+}
+static COMMREF_HD __forceinline__ float commref_u2f(uint32_t u) {
+#ifdef COMMREF_GPU
+  return __uint_as_float(u);
+#else
+  float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+
+// IEEE binary16, converted in software so that no toolkit header is needed.
+struct half_t {
+  uint16_t bits;
+  static COMMREF_HD __forceinline__ float toFloat(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0) {
+      if (mant == 0) return commref_u2f(sign);
+      int e = -14;
+      while (!(mant & 0x400)) { mant <<= 1; e--; }
+      mant &= 0x3ff;
+      return commref_u2f(sign | ((uint32_t)(e + 127) << 23) | (mant << 13));
+    }
+    if (exp == 31) return commref_u2f(sign | 0x7f800000u | (mant << 13));
+    return commref_u2f(sign | ((exp - 15 + 127) << 23) | (mant << 13));
+  }
+  static COMMREF_HD __forceinline__ uint16_t fromFloat(float f) {  // round to nearest even
+    uint32_t x = commref_f2u(f), sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff, mant = x & 0x7fffff;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    int e = (int)exp - 127 + 15;
+    if (e >= 31) return (uint16_t)(sign | 0x7c00);
+    if (e <= 0) {
+      if (e < -10) return (uint16_t)sign;
+      mant |= 0x800000;
+      int shift = 14 - e;
+      uint32_t h = mant >> shift, rem = mant & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+      if (rem > halfway || (rem == halfway && (h & 1))) h++;
+      return (uint16_t)(sign | h);
+    }
+    uint32_t h = sign | ((uint32_t)e << 10) | (mant >> 13), rem = mant & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return (uint16_t)h;
+  }
+};
+
+// bfloat16: the top half of a float32, rounded to nearest even.
+struct bf16_t {
+  uint16_t bits;
+  static COMMREF_HD __forceinline__ float toFloat(uint16_t b) { return commref_u2f((uint32_t)b << 16); }
+  static COMMREF_HD __forceinline__ uint16_t fromFloat(float f) {
+    uint32_t x = commref_f2u(f);
+    if ((x & 0x7fffffff) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);
+    x += 0x7fff + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+  }
+};
+
+// How a stored element becomes a value to reduce, and back.
+template <typename T> struct Arith {
+  typedef T Compute;
+  static COMMREF_HD __forceinline__ Compute load(T v) { return v; }
+  static COMMREF_HD __forceinline__ T store(Compute v) { return v; }
+};
+template <> struct Arith<half_t> {
+  typedef float Compute;
+  static COMMREF_HD __forceinline__ float load(half_t v) { return half_t::toFloat(v.bits); }
+  static COMMREF_HD __forceinline__ half_t store(float v) { half_t h; h.bits = half_t::fromFloat(v); return h; }
+};
+template <> struct Arith<bf16_t> {
+  typedef float Compute;
+  static COMMREF_HD __forceinline__ float load(bf16_t v) { return bf16_t::toFloat(v.bits); }
+  static COMMREF_HD __forceinline__ bf16_t store(float v) { bf16_t h; h.bits = bf16_t::fromFloat(v); return h; }
+};
+
+template <typename C> struct Unsigned { typedef C type; };
+template <> struct Unsigned<int8_t> { typedef uint8_t type; };
+template <> struct Unsigned<int32_t> { typedef uint32_t type; };
+template <> struct Unsigned<int64_t> { typedef uint64_t type; };
+
+struct OpSum {
+  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) {
+    typedef typename Unsigned<C>::type U;
+    return (C)(U)((U)a + (U)b);
+  }
+};
+struct OpProd {
+  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) {
+    typedef typename Unsigned<C>::type U;
+    return (C)(U)((U)a * (U)b);
+  }
+};
+struct OpMax {
+  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) { return a < b ? b : a; }
+};
+struct OpMin {
+  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) { return b < a ? b : a; }
+};
+// Integer sum and prod go through the unsigned type (no signed overflow); for floats
+// Unsigned<C> is C itself.
+
+// avg's final division: truncation toward zero for integers (C++ semantics).
+template <typename C> static COMMREF_HD __forceinline__ C divideBy(C v, int n) { return (C)(v / (C)n); }
+
+// Calls BODY with the C++ element type and operator for (dtype, op); avg reduces
+// with OpSum and divides once at the end (the caller passes the op code on).
+#define COMMREF_FOR_OP(T, op, BODY)          \
+  switch (op) {                              \
+    case kSum: case kAvg: BODY(T, OpSum); break; \
+    case kProd: BODY(T, OpProd); break;      \
+    case kMax: BODY(T, OpMax); break;        \
+    case kMin: BODY(T, OpMin); break;        \
+    default: break;                          \
+  }
+#define COMMREF_DISPATCH_REDUCTION(dtype, op, BODY)                \
+  switch (dtype) {                                                 \
+    case kInt8: COMMREF_FOR_OP(int8_t, op, BODY) break;            \
+    case kUint8: COMMREF_FOR_OP(uint8_t, op, BODY) break;          \
+    case kInt32: COMMREF_FOR_OP(int32_t, op, BODY) break;          \
+    case kUint32: COMMREF_FOR_OP(uint32_t, op, BODY) break;        \
+    case kInt64: COMMREF_FOR_OP(int64_t, op, BODY) break;          \
+    case kUint64: COMMREF_FOR_OP(uint64_t, op, BODY) break;        \
+    case kFloat16: COMMREF_FOR_OP(half_t, op, BODY) break;         \
+    case kFloat32: COMMREF_FOR_OP(float, op, BODY) break;          \
+    case kFloat64: COMMREF_FOR_OP(double, op, BODY) break;         \
+    case kBfloat16: COMMREF_FOR_OP(bf16_t, op, BODY) break;        \
+    default: break;                                                \
+  }

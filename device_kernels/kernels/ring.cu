@@ -1,0 +1,156 @@
+// Ring collectives, written once on flow primitives. Data flows rank -> rank + 1.
+// Each channel (block) takes a contiguous share of the data and pipelines it through
+// its own FIFOs in steps of at most one slot per chunk.
+#pragma once
+#include "commref/flow.h"
+
+static __device__ __forceinline__ int ringMod(int x, int n) { return ((x % n) + n) % n; }
+static __device__ __forceinline__ uint64_t minU(uint64_t x, uint64_t y) { return x < y ? x : y; }
+
+// Channel c's share [begin, end) of n items.
+struct Share {
+  uint64_t begin, end;
+};
+static __device__ __forceinline__ Share channelShare(uint64_t n, int c, int nchannels) {
+  Share s;
+  s.begin = n * c / nchannels;
+  s.end = n * (c + 1) / nchannels;
+  return s;
+}
+
+// Pieces of at most `piece` items covering [begin, end); there is always at least one
+// piece (possibly empty) so that every call makes at least one checked step.
+#define FOR_EACH_PIECE(base, len, share, piece)                                         \
+  for (uint64_t base = (share).begin, _first = 1; _first || base < (share).end;        \
+       base += (piece), _first = 0)                                                     \
+    for (uint64_t len = minU((piece), (share).end - base), _once = 1; _once; _once = 0)
+
+// AllReduce: reduce-scatter around the ring, then all-gather.
+// Within a loop of nranks chunks, rank r finishes chunk r.
+template <typename T, typename Op>
+static __device__ void ringAllReduce(const CollArgs& a) {
+  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  const T* src = (const T*)a.sendbuf;
+  T* dst = (T*)a.recvbuf;
+  const Share share = channelShare(a.count, c, a.nchannels);
+  Prims<T, Op> p(a, c);
+  if (n == 1) {
+    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
+    return;
+  }
+  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  const uint64_t loop = p.slotElems() * n;
+  FOR_EACH_PIECE(base, ls, share, loop) {
+    const uint64_t cs = (ls + n - 1) / n;  // chunk size, at most one slot
+#define CHUNK(j) const uint64_t off = minU((uint64_t)ringMod(j, n) * cs, ls), len = minU(cs, ls - off), at = base + off
+    { CHUNK(r - 1); p.send(src + at, len); }
+    for (int k = 1; k < n - 1; k++) { CHUNK(r - k - 1); p.recvReduceSend(src + at, len); }
+    { CHUNK(r); p.recvReduceCopySend(src + at, dst + at, len, true); }
+    for (int k = 1; k < n - 1; k++) { CHUNK(r - k); p.recvCopySend(dst + at, len); }
+    { CHUNK(r + 1); p.recv(dst + at, len); }
+#undef CHUNK
+  }
+  p.finish();
+}
+
+// ReduceScatter: count = elements each rank receives; rank r receives block r.
+template <typename T, typename Op>
+static __device__ void ringReduceScatter(const CollArgs& a) {
+  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  const uint64_t R = a.count;
+  const T* src = (const T*)a.sendbuf;
+  T* dst = (T*)a.recvbuf;
+  const Share share = channelShare(R, c, a.nchannels);
+  Prims<T, Op> p(a, c);
+  if (n == 1) {
+    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
+    return;
+  }
+  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  FOR_EACH_PIECE(base, len, share, p.slotElems()) {
+    p.send(src + (uint64_t)ringMod(r - 1, n) * R + base, len);
+    for (int k = 1; k < n - 1; k++) p.recvReduceSend(src + (uint64_t)ringMod(r - k - 1, n) * R + base, len);
+    p.recvReduceCopy(src + (uint64_t)r * R + base, dst + base, len, true);
+  }
+  p.finish();
+}
+
+// Reduce: the ring ends at the root, which finishes the reduction.
+template <typename T, typename Op>
+static __device__ void ringReduce(const CollArgs& a) {
+  const int c = blockIdx.x, n = a.nranks;
+  const int q = ringMod(a.rank - a.root - 1, n);  // position along the ring; the root is last
+  const T* src = (const T*)a.sendbuf;
+  T* dst = (T*)a.recvbuf;
+  const Share share = channelShare(a.count, c, a.nchannels);
+  Prims<T, Op> p(a, c);
+  if (n == 1) {
+    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
+    return;
+  }
+  if (q > 0) p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  if (q < n - 1) p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  FOR_EACH_PIECE(base, len, share, p.slotElems()) {
+    if (q == 0) p.send(src + base, len);
+    else if (q < n - 1) p.recvReduceSend(src + base, len);
+    else p.recvReduceCopy(src + base, dst + base, len, true);
+  }
+  p.finish();
+}
+
+// AllGather moves bytes: count = bytes each rank contributes; rank j's bytes land at
+// recvbuf + j * count. In place when sendbuf == recvbuf + rank * count.
+static __device__ void ringAllGather(const CollArgs& a) {
+  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  const uint64_t B = a.count;
+  const uint8_t* src = (const uint8_t*)a.sendbuf;
+  uint8_t* dst = (uint8_t*)a.recvbuf;
+  const Share share = channelShare(B, c, a.nchannels);
+  Prims<uint8_t, OpSum> p(a, c);
+  if (n == 1) {
+    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, false);
+    return;
+  }
+  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  FOR_EACH_PIECE(base, len, share, p.slotElems()) {
+    p.copySend(src + base, dst + (uint64_t)r * B + base, len);
+    for (int k = 1; k < n - 1; k++) p.recvCopySend(dst + (uint64_t)ringMod(r - k, n) * B + base, len);
+    p.recv(dst + (uint64_t)ringMod(r + 1, n) * B + base, len);
+  }
+  p.finish();
+}
+
+// Broadcast moves bytes from the root along the ring that starts at it.
+static __device__ void ringBroadcast(const CollArgs& a) {
+  const int c = blockIdx.x, n = a.nranks;
+  const int pos = ringMod(a.rank - a.root, n);
+  const uint8_t* src = (const uint8_t*)a.sendbuf;
+  uint8_t* dst = (uint8_t*)a.recvbuf;
+  const Share share = channelShare(a.count, c, a.nchannels);
+  Prims<uint8_t, OpSum> p(a, c);
+  if (n == 1) {
+    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, false);
+    return;
+  }
+  if (pos > 0) p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  if (pos < n - 1) p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  FOR_EACH_PIECE(base, len, share, p.slotElems()) {
+    if (pos == 0) p.copySend(src + base, dst + base, len);
+    else if (pos < n - 1) p.recvCopySend(dst + base, len);
+    else p.recv(dst + base, len);
+  }
+  p.finish();
+}
+
+#define RING_ALLREDUCE(T, Op) ringAllReduce<T, Op>(args)
+#define RING_REDUCE_SCATTER(T, Op) ringReduceScatter<T, Op>(args)
+#define RING_REDUCE(T, Op) ringReduce<T, Op>(args)
+
+COMMREF_KERNEL(commref_ring_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, RING_ALLREDUCE) }
+COMMREF_KERNEL(commref_ring_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, RING_REDUCE_SCATTER) }
+COMMREF_KERNEL(commref_ring_reduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, RING_REDUCE) }
+COMMREF_KERNEL(commref_ring_allgather, CollArgs, args) { ringAllGather(args); }
+COMMREF_KERNEL(commref_ring_broadcast, CollArgs, args) { ringBroadcast(args); }

@@ -1,0 +1,202 @@
+"""Loads the one kernel source for the device at hand.
+
+- CPU: the sources are compiled with the host C++ compiler into a shared library that
+  also holds the CPU execution engine (cpu/engine.cpp), and called through ctypes.
+- GPU: the same translation unit is compiled by NVRTC through ``cupy.RawModule``.
+
+Builds are cached: the CPU library under ``$COMMREF_CACHE_DIR`` (default
+``~/.cache/commref``) keyed by a hash of every source file, the compiler, and the
+flags; CuPy keys its own cache by source and options. Concurrent ranks building the
+same key wait on a file lock and reuse one build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from . import abi
+
+SOURCE_DIR = Path(__file__).resolve().parent
+INCLUDE_DIR = SOURCE_DIR / "include"
+MAIN_SOURCE = SOURCE_DIR / "kernels" / "all.cu"
+ENGINE_SOURCE = SOURCE_DIR / "cpu" / "engine.cpp"
+
+CPU_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-strict-aliasing")
+# ThreadSanitizer build of the same sources (tests/test_tsan.py).
+TSAN_FLAGS = ("-O1", "-g", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fsanitize=thread")
+NVRTC_OPTIONS = ("-std=c++17",)
+
+# Kernel entry points, by collective and algorithm.
+KERNELS = {
+    ("allreduce", "ring"): "commref_ring_allreduce",
+    ("allreduce", "tree"): "commref_tree_allreduce",
+    ("reduce_scatter", "ring"): "commref_ring_reduce_scatter",
+    ("allgather", "ring"): "commref_ring_allgather",
+    ("broadcast", "ring"): "commref_ring_broadcast",
+    ("reduce", "ring"): "commref_ring_reduce",
+}
+
+
+class KernelError(RuntimeError):
+    """A kernel could not be built or launched (not a communication failure)."""
+
+
+def source_files() -> list[Path]:
+    files = sorted(INCLUDE_DIR.rglob("*.h")) + sorted((SOURCE_DIR / "kernels").glob("*.cu")) + [ENGINE_SOURCE]
+    return files
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COMMREF_CACHE_DIR", Path.home() / ".cache" / "commref"))
+
+
+def host_compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise KernelError("no C++ compiler found (set CXX); the CPU engine builds the kernels with it")
+    return cxx
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+
+
+def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ...] = ()) -> Path:
+    """Compiles (or finds in the cache) the CPU library and returns its path."""
+    cxx = host_compiler()
+    h = hashlib.sha256()
+    for f in source_files():
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    h.update(cxx.encode())
+    h.update(_compiler_version(cxx).encode())
+    h.update(repr((flags, defines)).encode())
+    key = h.hexdigest()[:20]
+    out_dir = cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"libcommref-{key}.so"
+    if lib.exists():
+        return lib
+    with open(out_dir / f"libcommref-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+        os.close(fd)
+        cmd = [cxx, *flags, "-DCOMMREF_CPU", *(f"-D{d}" for d in defines), "-I", str(INCLUDE_DIR),
+               "-x", "c++", str(MAIN_SOURCE), "-x", "c++", str(ENGINE_SOURCE), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise KernelError(f"building the CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+class CpuKernels:
+    """The kernels compiled for the CPU engine; launch() blocks until the grid ends."""
+
+    device = "cpu"
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._launch = self._lib.commref_cpu_launch
+        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        self._launch.restype = ctypes.c_int
+        self._entry: dict[str, int] = {}
+
+    def entry(self, name: str) -> int:
+        addr = self._entry.get(name)
+        if addr is None:
+            try:
+                addr = ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
+            except AttributeError:
+                raise KernelError(f"no kernel named {name!r} in {self.path}") from None
+            self._entry[name] = addr
+        return addr
+
+    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None) -> int:
+        """Runs kernel `name` with the one-record array `args`. Returns 0, or 1 when the
+        kernel aborted (its ErrorRecord says why). The GIL is released meanwhile."""
+        status = self._launch(self.entry(name), args.ctypes.data, grid, block)
+        if status == 2:
+            raise KernelError(f"the CPU engine could not run {name} with grid={grid} block={block}")
+        return status
+
+    def abi(self) -> dict[str, int]:
+        """Offsets ("Struct.field") and sizes ("Struct") of the ABI as this build sees them."""
+        names_fn = self._lib.commref_abi_names
+        names_fn.restype = ctypes.c_char_p
+        values_fn = self._lib.commref_abi_values
+        values_fn.restype = ctypes.POINTER(ctypes.c_uint64)
+        names = names_fn().decode().split(":")
+        values = values_fn()
+        return {n: int(values[i]) for i, n in enumerate(names)}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernels(defines: tuple[str, ...] = ()) -> CpuKernels:
+    return CpuKernels(build_cpu_library(defines=defines))
+
+
+def gpu_source() -> str:
+    return MAIN_SOURCE.read_text()
+
+
+class CudaKernels:
+    """The kernels compiled by NVRTC for the current CUDA device (through CuPy)."""
+
+    device = "cuda"
+
+    def __init__(self):
+        import cupy
+
+        self._module = cupy.RawModule(
+            code=gpu_source(), options=(*NVRTC_OPTIONS, f"-I{INCLUDE_DIR}", f"-I{SOURCE_DIR / 'kernels'}")
+        )
+        self._fn: dict[str, object] = {}
+
+    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None) -> int:
+        """Enqueues kernel `name` on `stream`; failures surface at synchronization."""
+        fn = self._fn.get(name)
+        if fn is None:
+            fn = self._fn[name] = self._module.get_function(name)
+        fn((grid,), (block,), (args[0],), stream=stream)
+        return 0
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernels(device_id: int) -> CudaKernels:
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return CudaKernels()
+
+
+def nvcc_compile_check(arch: str = "sm_90", nvcc: str | None = None) -> subprocess.CompletedProcess:
+    """Compiles every kernel for `arch` with nvcc (a build check; nothing runs)."""
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise KernelError("nvcc not found")
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-I", str(INCLUDE_DIR), "-o",
+               os.path.join(d, "all.cubin"), str(MAIN_SOURCE)]
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+
+if __name__ == "__main__":  # python -m device_kernels.loader: build the CPU library
+    print(build_cpu_library())
+    sys.exit(0)
