@@ -525,7 +525,10 @@ class _ThreadGroup:
             note += "; other ranks: " + "; ".join(others)
         if completed:
             note += f"; ranks {completed} completed"
-        exc.add_note(note)
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(note)
+        else:  # pragma: no cover - Python 3.10 keeps the note without printing it
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
         return exc
 
 
