@@ -48,21 +48,23 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
     return out
 
 
-def run_case(comm, case: Case) -> int:
-    """Runs one case on this rank; returns the number of wrong elements here."""
+def run_case(comm, case: Case, stream=None) -> int:
+    """Runs one case on this rank; returns the number of wrong elements here. Buffers
+    live where the communicator runs (numpy on the CPU, CuPy on a GPU)."""
     n, r = comm.nranks, comm.rank
     dt = DTYPES[case.dtype]
-    x = verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count)
+    xp = _array_module(comm)
+    x = xp.asarray(verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count))
     expected = verify.expected_output(case.coll, dt, case.op, case.seed, r, n, case.count, case.root)
     rc = verify.recv_count(case.coll, case.count, n)
     c = case.count
-    kw = {"algorithm": case.algorithm}
+    kw = {"algorithm": case.algorithm, "stream": stream}
     if case.coll == "allreduce":
         if case.in_place:
             out = x.copy()
             comm.allreduce(out, out, case.op, **kw)
         else:
-            out = _sentinel(rc, dt)
+            out = _sentinel(xp, rc, dt)
             comm.allreduce(x, out, case.op, **kw)
     elif case.coll == "reduce_scatter":
         if case.in_place:
@@ -70,17 +72,17 @@ def run_case(comm, case: Case) -> int:
             out = buf[r * c : (r + 1) * c]
             comm.reduce_scatter(buf, out, case.op, **kw)
         else:
-            out = _sentinel(rc, dt)
+            out = _sentinel(xp, rc, dt)
             comm.reduce_scatter(x, out, case.op, **kw)
     elif case.coll == "allgather":
-        out = _sentinel(rc, dt)
+        out = _sentinel(xp, rc, dt)
         if case.in_place:
             out[r * c : (r + 1) * c] = x
             comm.allgather(out[r * c : (r + 1) * c], out, **kw)
         else:
             comm.allgather(x, out, **kw)
     elif case.coll == "broadcast":
-        out = _sentinel(rc, dt)
+        out = _sentinel(xp, rc, dt)
         if r == case.root and case.in_place:
             out[:] = x
             comm.broadcast(out, out, case.root, **kw)
@@ -91,25 +93,36 @@ def run_case(comm, case: Case) -> int:
             out = x.copy()
             comm.reduce(out, out, case.op, case.root, **kw)
         else:
-            out = _sentinel(rc, dt)
+            out = _sentinel(xp, rc, dt)
             comm.reduce(x, out, case.op, case.root, **kw)
         if expected is None:  # a non-root recvbuf must be left alone
-            expected = _sentinel(rc, dt)
+            expected = _sentinel(np, rc, dt)
     else:
         raise ValueError(case.coll)
+    if xp is not np:
+        comm.synchronize(stream)
+        out = xp.asnumpy(out)
     return verify.count_wrong(out, expected)
 
 
-def _sentinel(n: int, dt: np.dtype) -> np.ndarray:
-    return np.full(n * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
+def _array_module(comm):
+    if getattr(comm, "device", "cpu") == "cuda":
+        import cupy
+
+        return cupy
+    return np
 
 
-def run_sweep(comm, case_list, progress=None) -> list[int]:
+def _sentinel(xp, n: int, dt: np.dtype):
+    return xp.full(n * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
+
+
+def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
     """Runs the cases in order on every rank; returns wrong elements per case, summed
     over ranks (one allgather at the end)."""
     wrong = []
     for i, case in enumerate(case_list):
-        wrong.append(run_case(comm, case))
+        wrong.append(run_case(comm, case, stream))
         if progress:
             progress(i + 1, len(case_list))
     per_rank = comm.world.allgather(wrong, what="check results")

@@ -1,6 +1,7 @@
 """The `commref` command line.
 
   commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--count ...]
+  commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py)
 
 With --np N outside an MPI job, commref relaunches itself under mpiexec with N ranks
 (one process each, `python -m mpi4py` so that an exception on one rank aborts the
@@ -103,11 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
     c.add_argument("--slot-bytes", type=int, default=None, help="FIFO slot size in bytes")
     c.add_argument("--threads", type=int, default=None, help="threads per block")
+    sub.add_parser("bench", add_help=False,
+                   help="nccl-tests-style sweep with baselines and a bound (commref bench -h for its flags)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the bench layer parses its own (nccl-tests) flags
+        from bench.harness import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "check":
         return cmd_check(args, argv)

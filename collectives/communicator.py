@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from device_kernels import abi, loader
-from transports.errors import CapabilityError, CommAborted, CommMismatch, CommTimeout
+from transports.errors import CapabilityError, CommAborted, CommMismatch, CommTimeout, format_seconds
 from transports.windows import register_window
 
 from . import topology, tuner
-from .verify import COLLECTIVES, DTYPE_CODES, OPS, dtype_name
+from .verify import COLLECTIVES, DTYPE_CODES, OPS, REDUCING, dtype_name
 
 ALGORITHMS = ("ring", "tree")
 COLL_CODES = {c: i for i, c in enumerate(COLLECTIVES)}
@@ -117,11 +117,14 @@ class Communicator:
             raise ValueError(f"max_channels must be in [1, {abi.MAX_CHANNELS}], got {self.max_channels}")
         if self.slot_bytes < 64 or self.slot_bytes % 64:
             raise ValueError(f"slot_bytes must be a positive multiple of 64, got {self.slot_bytes}")
-        if self.nsteps < 1:
-            raise ValueError(f"nsteps must be >= 1, got {self.nsteps}")
+        if self.nsteps < 2:
+            raise ValueError(f"nsteps must be >= 2 (a ring step holds its inbound slot while it waits for an "
+                             f"outbound one), got {self.nsteps}")
         if not 1 <= self.threads <= 1024:
             raise ValueError(f"threads must be in [1, 1024], got {self.threads}")
         self.timeout = float(timeout if timeout is not None else world.timeout)
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._broken: str | None = None
 
         if self.device == "cuda":
@@ -238,15 +241,18 @@ class Communicator:
             raise CommAborted(f"rank {self.rank}: communicator unusable after an earlier failure: {self._broken}",
                               rank=self.rank, origin_rank=None, reason=self._broken)
         dname = dtype_name(s.dtype)
-        if op is None:
-            op_code = OPS["sum"]
+        if coll in ("allgather", "broadcast"):
+            op_code = OPS["sum"]  # data movement: no reduction
+        elif not isinstance(op, str) or op not in OPS:
+            raise ValueError(f"rank {self.rank}: unsupported op {op!r} for {coll}; supported: {', '.join(OPS)}")
         else:
-            if op not in OPS:
-                raise ValueError(f"rank {self.rank}: unsupported op {op!r}; supported: {', '.join(OPS)}")
             op_code = OPS[op]
         algo = algorithm or self.algorithm
-        plan = tuner.plan(coll, algo, s.nbytes if coll != "allgather" else s.nbytes * self.nranks,
-                          self.nranks, self.device, self.max_channels)
+        try:
+            plan = tuner.plan(coll, algo, s.nbytes if coll != "allgather" else s.nbytes * self.nranks,
+                              self.nranks, self.device, self.max_channels)
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: {e}") from None
         name = loader.KERNELS[(coll, plan.algorithm)]
         a = self._args[0]
         a["sendbuf"], a["recvbuf"] = s.address, r.address
@@ -258,7 +264,8 @@ class Communicator:
         a["elemSize"] = s.dtype.itemsize
         a["callDesc"] = pack_call(coll, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
         a["peers"] = self._peers[plan.nchannels]
-        status = self.kernels.launch(name, plan.nchannels, self.threads, self._args, stream)
+        spec = (DTYPE_CODES[dname], op_code) if coll in REDUCING else None
+        status = self.kernels.launch(name, plan.nchannels, self.threads, self._args, stream, spec)
         if status:
             raise self._failure()
 
@@ -281,7 +288,7 @@ class Communicator:
         peer, channel, expected, seen = int(e["peer"]), int(e["channel"]), int(e["expected"]), int(e["seen"])
         if code == abi.ERR_TIMEOUT:
             exc = CommTimeout(
-                f"rank {self.rank}: timed out after {self.timeout:g} s waiting for peer {peer}: {what} "
+                f"rank {self.rank}: timed out after {format_seconds(self.timeout)} s waiting for peer {peer}: {what} "
                 f"on channel {channel} (expected >= {expected}, seen {seen})",
                 rank=self.rank, peer=peer, what=what, expected=expected, seen=seen)
         elif code == abi.ERR_MISMATCH:
@@ -338,7 +345,10 @@ class Communicator:
             arr, address, writeable = self._device_array(obj, name)
         if not arr.flags.c_contiguous:
             raise ValueError(f"rank {self.rank}: {name} must be C-contiguous")
-        dtype_name(arr.dtype)  # raises TypeError for unsupported dtypes
+        try:
+            dtype_name(arr.dtype)
+        except TypeError as e:
+            raise TypeError(f"rank {self.rank}: {name}: {e}") from None
         if write and not writeable:
             raise ValueError(f"rank {self.rank}: {name} is read-only")
         if arr.size and address % arr.dtype.itemsize:

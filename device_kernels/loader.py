@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -128,8 +129,9 @@ class CpuKernels:
             self._entry[name] = addr
         return addr
 
-    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None) -> int:
-        """Runs kernel `name` with the one-record array `args`. Returns 0, or 1 when the
+    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None, spec=None) -> int:
+        """Runs kernel `name` with the one-record array `args` (`spec` is for the GPU
+        loader's specialised modules; the CPU library holds every instance). Returns 0, or 1 when the
         kernel aborted (its ErrorRecord says why). The GIL is released meanwhile."""
         status = self._launch(self.entry(name), args.ctypes.data, grid, block)
         if status == 2:
@@ -147,52 +149,115 @@ class CpuKernels:
         return {n: int(values[i]) for i, n in enumerate(names)}
 
 
+_cpu_lock = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
-def cpu_kernels(defines: tuple[str, ...] = ()) -> CpuKernels:
+def _cpu_kernels(defines: tuple[str, ...]) -> CpuKernels:
     return CpuKernels(build_cpu_library(defines=defines))
+
+
+def cpu_kernels(defines: tuple[str, ...] = ()) -> CpuKernels:
+    """The CPU library, built once per process (ThreadWorld ranks share it)."""
+    with _cpu_lock:
+        return _cpu_kernels(tuple(defines))
 
 
 def gpu_source() -> str:
     return MAIN_SOURCE.read_text()
 
 
+# C++ element types by dtype code (DataType in reduce.h), and the operator functor and
+# the op codes it serves (avg reduces with OpSum) by op code (RedOp).
+CXX_TYPES = {0: "int8_t", 1: "uint8_t", 2: "int32_t", 3: "uint32_t", 4: "int64_t", 5: "uint64_t",
+             6: "half_t", 7: "float", 8: "double", 9: "bf16_t"}
+OP_FUNCTORS = {0: ("OpSum", 0b10001), 1: ("OpProd", 0b00010), 2: ("OpMax", 0b00100),
+               3: ("OpMin", 0b01000), 4: ("OpSum", 0b10001)}
+# The module for kernels that move data only: the reduction kernels compile to stubs.
+DATA_ONLY_DEFINES = ("COMMREF_ONLY_T=uint8_t", "COMMREF_ONLY_OP=OpSum", "COMMREF_ONLY_DTYPE=1",
+                     "COMMREF_ONLY_OPMASK=0")
+
+
+def specialization(spec: tuple[int, int] | None) -> tuple[str, ...]:
+    """Defines of the GPU module that holds the kernels for (dtype code, op code);
+    None selects the data-movement module. One (type, functor) instance costs ptxas
+    seconds, so the GPU compiles the instances it is asked for, not all forty."""
+    if spec is None:
+        return DATA_ONLY_DEFINES
+    dtype, op = spec
+    functor, mask = OP_FUNCTORS[op]
+    return (f"COMMREF_ONLY_T={CXX_TYPES[dtype]}", f"COMMREF_ONLY_OP={functor}", f"COMMREF_ONLY_DTYPE={dtype}",
+            f"COMMREF_ONLY_OPMASK={mask}")
+
+
+def all_specializations() -> list[tuple[str, ...]]:
+    specs = {specialization(None)}
+    for dtype in CXX_TYPES:
+        for op in (0, 1, 2, 3):
+            specs.add(specialization((dtype, op)))
+    return sorted(specs)
+
+
 class CudaKernels:
-    """The kernels compiled by NVRTC for the current CUDA device (through CuPy)."""
+    """The kernels compiled by NVRTC for the current CUDA device (through CuPy, which
+    caches binaries on disk keyed by source and options). One module per
+    specialization, compiled on first use."""
 
     device = "cuda"
 
-    def __init__(self):
-        import cupy
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self._modules: dict[tuple[str, ...], object] = {}
+        self._fn: dict[tuple, object] = {}
+        self._lock = threading.Lock()
 
-        self._module = cupy.RawModule(
-            code=gpu_source(), options=(*NVRTC_OPTIONS, f"-I{INCLUDE_DIR}", f"-I{SOURCE_DIR / 'kernels'}")
-        )
-        self._fn: dict[str, object] = {}
+    def module(self, defines: tuple[str, ...]):
+        with self._lock:
+            mod = self._modules.get(defines)
+            if mod is None:
+                import cupy
 
-    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None) -> int:
+                options = (*NVRTC_OPTIONS, f"-I{INCLUDE_DIR}", f"-I{SOURCE_DIR / 'kernels'}",
+                           *(f"-D{d}" for d in defines))
+                with cupy.cuda.Device(self.device_id):
+                    mod = cupy.RawModule(code=gpu_source(), options=options)
+                    mod.compile()
+                self._modules[defines] = mod
+            return mod
+
+    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None,
+               spec: tuple[int, int] | None = None) -> int:
         """Enqueues kernel `name` on `stream`; failures surface at synchronization."""
-        fn = self._fn.get(name)
+        key = (name, spec)
+        fn = self._fn.get(key)
         if fn is None:
-            fn = self._fn[name] = self._module.get_function(name)
+            fn = self._fn[key] = self.module(specialization(spec)).get_function(name)
         fn((grid,), (block,), (args[0],), stream=stream)
         return 0
 
 
-@functools.lru_cache(maxsize=None)
+_cuda_lock = threading.Lock()
+_cuda_modules: dict[int, CudaKernels] = {}
+
+
 def cuda_kernels(device_id: int) -> CudaKernels:
-    import cupy
+    """The module for `device_id`, compiled once per process (ThreadWorld ranks share it)."""
+    with _cuda_lock:
+        mod = _cuda_modules.get(device_id)
+        if mod is None:
+            mod = _cuda_modules[device_id] = CudaKernels(device_id)
+        return mod
 
-    with cupy.cuda.Device(device_id):
-        return CudaKernels()
 
-
-def nvcc_compile_check(arch: str = "sm_90", nvcc: str | None = None) -> subprocess.CompletedProcess:
-    """Compiles every kernel for `arch` with nvcc (a build check; nothing runs)."""
+def nvcc_compile_check(arch: str = "sm_90", nvcc: str | None = None,
+                       defines: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Compiles the kernels of one specialization (see specialization()) for `arch`
+    with nvcc: a build check, nothing runs."""
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:
         raise KernelError("nvcc not found")
     with tempfile.TemporaryDirectory() as d:
-        cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-I", str(INCLUDE_DIR), "-o",
+        cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-I", str(INCLUDE_DIR), *(f"-D{d}" for d in defines), "-o",
                os.path.join(d, "all.cubin"), str(MAIN_SOURCE)]
         return subprocess.run(cmd, capture_output=True, text=True)
 

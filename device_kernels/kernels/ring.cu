@@ -90,8 +90,9 @@ static __device__ void ringReduce(const CollArgs& a) {
     p.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
     return;
   }
-  if (q > 0) p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  if (q < n - 1) p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  p.handshake();  // the root's inbound link carries no data: check the call first
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     if (q == 0) p.send(src + base, len);
     else if (q < n - 1) p.recvReduceSend(src + base, len);
@@ -135,8 +136,9 @@ static __device__ void ringBroadcast(const CollArgs& a) {
     p.copy(src + share.begin, dst + share.begin, share.end - share.begin, false);
     return;
   }
-  if (pos > 0) p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  if (pos < n - 1) p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  p.handshake();  // two ranks that both think they are the root must not both send
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     if (pos == 0) p.copySend(src + base, dst + base, len);
     else if (pos < n - 1) p.recvCopySend(dst + base, len);

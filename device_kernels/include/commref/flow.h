@@ -12,6 +12,7 @@
 //   recvCopySend(dst, n)                recv           -> dst and send peers
 //   copySend(src, dst, n)               src            -> dst (unless in place) and send peers
 //   copy(src, dst, n, last)             src            -> dst (single-rank case)
+//   handshake()                         no data: only the call descriptors are checked
 //
 // `last` marks the step that completes a reduction: avg divides there, once.
 // All threads of the block call the same primitives in the same order; thread 0 does
@@ -49,7 +50,7 @@ static __device__ __forceinline__ void reduceInto(const T* const* in, T* out, ui
 
 // out[k] = fold(in[0..nin)) for every k; divisor != 0 divides the result (avg).
 template <typename T, typename Op>
-static __device__ void reduceCopy(const T* const* in, int nin, T* const* out, int nout, uint64_t n, int divisor) {
+static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, T* const* out, int nout, uint64_t n, int divisor) {
   if (nin == 1 && divisor == 0) {
     for (int k = 0; k < nout; k++)
       if (out[k] != in[0]) copyOwnShare(out[k], in[0], n);
@@ -87,13 +88,38 @@ class Prims {
     txStep[nsend] = load_relaxed(tx[nsend].stepState);
     nsend++;
   }
-  // Persists the step counters for the next launch. Call once, after the last step.
+  // Persists the step counters for the next launch (or the next Prims on the same
+  // connections in this launch). Call once, after the last step.
   __device__ void finish() {
     __syncthreads();
     if (threadIdx.x == 0) {
       for (int i = 0; i < nrecv; i++) store_relaxed(rx[i].stepState, rxStep[i]);
       for (int i = 0; i < nsend; i++) store_relaxed(tx[i].stepState, txStep[i]);
     }
+    __syncthreads();
+  }
+
+  // A step without data on every connection: each rank checks its peers' call
+  // descriptors. Kernels whose data steps leave some rank without an inbound step
+  // from a peer running the same kernel (rooted collectives, the tree) start with it,
+  // so that every mismatch surfaces as CommMismatch rather than a timeout or, worse,
+  // two ranks that both think they are the root.
+  // Sends first, then receives: every rank does the same, so a ring of handshakes
+  // cannot wait on itself.
+  __device__ void handshake() {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < nsend; i++) {
+        lsaWaitCredit(tx[i], txStep[i], a, env);
+        lsaPost(tx[i], txStep[i], a);
+      }
+      for (int i = 0; i < nrecv; i++) {
+        lsaWaitReady(rx[i], rxStep[i], a, env);
+        lsaRelease(rx[i], rxStep[i]);
+      }
+    }
+    __syncthreads();
+    for (int i = 0; i < nrecv; i++) rxStep[i]++;
+    for (int i = 0; i < nsend; i++) txStep[i]++;
   }
 
   __device__ void send(const T* src, uint64_t n) { step(false, true, src, nullptr, n, false); }
@@ -106,7 +132,7 @@ class Prims {
   __device__ void copy(const T* src, T* dst, uint64_t n, bool last) { step(false, false, src, dst, n, last); }
 
  private:
-  __device__ void step(bool useRecv, bool useSend, const T* src, T* dst, uint64_t n, bool last) {
+  __device__ COMMREF_NOINLINE void step(bool useRecv, bool useSend, const T* src, T* dst, uint64_t n, bool last) {
     const int nr = useRecv ? nrecv : 0, ns = useSend ? nsend : 0;
     if (threadIdx.x == 0) {
       for (int i = 0; i < nr; i++) lsaWaitReady(rx[i], rxStep[i], a, env);

@@ -46,6 +46,9 @@ typedef long long int64_t;
 // GPU threads stride through elements so that a warp's accesses coalesce.
 #define COMMREF_ELEM_STRIDE (blockDim.x)
 #define COMMREF_HD __host__ __device__
+// Functions that many kernels share stay out of line on the GPU: inlining every
+// (dtype, op) instance into every kernel multiplies code size and compile time.
+#define COMMREF_NOINLINE __noinline__
 
 static __device__ __forceinline__ uint64_t commref_now_ns() {
   uint64_t t;
@@ -101,6 +104,7 @@ uint64_t now_ns();
 #define gridDim (commref_cpu::tl_thread->gdim)
 #define __syncthreads() commref_cpu::syncthreads()
 #define COMMREF_HD
+#define COMMREF_NOINLINE
 
 // The engine calls every kernel through one signature: void(const void* args).
 #define COMMREF_KERNEL(name, ArgsType, args)                                     \

@@ -134,6 +134,17 @@ template <typename C> static COMMREF_HD __forceinline__ C divideBy(C v, int n) {
     case kMin: BODY(T, OpMin); break;        \
     default: break;                          \
   }
+#if defined(COMMREF_ONLY_T)
+// A specialised build (the GPU loader compiles one module per element type and
+// operator, because every instance costs seconds of ptxas time): only the requested
+// instance exists, and a launch with any other (dtype, op) fails loudly.
+#define COMMREF_DISPATCH_REDUCTION(dtype, op, BODY)                              \
+  if ((dtype) == COMMREF_ONLY_DTYPE && ((1 << (op)) & COMMREF_ONLY_OPMASK)) {    \
+    BODY(COMMREF_ONLY_T, COMMREF_ONLY_OP);                                       \
+  } else {                                                                       \
+    commref_kernel_abort();                                                      \
+  }
+#else
 #define COMMREF_DISPATCH_REDUCTION(dtype, op, BODY)                \
   switch (dtype) {                                                 \
     case kInt8: COMMREF_FOR_OP(int8_t, op, BODY) break;            \
@@ -148,3 +159,4 @@ template <typename C> static COMMREF_HD __forceinline__ C divideBy(C v, int n) {
     case kBfloat16: COMMREF_FOR_OP(bf16_t, op, BODY) break;        \
     default: break;                                                \
   }
+#endif

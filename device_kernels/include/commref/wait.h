@@ -42,7 +42,7 @@ static __device__ __forceinline__ KernelEnv kernelEnv(const CollArgs& a) {
   commref_kernel_abort();
 }
 
-static __device__ uint64_t waitAtLeast(const uint64_t* flag, uint64_t expected, const KernelEnv& env,
+static __device__ COMMREF_NOINLINE uint64_t waitAtLeast(const uint64_t* flag, uint64_t expected, const KernelEnv& env,
                                        uint32_t what, int peer, int channel) {
   uint64_t v = load_acquire(flag);
   if (v >= expected) return v;

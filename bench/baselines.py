@@ -1,0 +1,251 @@
+"""Baselines measured in the same run as commref: MPI on the CPU, NCCL on a GPU.
+
+Each baseline has nccl4py's method names and argument order (the same as commref's
+Communicator), so a plugin's ``run`` drives either one:
+
+    allreduce(sendbuf, recvbuf, op)      allgather(sendbuf, recvbuf)
+    reduce_scatter(sendbuf, recvbuf, op) broadcast(sendbuf, recvbuf, root)
+    reduce(sendbuf, recvbuf, op, root)   synchronize()
+
+The harness times baselines out of place only (the MPI and NCCL in-place layouts of
+reduce_scatter differ). GPU libraries are imported only when a GPU baseline is built.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+from collectives.verify import DTYPE_CODES, OPS, dtype_name
+
+
+class BaselineUnavailable(RuntimeError):
+    """This run cannot measure the baseline (says why); the table shows '-' instead."""
+
+
+class MPIBaseline:
+    """MPI's own collectives through mpi4py on numpy buffers (MPI_Allreduce,
+    MPI_Allgather, MPI_Reduce_scatter_block, MPI_Bcast, MPI_Reduce).
+
+    Data-movement collectives move bytes (MPI_BYTE), so every dtype works; reductions
+    need an MPI datatype for the numpy dtype (bfloat16 has none). MPI has no average:
+    'avg' runs as MPI_SUM, which moves and adds the same bytes."""
+
+    kind = "MPI"
+
+    def __init__(self, world):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        if world.kind == "mpi":
+            self.comm = world.comm.Dup()
+        elif world.size == 1:
+            self.comm = MPI.COMM_SELF.Dup()
+        else:
+            raise BaselineUnavailable("the MPI baseline needs MPI ranks (run with --np N), not rank threads")
+        self.rank = self.comm.Get_rank()
+        version = MPI.Get_library_version().strip().splitlines()[0]
+        self.library = version
+        self.label = "MPI (" + _short_mpi_name(version) + ")"
+        self.notes: list[str] = []
+
+    def check(self, coll: str, dtype, op: str | None) -> None:
+        """Raises BaselineUnavailable when MPI cannot run (coll, dtype, op)."""
+        if coll in ("allgather", "broadcast"):
+            return
+        from mpi4py.util import dtlib
+
+        try:
+            dtlib.from_numpy_dtype(np.dtype(dtype))
+        except (TypeError, ValueError, KeyError) as e:
+            raise BaselineUnavailable(f"MPI has no datatype for {dtype_name(dtype)} reductions ({e})") from None
+        if op == "avg":
+            self.notes.append("MPI has no average: avg measured as MPI_SUM")
+
+    def _op(self, op: str):
+        return {"sum": self.MPI.SUM, "avg": self.MPI.SUM, "prod": self.MPI.PROD, "max": self.MPI.MAX,
+                "min": self.MPI.MIN}[op]
+
+    def allreduce(self, sendbuf, recvbuf, op="sum") -> None:
+        send = self.MPI.IN_PLACE if sendbuf is recvbuf else sendbuf
+        self.comm.Allreduce(send, recvbuf, self._op(op))
+
+    def allgather(self, sendbuf, recvbuf) -> None:
+        self.comm.Allgather(_bytes(sendbuf), _bytes(recvbuf))
+
+    def reduce_scatter(self, sendbuf, recvbuf, op="sum") -> None:
+        self.comm.Reduce_scatter_block(sendbuf, recvbuf, self._op(op))
+
+    def broadcast(self, sendbuf, recvbuf, root: int) -> None:
+        if self.rank == root and sendbuf is not recvbuf:
+            recvbuf[...] = sendbuf  # MPI_Bcast is in place; NCCL's root copies too
+        self.comm.Bcast(_bytes(recvbuf), root)
+
+    def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0) -> None:
+        send = self.MPI.IN_PLACE if sendbuf is recvbuf and self.rank == root else sendbuf
+        self.comm.Reduce(send, recvbuf if self.rank == root else None, self._op(op), root)
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.comm.Free()
+
+
+class NCCLBaseline:
+    """NCCL through nccl4py (``nccl.core.Communicator``) on CuPy buffers, or through
+    CuPy's own NCCL bindings (``cupy.cuda.nccl``) where nccl4py is not installed.
+
+    Ranks that share one GPU need NCCL_MULTI_RANK_GPU_ENABLE=1 (the harness sets it
+    before NCCL initializes). Calls go on CuPy's current stream; ``synchronize`` waits
+    for it."""
+
+    kind = "NCCL"
+
+    def __init__(self, world, device_id: int):
+        import cupy
+
+        self.cupy = cupy
+        self.rank, self.nranks = world.rank, world.size
+        self.notes: list[str] = []
+        try:
+            import nccl.core as nccl4py
+        except ImportError:
+            nccl4py = None
+        if nccl4py is not None:
+            self._api, self._nccl = "nccl4py", nccl4py
+        else:
+            from cupy.cuda import nccl as cupy_nccl
+
+            self._api, self._nccl = "cupy.cuda.nccl", cupy_nccl
+        uid = _shared_unique_id(world, self._nccl.get_unique_id)
+        with cupy.cuda.Device(device_id):
+            if nccl4py is not None:
+                self._comm = nccl4py.Communicator.init(world.size, world.rank, uid)
+            else:
+                self._comm = self._nccl.NcclCommunicator(world.size, uid, world.rank)
+        version = _nccl_version(self._nccl)
+        self.library = f"NCCL {version} via {self._api}"
+        self.label = f"NCCL {version}"
+
+    def check(self, coll: str, dtype, op: str | None) -> None:
+        dtype_name(dtype)
+
+    # nccl4py takes arrays; CuPy's bindings take pointers, counts and NCCL's enum codes
+    # (which commref's verify.DTYPE_CODES and OPS mirror).
+    def _op(self, op: str):
+        if self._api == "nccl4py":
+            ops = getattr(self._nccl, "NcclRedOp", None) or getattr(self._nccl, "RedOp")
+            return getattr(ops, op.upper())
+        return OPS[op]
+
+    def _stream(self) -> int:
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def allreduce(self, sendbuf, recvbuf, op="sum") -> None:
+        if self._api == "nccl4py":
+            self._comm.allreduce(sendbuf, recvbuf, self._op(op), stream=self._stream())
+        else:
+            self._comm.allReduce(sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf), self._op(op),
+                                 self._stream())
+
+    def allgather(self, sendbuf, recvbuf) -> None:
+        if self._api == "nccl4py":
+            self._comm.allgather(sendbuf, recvbuf, stream=self._stream())
+        else:
+            self._comm.allGather(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, _code(sendbuf), self._stream())
+
+    def reduce_scatter(self, sendbuf, recvbuf, op="sum") -> None:
+        if self._api == "nccl4py":
+            self._comm.reduce_scatter(sendbuf, recvbuf, self._op(op), stream=self._stream())
+        else:
+            self._comm.reduceScatter(sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf),
+                                     self._op(op), self._stream())
+
+    def broadcast(self, sendbuf, recvbuf, root: int) -> None:
+        if self._api == "nccl4py":
+            self._comm.broadcast(sendbuf, recvbuf, root, stream=self._stream())
+        else:
+            self._comm.broadcast(sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf), root,
+                                 self._stream())
+
+    def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0) -> None:
+        if self._api == "nccl4py":
+            self._comm.reduce(sendbuf, recvbuf, self._op(op), root, stream=self._stream())
+        else:
+            self._comm.reduce(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, _code(sendbuf), self._op(op), root,
+                              self._stream())
+
+    def synchronize(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    def close(self) -> None:
+        destroy = getattr(self._comm, "destroy", None)
+        if destroy:
+            destroy()
+
+
+def make_baseline(world, device: str, device_id: int | None):
+    """The baseline for `device`: MPI on "cpu", NCCL on "cuda". Raises
+    BaselineUnavailable (with the reason) when it cannot be built."""
+    try:
+        if device == "cuda":
+            return NCCLBaseline(world, device_id or 0)
+        return MPIBaseline(world)
+    except BaselineUnavailable:
+        raise
+    except ImportError as e:
+        raise BaselineUnavailable(f"{'NCCL' if device == 'cuda' else 'MPI'} baseline: {e}") from e
+    except Exception as e:  # NCCL setup failed (no library, unsupported setup): run without it
+        if device != "cuda":
+            raise
+        raise BaselineUnavailable(f"NCCL baseline: {type(e).__name__}: {e}") from e
+
+
+def _shared_unique_id(world, get_unique_id):
+    """Rank 0's NCCL unique id on every rank. A failure on rank 0 (or an id that cannot
+    be pickled for MPI) reaches every rank as BaselineUnavailable, so no rank is left
+    waiting in the exchange."""
+    uid, err = None, None
+    if world.rank == 0:
+        try:
+            uid = get_unique_id()
+            pickle.dumps(uid)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            uid, err = None, f"{type(e).__name__}: {e}"
+    uid, err = world.bcast((uid, err), what="bench: NCCL unique id")
+    if err:
+        raise BaselineUnavailable(f"NCCL baseline: no unique id from rank 0 ({err})")
+    return uid
+
+
+def _bytes(a):
+    """A byte view of array `a` (numpy or cupy), for data-movement calls."""
+    return a.view(np.uint8)
+
+
+def _code(a) -> int:
+    return DTYPE_CODES[dtype_name(a.dtype)]
+
+
+def _short_mpi_name(version: str) -> str:
+    words = version.replace(",", " ").split()
+    for i, w in enumerate(words):
+        if w.upper() in ("MPICH", "OPEN", "MVAPICH", "MVAPICH2", "INTEL(R)") and i + 1 < len(words):
+            if w.upper() == "MPICH" and words[i + 1].lower() == "version:" and i + 2 < len(words):
+                return f"MPICH {words[i + 2]}"
+            return " ".join(words[i : i + 3]) if w.upper() == "OPEN" else f"{w} {words[i + 1]}"
+    return words[0] if words else "MPI"
+
+
+def _nccl_version(mod) -> str:
+    for name in ("get_version", "version"):
+        fn = getattr(mod, name, None)
+        if callable(fn):
+            try:
+                v = int(fn())
+                return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+            except Exception:  # the version is informational only
+                pass
+    return "?"

@@ -1,0 +1,721 @@
+"""The benchmark harness: size sweep, timing, checking, the table, JSON and plots.
+
+    commref bench all_reduce -b 8 -e 64M -f 2 --np 4
+
+Flags keep nccl-tests' meanings: -b/-e first and last size in bytes (K, M, G
+suffixes), -f multiplicative step or -i additive step, -n timed iterations, -w warmup
+iterations, -c check (0/1), -o reduction op, -d dtype, -r root, -z blocking (accepted;
+commref's CPU launches return when the collective is done, GPU calls are synchronized
+per iteration), -t rank threads in one process (ThreadWorld).
+
+Timing. Per size and per variant (out-of-place, in-place, baseline): `-w` untimed
+calls, one world barrier, then `-n` calls timed one by one on every rank (GPU: each
+call is followed by a stream synchronize inside the timed region). Ranks are not
+re-synchronized between calls: a collective synchronizes them itself, as in
+nccl-tests. At the end of the size one allgather brings every rank's times together;
+an iteration's time is the slowest rank's, and the time column is the median over
+the iterations.
+
+Checking (-c 1). The output of the last timed call is compared element by element
+with collectives.verify's reference; #wrong is the count summed over ranks. In place,
+the input is restored before that last call (and the ranks meet at a barrier, so no
+rank's timing includes another's restore).
+
+Bandwidths are nccl-tests': algbw = bytes / time, busbw = algbw * bus factor (the
+plugins define both, see plugins/base.py). "Avg bus bandwidth" is the mean busbw over
+every size, out-of-place and in-place, as nccl-tests prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from collectives import verify
+from collectives.verify import DTYPES, OPS
+
+from . import plugins
+from .baselines import BaselineUnavailable, make_baseline
+from .bound import BoundMeter, BoundTimes, bound_busbw
+from .environment import LINKS, environment
+
+SCHEMA = "commref-bench/1"
+PATHS = ("lsa", "gin", "auto")
+BACKENDS = ("proxy", "gda", "rc")
+WIRES = ("shm", "mpi", "ordered", "unordered")
+PROGRESS_ENV = "COMMREF_BENCH_PROGRESS"  # set by the launching process: "bar" or "bar+rows"
+
+# nccl-tests' type names, and the numpy names commref uses.
+NCCL_TYPE_NAMES = {"int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
+                   "uint64": "uint64", "float16": "half", "float32": "float", "float64": "double",
+                   "bfloat16": "bfloat16"}
+DTYPE_ALIASES = {v: k for k, v in NCCL_TYPE_NAMES.items()} | {"char": "int8", "int": "int32", "fp16": "float16",
+                                                               "fp32": "float32", "fp64": "float64",
+                                                               "bf16": "bfloat16"}
+
+
+class NotAvailable(ValueError):
+    """An option names something commref does not have yet."""
+
+
+# ---------------------------------------------------------------------------------------
+# flags
+# ---------------------------------------------------------------------------------------
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from nccl-tests' size syntax: an integer with an optional K, M, G (or T)
+    suffix, powers of 1024, either case; a trailing B is allowed (64M, 64MB, 1g)."""
+    s = str(text).strip().upper()
+    if s.endswith("IB"):
+        s = s[:-2]
+    elif s.endswith("B") and len(s) > 1 and not s[-2].isdigit():
+        s = s[:-1]
+    elif s.endswith("B") and s[:-1].isdigit():
+        s = s[:-1]
+    unit = s[-1] if s and s[-1] in _SUFFIX else ""
+    digits = s[: len(s) - len(unit)]
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected an integer with an optional K, M or G "
+                                         f"suffix, such as 8, 1K, 64M or 1G")
+    return int(digits) * _SUFFIX[unit]
+
+
+def sweep_sizes(minbytes: int, maxbytes: int, stepfactor: int = 2, stepbytes: int = 0) -> list[int]:
+    """The sizes nccl-tests visits: from minbytes while <= maxbytes, times stepfactor
+    (when > 1) or plus stepbytes."""
+    if minbytes < 0 or maxbytes < minbytes:
+        raise ValueError(f"need 0 <= minbytes <= maxbytes, got -b {minbytes} -e {maxbytes}")
+    if stepfactor <= 1 and stepbytes <= 0:
+        raise ValueError("need a step factor > 1 (-f) or a step in bytes > 0 (-i)")
+    if stepfactor > 1 and minbytes == 0:
+        raise ValueError("-b 0 with a step factor never grows; give -b >= 1 or use -i")
+    sizes, size = [], minbytes
+    while size <= maxbytes:
+        sizes.append(size)
+        size = size * stepfactor if stepfactor > 1 else size + stepbytes
+    return sizes
+
+
+def parse_dtype(text: str) -> str:
+    key = text.strip().lower()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose one of "
+                                         f"{', '.join(sorted(set(DTYPES) | set(NCCL_TYPE_NAMES.values())))}")
+    return key
+
+
+def _list_of(choices: tuple[str, ...], what: str):
+    def parse(text: str) -> list[str]:
+        items = [t.strip().lower() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or text!r}; choose from "
+                                             f"{', '.join(choices)} (comma-separated for several)")
+        return items
+    return parse
+
+
+def _collective(text: str) -> str:
+    try:
+        return plugins.get(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("collective", type=_collective,
+                   help="all_reduce, all_gather, reduce_scatter, broadcast or reduce (allreduce etc. also accepted)")
+    g = p.add_argument_group("nccl-tests flags")
+    g.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("32M"), help="first size (default 32M)")
+    g.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("32M"), help="last size (default 32M)")
+    g.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this (default 2)")
+    g.add_argument("-i", "--stepbytes", type=parse_size, default=0, help="add this to the size (when -f 1)")
+    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    g.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first (default 5)")
+    g.add_argument("-c", "--check", type=int, default=1, choices=[0, 1], help="count wrong elements (default 1)")
+    g.add_argument("-o", "--op", default="sum", choices=list(OPS), help="reduction op (default sum)")
+    g.add_argument("-d", "--datatype", type=parse_dtype, default="float32", help="dtype (default float32)")
+    g.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
+    g.add_argument("-z", "--blocking", type=int, default=0, choices=[0, 1],
+                   help="accepted for compatibility: CPU calls are synchronous, GPU calls synchronized per iteration")
+    g.add_argument("-t", "--nthreads", type=int, default=1, help="ranks as threads of this process (ThreadWorld; default 1)")
+    c = p.add_argument_group("commref")
+    c.add_argument("--np", type=int, default=None, help="MPI ranks (relaunches under mpiexec)")
+    c.add_argument("--path", type=_list_of(PATHS, "path"), default=["lsa"],
+                   help="lsa, gin or auto; several comma-separated are measured side by side (default lsa)")
+    c.add_argument("--backend", type=_list_of(BACKENDS, "backend"), default=None,
+                   help="GIN backends: proxy, gda, rc (comma-separated)")
+    c.add_argument("--wire", type=_list_of(WIRES, "wire"), default=None,
+                   help="GIN wires: shm, mpi, ordered, unordered (comma-separated)")
+    c.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree"])
+    c.add_argument("--seed", type=int, default=1, help="seed of the exact-checkable inputs (default 1)")
+    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
+    c.add_argument("--slot-bytes", type=int, default=None, help="FIFO slot size in bytes")
+    c.add_argument("--threads", type=int, default=None, help="threads per block")
+    c.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure MPI (CPU) or NCCL (GPU) in the same sweep (default on)")
+    c.add_argument("--bound", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the memory-bandwidth bound column (default on)")
+    c.add_argument("--json", metavar="FILE", default=None, help="write results and environment as JSON")
+    c.add_argument("--plot", metavar="FILE", default=None, help="write busbw vs size as a PNG")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(
+        prog="commref bench", description="nccl-tests-style sweep of one collective, with baselines and a bound."))
+
+
+# ---------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Series:
+    """One configuration measured side by side with the others: a path, and for GIN a
+    backend and a wire."""
+
+    path: str
+    backend: str | None = None
+    wire: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "/".join(x for x in (self.path, self.backend, self.wire) if x)
+
+
+def series_of(args) -> list[Series]:
+    """Every configuration the flags ask for. LSA takes no backend or wire; GIN and
+    auto are crossed with each backend and wire given."""
+    out = []
+    for path in args.path:
+        if path == "lsa":
+            out.append(Series("lsa"))
+        else:
+            for backend in args.backend or [None]:
+                for wire in args.wire or [None]:
+                    out.append(Series(path, backend, wire))
+    if (args.backend or args.wire) and all(s.path == "lsa" for s in out):
+        raise NotAvailable("--backend and --wire choose GIN transports; add --path gin (or auto)")
+    return list(dict.fromkeys(out))
+
+
+def communicator_kwargs(args, series: Series) -> dict:
+    """Communicator options for `series`; raises NotAvailable for paths this build of
+    commref does not have (the check is on Communicator's signature, so GIN paths work
+    here as soon as Communicator takes path=, backend= and wire=)."""
+    from collectives.communicator import Communicator
+
+    kw: dict[str, Any] = {"algorithm": args.algorithm, "max_channels": args.channels,
+                          "slot_bytes": args.slot_bytes, "threads": args.threads}
+    if series != Series("lsa"):
+        params = inspect.signature(Communicator).parameters
+        missing = [k for k, v in (("path", series.path), ("backend", series.backend), ("wire", series.wire))
+                   if v is not None and k not in params]
+        if missing:
+            raise NotAvailable(f"--path {series.path}"
+                               + (f" --backend {series.backend}" if series.backend else "")
+                               + (f" --wire {series.wire}" if series.wire else "")
+                               + " is not available yet: commref's Communicator has only the LSA path so far "
+                               "(GIN paths arrive with the GIN issue); use --path lsa")
+        kw.update({k: v for k, v in (("path", series.path), ("backend", series.backend), ("wire", series.wire))
+                   if v is not None})
+    return kw
+
+
+def validate(args) -> None:
+    """Checks that need no ranks; raises ValueError/NotAvailable with the reason."""
+    if args.iters < 1:
+        raise ValueError(f"-n must be >= 1, got {args.iters}")
+    if args.warmup_iters < 0:
+        raise ValueError(f"-w must be >= 0, got {args.warmup_iters}")
+    if args.nthreads < 1:
+        raise ValueError(f"-t must be >= 1, got {args.nthreads}")
+    if args.nthreads > 1 and args.np and args.np > 1:
+        raise ValueError("-t (rank threads) and --np (MPI ranks) do not combine; choose one")
+    sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    for s in series_of(args):
+        communicator_kwargs(args, s)
+    if args.root < 0 or (args.np and args.root >= args.np) or (args.nthreads > 1 and args.root >= args.nthreads):
+        raise ValueError(f"-r {args.root} is not a rank of this run")
+
+
+# ---------------------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    """What one rank needs while it sweeps."""
+
+    world: Any
+    args: Any
+    plugin: plugins.Collective
+    dtype: np.dtype
+    device: str
+    xp: Any
+    corrupt: Callable | None = None  # test hook: corrupt(label, in_place, rank, out) after the last call
+    link: str = "?"  # what carries the bytes (describe_link), for the path column
+
+    def to_host(self, a) -> np.ndarray:
+        return a if self.xp is np else self.xp.asnumpy(a)
+
+
+def time_calls(world, call: Callable[[], None], sync: Callable[[], None], iters: int, warmup: int,
+               before_last: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each of `iters` calls on this rank, after `warmup` untimed calls and a
+    barrier. `before_last` (untimed, then a barrier) runs before the last call."""
+    for _ in range(warmup):
+        call()
+        sync()
+    world.barrier(what="bench: timed calls")
+    times = []
+    for i in range(iters):
+        if before_last is not None and i == iters - 1:
+            before_last()
+            sync()
+            world.barrier(what="bench: checked call")
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(ctx: Ctx, runner, label: str, x, expected, counts, in_place: bool) -> dict:
+    """One rank's times and wrong elements for one variant of one size."""
+    args, plugin, w = ctx.args, ctx.plugin, ctx.world
+    b = plugin.buffers(ctx.xp, x, counts, w.rank, w.size, args.root, in_place)
+    op = args.op if plugin.reducing else None
+    check = bool(args.check)
+    times = time_calls(w, lambda: plugin.run(runner, b, op, args.root), runner.synchronize, args.iters,
+                       args.warmup_iters, b.restore if (check and b.restore) else None)
+    wrong = None
+    if check:
+        if ctx.corrupt is not None:
+            ctx.corrupt(label, in_place, w.rank, b.out)
+        wrong = 0 if expected is None else verify.count_wrong(ctx.to_host(b.out), expected)
+    return {"times": times, "wrong": wrong}
+
+
+def _result(times_per_rank: list[list[float]], nbytes: int, factor: float, wrong_per_rank=None) -> dict:
+    per_iter = np.max(np.asarray(times_per_rank, dtype=float), axis=0)
+    t = float(np.median(per_iter))
+    algbw = nbytes / t / 1e9 if t > 0 else 0.0
+    out = {"time_us": t * 1e6, "algbw": algbw, "busbw": algbw * factor}
+    if wrong_per_rank is not None:
+        out["wrong"] = None if any(v is None for v in wrong_per_rank) else int(sum(wrong_per_rank))
+    return out
+
+
+def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMeter | None,
+          emit: Callable[[list[dict]], None] | None = None, progress: Callable[[int, int, int], None] | None = None
+          ) -> list[dict]:
+    """Runs the sweep on this rank; returns the rows (every rank gets them). `emit` gets
+    each size's rows as they complete (rank 0 prints them)."""
+    args, plugin, w = ctx.args, ctx.plugin, ctx.world
+    n, itemsize = w.size, ctx.dtype.itemsize
+    op = args.op if plugin.reducing else None
+    sizes = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    factor = plugin.bus_factor(n)
+    rows: list[dict] = []
+    for k, size in enumerate(sizes):
+        counts = plugin.counts(size, itemsize, n)
+        nbytes = plugin.algbw_bytes(counts, itemsize, n)
+        size_col = counts.size_bytes(itemsize)
+        x = plugin.input(counts, ctx.dtype, op, args.seed, w.rank, n)
+        expected = plugin.expected(counts, ctx.dtype, op, args.seed, w.rank, n, args.root) if args.check else None
+        mine: dict[str, Any] = {}
+        for s, comm in runners:
+            for in_place in (False, True):
+                mine[f"{s.label}|{int(in_place)}"] = measure(ctx, comm, s.label, x, expected, counts, in_place)
+        if baseline is not None:
+            b = plugin.buffers(ctx.xp, x, counts, w.rank, n, args.root, False)
+            mine["baseline"] = time_calls(w, lambda: plugin.run(baseline, b, op, args.root), baseline.synchronize,
+                                          args.iters, args.warmup_iters)
+        if meter is not None:
+            copy_b, add_b = plugin.bound_bytes(size_col, n)
+            w.barrier(what="bench: bound")
+            mine["bound"] = dataclasses.asdict(meter.measure(copy_b, add_b, args.iters))
+        every = w.allgather(mine, what="bench: results of one size")
+
+        base = None
+        if baseline is not None:
+            base = _result([r["baseline"] for r in every], nbytes, factor)
+        bound = None
+        if meter is not None:
+            bt = [BoundTimes(**r["bound"]) for r in every]
+            t_bound, bw_bound = bound_busbw(nbytes * factor, bt)
+            bound = {"busbw": bw_bound, "time_us": t_bound * 1e6, "copy_bytes": bt[0].copy_bytes,
+                     "add_bytes": bt[0].add_bytes}
+        size_rows = []
+        for s, _ in runners:
+            res = {}
+            for in_place in (False, True):
+                key = f"{s.label}|{int(in_place)}"
+                res["in_place" if in_place else "out_of_place"] = _result(
+                    [r[key]["times"] for r in every], nbytes, factor, [r[key]["wrong"] for r in every])
+            oop = res["out_of_place"]
+            size_rows.append({
+                "series": s.label, "path": f"{s.label}:{ctx.link}", "size": size_col, "count": counts.param,
+                "type": NCCL_TYPE_NAMES[args.datatype],
+                "redop": args.op if plugin.reducing else "none", "root": args.root if plugin.rooted else -1,
+                "out_of_place": oop, "in_place": res["in_place"],
+                "baseline": base,
+                "ratio": (oop["busbw"] / base["busbw"]) if base and base["busbw"] > 0 else None,
+                "bound": bound,
+                "pct_of_bound": (100 * oop["busbw"] / bound["busbw"]) if bound and bound["busbw"] > 0 else None,
+            })
+        rows.extend(size_rows)
+        if emit is not None:
+            emit(size_rows)
+        if progress is not None:
+            progress(k + 1, len(sizes), size_col)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------
+
+
+def _time_str(us: float) -> str:
+    """nccl-tests' precision: fewer decimals as the time grows."""
+    if us >= 10000:
+        return f"{us:.0f}"
+    if us >= 100:
+        return f"{us:.1f}"
+    return f"{us:.2f}"
+
+
+def _num(v, fmt="{:.2f}", none="-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+# (name, unit, width) of each column, as format_row lays them out ("  " between).
+_FIELDS = [("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("redop", "", 6), ("root", "", 6)]
+_BLOCK = [("time", "(us)", 7), ("algbw", "(GB/s)", 6), ("busbw", "(GB/s)", 6), ("#wrong", "", 6)]
+_EXTRA = [("time", "(us)", 7), ("busbw", "(GB/s)", 7), ("ratio", "(x)", 6), ("busbw", "(GB/s)", 7),
+          ("%bound", "(%)", 6)]
+_GROUP_WIDTHS = [sum(w + 2 for *_, w in _FIELDS) - 2] + [sum(w + 2 for *_, w in _BLOCK)] * 2 + [
+    sum(w + 2 for *_, w in _EXTRA[:3]), sum(w + 2 for *_, w in _EXTRA[3:])]
+
+
+def _head_line(pick: int) -> str:
+    cols = _FIELDS + _BLOCK + _BLOCK + _EXTRA
+    line = "  ".join(f"{c[pick]:>{c[2]}}" for c in cols) + "  " + ("path" if pick == 0 else "")
+    return "#" + line[1:]
+
+
+def table_head(baseline_label: str | None) -> list[str]:
+    groups = ["", "out-of-place", "in-place", baseline_label or "baseline", "bound"]
+    line = "".join(f"{g:^{w}}" for g, w in zip(groups, _GROUP_WIDTHS))
+    return ["#" + line[1:].rstrip(), _head_line(0), _head_line(1).rstrip()]
+
+
+def format_row(r: dict) -> str:
+    o, i = r["out_of_place"], r["in_place"]
+    base, bound = r.get("baseline"), r.get("bound")
+    wrong = lambda v: "N/A" if v is None else str(v)  # noqa: E731
+    return (f"{r['size']:12d}  {r['count']:12d}  {r['type']:>8}  {r['redop']:>6}  {r['root']:6d}"
+            f"  {_time_str(o['time_us']):>7}  {o['algbw']:6.2f}  {o['busbw']:6.2f}  {wrong(o.get('wrong')):>6}"
+            f"  {_time_str(i['time_us']):>7}  {i['algbw']:6.2f}  {i['busbw']:6.2f}  {wrong(i.get('wrong')):>6}"
+            f"  {_time_str(base['time_us']) if base else '-':>7}  {_num(base and base['busbw']):>7}"
+            f"  {_num(r.get('ratio')):>6}"
+            f"  {_num(bound and bound['busbw']):>7}  {_num(r.get('pct_of_bound'), '{:.0f}'):>6}  {r['path']}")
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per series: wrong elements over every size and variant (None without -c 1), and
+    the mean busbw over every size, out-of-place and in-place (nccl-tests' average)."""
+    out = {}
+    for label in dict.fromkeys(r["series"] for r in rows):
+        cells = [r[k] for r in rows if r["series"] == label for k in ("out_of_place", "in_place")]
+        wrongs = [c["wrong"] for c in cells]
+        out[label] = {"out_of_bounds": None if None in wrongs else int(sum(wrongs)),
+                      "avg_busbw": sum(c["busbw"] for c in cells) / len(cells) if cells else 0.0}
+    return out
+
+
+def footer(rows: list[dict]) -> list[str]:
+    """nccl-tests' closing lines, one pair per series."""
+    sums = summary(rows)
+    lines = []
+    for label, s in sums.items():
+        tag = f" ({label})" if len(sums) > 1 else ""
+        oob = s["out_of_bounds"]
+        lines.append(f"# Out of bounds values : {'N/A' if oob is None else oob} {'FAILED' if oob else 'OK'}{tag}")
+        lines.append(f"# Avg bus bandwidth    : {s['avg_busbw']:.4g}{tag}")
+    lines.append("#")
+    return lines
+
+
+def header(ctx: Ctx, env: dict, runners, baseline, link: str) -> list[str]:
+    a = ctx.args
+    lines = [
+        f"# commref bench {ctx.plugin.name}: {env['nranks']} ranks ({env['world']}), device {ctx.device}, "
+        f"dtype {a.datatype}, op {a.op if ctx.plugin.reducing else 'none'}",
+        f"# nThread {a.nthreads} nGpus {1 if ctx.device == 'cuda' else 0} minBytes {a.minbytes} maxBytes {a.maxbytes} "
+        + (f"step: {a.stepfactor}(factor)" if a.stepfactor > 1 else f"step: {a.stepbytes}(bytes)")
+        + f" warmup iters: {a.warmup_iters} iters: {a.iters} agg iters: 1 validation: {a.check} graph: 0"
+        + f" blocking: {a.blocking}",
+        "#",
+        "# Using devices",
+    ]
+    for r, d in enumerate(env["ranks"]):
+        lines.append(f"#  Rank {r:2d} Group  0 Pid {d['pid']:6d} on {d['host']:>10} device {d['device']}")
+    lines.append("#")
+    paths = ", ".join(s.label for s, _ in runners)
+    lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {a.algorithm}; seed {a.seed}")
+    if baseline is not None:
+        lines.append(f"# Baseline: {baseline.label}, out-of-place, same sweep; ratio = our out-of-place busbw / "
+                     f"baseline busbw")
+        lines.extend(f"# Baseline note: {n}" for n in dict.fromkeys(baseline.notes))
+    elif env.get("baseline_unavailable"):
+        lines.append(f"# Baseline: none ({env['baseline_unavailable']})")
+    lines.append("# Bound: busbw the memory bandwidth allows (numpy copy and add of each rank's share, measured in "
+                 "this run; bench/bound.py); %bound = our out-of-place busbw / bound")
+    lines.append("#")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------
+# running
+# ---------------------------------------------------------------------------------------
+
+
+class Report:
+    """Rank 0's output: the table through `out`, and a rich progress bar on stderr
+    when progress_mode() asks for one. Other ranks' Reports print nothing."""
+
+    def __init__(self, active: bool, out: Callable[[str], None], total: int, title: str):
+        self.active, self.out, self.total, self.title = active, out, total, title
+        self.bar = self.console = None
+        mode = progress_mode() if active else None
+        if mode:
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            except ImportError:  # rich is in the bench extra; the table works without it
+                return
+            console = Console(stderr=True, force_terminal=True)
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=console, transient=True,
+                                redirect_stdout=False, redirect_stderr=False)
+            self.task = self.bar.add_task(title, total=total)
+            self.bar.start()
+            if mode == "bar+rows":  # both streams reach one terminal: keep rows above the bar
+                self.console = console
+
+    def lines(self, lines) -> None:
+        if not self.active:
+            return
+        for line in lines:
+            if self.console is not None:
+                self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            else:
+                self.out(line)
+
+    def rows(self, rows: list[dict]) -> None:
+        self.lines(format_row(r) for r in rows)
+
+    def progress(self, done: int, total: int, size: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, description=f"{self.title}: {_human(size)} done")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def progress_mode() -> str | None:
+    """'bar' when stderr is a terminal, 'bar+rows' when stdout is one too (rows then go
+    through the bar's console so they print above it); None otherwise. Under mpiexec
+    the launching process decides (PROGRESS_ENV), since the ranks' streams are pipes."""
+    if PROGRESS_ENV in os.environ:
+        return os.environ[PROGRESS_ENV] or None
+    try:
+        if not sys.stderr.isatty():
+            return None
+        return "bar+rows" if sys.stdout.isatty() else "bar"
+    except (AttributeError, ValueError):
+        return None
+
+
+def setup_device(world, device: str):
+    """(device, device_id, xp, sync) for this rank: numpy on the CPU; on CUDA, CuPy on
+    GPU local_rank % count with a stream of this rank's own. Ranks sharing a GPU get
+    NCCL_MULTI_RANK_GPU_ENABLE=1 before NCCL starts."""
+    from collectives.communicator import _resolve_device
+
+    device = _resolve_device(device)
+    if device != "cuda":
+        return device, None, np, (lambda: None)
+    import cupy
+
+    ngpus = cupy.cuda.runtime.getDeviceCount()
+    device_id = world.local_rank % ngpus
+    cupy.cuda.Device(device_id).use()
+    if world.local_size > ngpus:
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    cupy.cuda.Stream(non_blocking=True).use()
+    return device, device_id, cupy, (lambda: cupy.cuda.get_current_stream().synchronize())
+
+
+def setup_baseline(world, device: str, device_id: int | None, plugin, dtype, op: str | None):
+    """(baseline or None, why not). Every rank agrees, or the baseline would hang."""
+    baseline, why = None, None
+    try:
+        baseline = make_baseline(world, device, device_id)
+        baseline.check(plugin.coll, dtype, op)
+    except BaselineUnavailable as e:
+        baseline, why = None, str(e)
+    if not all(world.allgather(baseline is not None, what="bench: baseline available")) and baseline is not None:
+        baseline.close()
+        baseline, why = None, "not available on every rank"
+    return baseline, why
+
+
+def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], None] = print) -> dict:
+    """The whole benchmark on one rank of `world`; returns the results document (the
+    JSON file's content) on every rank. Rank 0 prints the table through `out`.
+    `corrupt(label, in_place, rank, out)` is a test hook run after each last call."""
+    from collectives.communicator import Communicator
+
+    plugin = plugins.get(args.collective)
+    dtype = DTYPES[args.datatype]
+    op = args.op if plugin.reducing else None
+    device, device_id, xp, sync = setup_device(world, args.device)
+    ctx = Ctx(world, args, plugin, dtype, device, xp, corrupt)
+    runners = []
+    for s in series_of(args):
+        kw = {k: v for k, v in communicator_kwargs(args, s).items() if v is not None}
+        if device_id is not None:
+            kw["device_id"] = device_id
+        runners.append((s, Communicator(world, device, **kw)))
+    baseline, baseline_error = (setup_baseline(world, device, device_id, plugin, dtype, op) if args.baseline
+                                else (None, "--no-baseline"))
+    meter = BoundMeter(xp, dtype, sync) if args.bound else None
+    env = environment(world, device, device_id, baseline, baseline_error)
+    ctx.link = env["link"]
+    sizes = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+
+    report = Report(world.rank == 0, out, len(sizes), plugin.name)
+    t0 = time.perf_counter()
+    try:
+        report.lines(header(ctx, env, runners, baseline, env["link"]))
+        report.lines(table_head(baseline.label if baseline else None))
+        rows = sweep(ctx, runners, baseline, meter, report.rows, report.progress)
+        report.lines(footer(rows))
+    finally:
+        report.close()
+    elapsed = time.perf_counter() - t0
+    doc = {
+        "schema": SCHEMA,
+        "collective": plugin.name,
+        "params": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+        "environment": env,
+        "series": [dataclasses.asdict(s) | {"label": s.label} for s, _ in runners],
+        "baseline": {"label": baseline.label, "library": baseline.library, "notes": sorted(set(baseline.notes))}
+        if baseline else None,
+        "bus_factor": plugin.bus_factor(world.size),
+        "rows": rows,
+        "summary": summary(rows),
+        "elapsed_s": elapsed,
+    }
+    for _, comm in runners:
+        comm.close()
+    if baseline is not None:
+        baseline.close()
+    world.barrier(what="bench: done")
+    return doc
+
+
+def write_outputs(doc: dict, args) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=_jsonable)
+            f.write("\n")
+    if args.plot:
+        from .plot import plot
+
+        plot([doc], args.plot)
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def exit_code(doc: dict) -> int:
+    bad = [s["out_of_bounds"] for s in doc["summary"].values() if s["out_of_bounds"]]
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`commref bench ...` (argv without the leading 'bench')."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        validate(args)
+    except ValueError as e:  # NotAvailable included
+        print(f"commref bench: error: {e}", file=sys.stderr)
+        return 2
+
+    from transports.world import MPIWorld, ThreadWorld
+
+    if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
+        from collectives.cli import _strip_np, relaunch_under_mpi
+
+        mode = progress_mode()
+        if mode:
+            os.environ[PROGRESS_ENV] = mode
+        return relaunch_under_mpi(args.np, ["bench", *_strip_np(argv)])
+
+    if MPIWorld.launched_under_mpi():
+        world = MPIWorld()
+        doc = run_rank(world, args, out=lambda s: print(s, flush=True))
+        if world.rank == 0:
+            write_outputs(doc, args)
+        return exit_code(doc)
+    if args.nthreads > 1:
+        docs = ThreadWorld.run(args.nthreads, run_rank, args, out=lambda s: print(s, flush=True))
+        write_outputs(docs[0], args)
+        return exit_code(docs[0])
+    doc = run_rank(ThreadWorld.single(), args, out=lambda s: print(s, flush=True))
+    write_outputs(doc, args)
+    return exit_code(doc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The plugin contract: what a collective tells the harness.
+
+As in nccl-tests, a plugin answers four questions, and the harness does the rest:
+
+- counts: for a sweep size in bytes, the element counts of sendbuf and recvbuf and
+  the count NCCL's call takes (nccl-tests' getCollByteCount);
+- bandwidth: the bytes algbw divides by time, and the bus factor that turns algbw
+  into busbw (nccl-tests' getBw);
+- data: buffers holding exact-checkable inputs (collectives.verify), the expected
+  output, and how to restore an in-place input (nccl-tests' initData);
+- run: one call on a Communicator, or on anything with nccl4py's method names (the
+  baselines) (nccl-tests' runColl).
+
+Bandwidth definitions (nccl-tests' doc/PERFORMANCE.md), for n ranks, element size t
+and NCCL's count c:
+
+=============== ======================= ==============
+collective      algbw bytes             bus factor
+=============== ======================= ==============
+all_reduce      c * t                   2 (n - 1) / n
+all_gather      c * t * n (recv size)   (n - 1) / n
+reduce_scatter  c * t * n (send size)   (n - 1) / n
+broadcast       c * t                   1
+reduce          c * t                   1
+=============== ======================= ==============
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from collectives import verify
+
+SENTINEL = 0x5A  # byte pattern of recvbufs before the first call: a missed write shows
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Element counts of one sweep size (nccl-tests' getCollByteCount)."""
+
+    send: int
+    recv: int
+    param: int  # the count NCCL's call takes
+
+    def size_bytes(self, itemsize: int) -> int:
+        """The size column: nccl-tests prints max(sendBytes, recvBytes)."""
+        return max(self.send, self.recv) * itemsize
+
+
+@dataclass
+class Buffers:
+    """One rank's buffers for one (size, in-place or not) measurement.
+
+    `send` and `recv` are what the call gets; `out` is the whole of what the check
+    compares (recv, or the full buffer for in-place layouts); `restore()` puts the
+    pristine input back (in-place calls overwrite it)."""
+
+    send: Any
+    recv: Any
+    out: Any
+    restore: Callable[[], None] | None = None
+
+
+class Collective:
+    """Base of the plugins. Subclasses set the class attributes and implement
+    `counts`, `bus_factor`, `bound_bytes`, `buffers` and `run`."""
+
+    name: ClassVar[str]  # nccl-tests name: all_reduce
+    coll: ClassVar[str]  # commref / nccl4py name: allreduce
+    reducing: ClassVar[bool] = False
+    rooted: ClassVar[bool] = False
+
+    # ---- sizes and bandwidth ----
+
+    def counts(self, nbytes: int, itemsize: int, nranks: int) -> Counts:
+        count = nbytes // itemsize
+        return Counts(count, count, count)
+
+    def algbw_bytes(self, counts: Counts, itemsize: int, nranks: int) -> int:
+        return counts.param * itemsize
+
+    def bus_factor(self, nranks: int) -> float:
+        raise NotImplementedError
+
+    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
+        """(copy bytes, add bytes) one rank must at least move for a call of `size`
+        bytes (the size column); see bench/bound.py for the model."""
+        raise NotImplementedError
+
+    # ---- data ----
+
+    def input(self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int) -> np.ndarray:
+        return verify.make_input(self.coll, dtype, op, seed, rank, nranks, counts.param)
+
+    def expected(self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int,
+                 root: int) -> np.ndarray | None:
+        """What `out` must hold after the call; None where nothing is checked on this
+        rank (reduce on a non-root rank)."""
+        return verify.expected_output(self.coll, dtype, op, seed, rank, nranks, counts.param, root)
+
+    def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
+        raise NotImplementedError
+
+    # ---- the call ----
+
+    def run(self, comm, b: Buffers, op: str, root: int) -> None:
+        raise NotImplementedError
+
+
+def sentinel(xp, n: int, dtype) -> Any:
+    """n elements of `dtype` filled with the SENTINEL byte pattern, on numpy or cupy."""
+    dt = np.dtype(dtype)
+    return xp.full(n * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
+
+
+def device_copy(xp, x: np.ndarray):
+    """A copy of host array x in xp's memory (numpy: a fresh array)."""
+    return x.copy() if xp is np else xp.asarray(x)
+
+
+def restorer(xp, dst, x: np.ndarray) -> Callable[[], None]:
+    """A function that copies host input x back into dst (numpy or cupy)."""
+    def restore() -> None:
+        dst[...] = x if xp is np else xp.asarray(x)
+    return restore

@@ -1,0 +1,32 @@
+"""reduce: the root ends with the reduction of every rank's buffer; other ranks'
+recvbufs are not checked (NCCL ignores them)."""
+
+from __future__ import annotations
+
+from .base import Buffers, Collective, Counts, device_copy, restorer, sentinel
+
+
+class Reduce(Collective):
+    name = "reduce"
+    coll = "reduce"
+    reducing = True
+    rooted = True
+
+    def bus_factor(self, nranks: int) -> float:
+        return 1.0
+
+    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
+        # Work spread evenly: reduce a 1/n shard from the n inputs, and the root
+        # gathers the other shards.
+        share = (nranks - 1) * size // nranks
+        return share, share
+
+    def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
+        if in_place:
+            buf = device_copy(xp, x)
+            return Buffers(buf, buf, buf, restorer(xp, buf, x))
+        recv = sentinel(xp, counts.recv, x.dtype)
+        return Buffers(device_copy(xp, x), recv, recv)
+
+    def run(self, comm, b: Buffers, op: str, root: int) -> None:
+        comm.reduce(b.send, b.recv, op, root)

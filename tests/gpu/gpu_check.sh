@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for a machine with one NVIDIA GPU (see README "GPU").
+# Wheels missing on that machine travel in .whl/ (mpich for mpiexec, nccl4py).
+# Usage: bash tests/gpu/gpu_check.sh   (from the repository root; ~5 minutes)
+set -u
+cd "$(dirname "$0")/../.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  export PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} COMMREF_TIMEOUT=${COMMREF_TIMEOUT:-60} NCCL_MULTI_RANK_GPU_ENABLE=1
+MPIEXEC=$(command -v mpiexec || echo /tmp/site/bin/mpiexec)
+status=0
+step() { echo; echo "=== $1"; shift; local t0=$SECONDS; "$@"; local rc=$?; echo "=== rc=$rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1; }
+nvidia-smi -L
+python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
+# Compile once (NVRTC through CuPy's cache) before the ranks start, so they share it.
+step "compile kernels (NVRTC)" timeout 300 python3 -c "
+import time; t=time.time()
+from device_kernels import loader; loader.cuda_kernels(0); print('compiled in %.1f s' % (time.time()-t))"
+step "GPU tests (pytest -m gpu)" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+step "4 ranks in ThreadWorld on one GPU" timeout 200 python3 tests/gpu/thread_world_gpu.py --np 4
+step "2 MPI ranks on one GPU through CUDA IPC" timeout 200 "$MPIEXEC" -n 2 python3 -m mpi4py -m collectives.cli check \
+  --device cuda --dtype float32 bfloat16 int32 --count 0 7 1001 65537
+step "commref vs NCCL (nccl4py), 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 python3 -m mpi4py tests/gpu/nccl_compare.py
+if [ -f bench/harness.py ]; then
+  step "bench: ours vs NCCL, 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 python3 -m mpi4py -m collectives.cli bench \
+    all_reduce -b 8 -e 256M -f 4 --device cuda -n 10 -w 3
+fi
+echo; echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
+exit $status

@@ -1,0 +1,78 @@
+"""Our kernels and NCCL (through nccl4py) side by side on the same inputs.
+
+Run under mpiexec, several ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1):
+    mpiexec -n 2 python -m mpi4py tests/gpu/nccl_compare.py
+Prints, per case, wrong elements of ours and of NCCL against the numpy reference and
+the number of elements where ours and NCCL differ; exits non-zero on any mismatch.
+"""
+
+import sys
+
+import numpy as np
+
+from collectives import verify
+from collectives.communicator import Communicator
+from transports.world import MPIWorld
+
+CASES = [
+    ("allreduce", "float32", "sum"), ("allreduce", "bfloat16", "max"), ("allreduce", "int32", "prod"),
+    ("allreduce", "float64", "avg"), ("reduce_scatter", "float32", "sum"), ("reduce_scatter", "int8", "min"),
+    ("allgather", "float16", None), ("allgather", "uint64", None), ("broadcast", "float32", None),
+    ("reduce", "float32", "sum"),
+]
+
+
+def main():
+    import cupy
+    import nccl.core as nccl
+
+    world = MPIWorld()
+    cupy.cuda.Device(0).use()
+    uid = world.bcast(nccl.get_unique_id() if world.rank == 0 else None, what="nccl unique id")
+    ncomm = nccl.Communicator.init(world.size, world.rank, uid)
+    comm = Communicator(world, "cuda")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    ops = {"sum": nccl.SUM, "prod": nccl.PROD, "max": nccl.MAX, "min": nccl.MIN, "avg": nccl.AVG, None: None}
+    n, r, failures = world.size, world.rank, 0
+    for coll, dname, op in CASES:
+        for count in (1, 1001, 1 << 20):
+            dt = verify.DTYPES[dname]
+            x = cupy.asarray(verify.make_input(coll, dt, op, 7, r, n, count))
+            exp = verify.expected_output(coll, dt, op, 7, r, n, count, root=0)
+            rc = verify.recv_count(coll, count, n)
+            outs = []
+            for impl in ("commref", "nccl"):
+                out = cupy.zeros(rc, dtype=dt)
+                if impl == "commref":
+                    c, kw = comm, {"stream": stream}
+                else:
+                    c, kw = ncomm, {"stream": stream.ptr}
+                if coll in ("allreduce", "reduce_scatter"):
+                    getattr(c, coll)(x, out, ops[op] if impl == "nccl" else op, **kw)
+                elif coll == "allgather":
+                    c.allgather(x, out, **kw)
+                elif coll == "broadcast":
+                    c.broadcast(x, out, 0, **kw)
+                else:
+                    c.reduce(x, out, ops[op] if impl == "nccl" else op, 0, **kw)
+                stream.synchronize()
+                outs.append(cupy.asnumpy(out))
+            ours, theirs = outs
+            if exp is None:
+                w_ours = w_nccl = differ = 0
+            else:
+                w_ours, w_nccl = verify.count_wrong(ours, exp), verify.count_wrong(theirs, exp)
+                differ = verify.count_wrong(ours, theirs)
+            tot = world.allgather((w_ours, w_nccl, differ), what="compare")
+            w = [sum(t[i] for t in tot) for i in range(3)]
+            failures += w[0] + w[2]
+            if r == 0:
+                print(f"{coll:<15}{dname:<9}{str(op):<5}count={count:<8} wrong(commref)={w[0]} "
+                      f"wrong(nccl)={w[1]} commref!=nccl={w[2]}")
+    if r == 0:
+        print(f"# commref vs NCCL {nccl.get_version()}: {'OK' if failures == 0 else 'MISMATCH'}")
+    sys.exit(0 if failures == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""N ranks as threads of one process on one GPU: the verification sweep over CUDA,
+each rank on its own non-blocking stream.
+
+    python tests/gpu/thread_world_gpu.py --np 4
+Exits non-zero if any element is wrong.
+"""
+
+import argparse
+import sys
+import time
+
+from collectives import check
+from collectives.communicator import Communicator
+from collectives.verify import COLLECTIVES
+from transports.world import ThreadWorld
+
+
+def body(world, args):
+    import cupy
+
+    with cupy.cuda.Device(0):
+        comm = Communicator(world, "cuda", max_channels=args.channels)
+        cases = check.cases(list(COLLECTIVES), args.dtype, args.op, [], args.count, world.size, 1)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        return cases, check.run_sweep(comm, cases, stream=stream)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--channels", type=int, default=2)
+    p.add_argument("--count", type=int, nargs="+", default=[0, 1, 7, 1001, 100003])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "int8", "float64"])
+    p.add_argument("--op", nargs="+", default=["sum", "prod", "max", "min", "avg"])
+    args = p.parse_args()
+    t0 = time.time()
+    results = ThreadWorld.run(args.np, body, args, timeout=120)
+    cases, wrong = results[0]
+    print(check.format_table(check.summary_rows(cases, wrong), args.np, "cuda (ThreadWorld, one GPU)"))
+    print(f"# {len(cases)} cases, {sum(wrong)} wrong elements, {time.time() - t0:.1f} s")
+    sys.exit(0 if sum(wrong) == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Tests of the benchmark suite (bench/): bandwidth factors, nccl-tests flags and
+sweeps, the JSON document, #wrong on a planted error, the plot, and the command line
+(in process, and under mpiexec)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bench import harness, plugins
+from bench.harness import build_parser, parse_size, run_rank, sweep_sizes
+from transports.world import ThreadWorld
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K, M, G = 1 << 10, 1 << 20, 1 << 30
+
+
+def args_for(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+# ---------------------------------------------------------------------------------------
+# bandwidth definitions (nccl-tests' PERFORMANCE.md)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_bus_factors_are_nccl_tests(n: int) -> None:
+    assert plugins.get("all_reduce").bus_factor(n) == pytest.approx(2 * (n - 1) / n)
+    assert plugins.get("all_gather").bus_factor(n) == pytest.approx((n - 1) / n)
+    assert plugins.get("reduce_scatter").bus_factor(n) == pytest.approx((n - 1) / n)
+    assert plugins.get("broadcast").bus_factor(n) == 1.0
+    assert plugins.get("reduce").bus_factor(n) == 1.0
+
+
+def test_algbw_bytes_and_counts_follow_nccl_tests() -> None:
+    t = 4  # float32
+    # all_reduce, broadcast, reduce: count = size / t, algbw bytes = count * t.
+    for name in ("all_reduce", "broadcast", "reduce"):
+        p = plugins.get(name)
+        c = p.counts(10, t, 4)
+        assert (c.send, c.recv, c.param) == (2, 2, 2)
+        assert p.algbw_bytes(c, t, 4) == 8 and c.size_bytes(t) == 8
+    # all_gather: per-rank count = size / t / n; size column and algbw bytes = total.
+    ag = plugins.get("all_gather").counts(100, t, 3)
+    assert (ag.send, ag.recv, ag.param) == (8, 24, 8)
+    assert ag.size_bytes(t) == 96 and plugins.get("all_gather").algbw_bytes(ag, t, 3) == 96
+    rs = plugins.get("reduce_scatter").counts(100, t, 3)
+    assert (rs.send, rs.recv, rs.param) == (24, 8, 8)
+    assert rs.size_bytes(t) == 96 and plugins.get("reduce_scatter").algbw_bytes(rs, t, 3) == 96
+    # Sizes below typesize * nranks round to zero elements, as in nccl-tests.
+    assert plugins.get("all_gather").counts(8, t, 4).size_bytes(t) == 0
+
+
+def test_collective_names_in_both_spellings() -> None:
+    for a, b in [("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+                 ("broadcast", "broadcast"), ("reduce", "reduce"), ("All-Reduce", "all_reduce")]:
+        assert plugins.get(a).name == b
+    with pytest.raises(ValueError, match="unknown collective"):
+        plugins.get("alltoall")
+
+
+# ---------------------------------------------------------------------------------------
+# flags and sweeps
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,value", [("8", 8), ("1K", K), ("1k", K), ("64M", 64 * M), ("1G", G), ("3g", 3 * G),
+                                        ("64MB", 64 * M), ("2KiB", 2 * K), ("0", 0)])
+def test_parse_size_suffixes(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "M", "1.5M", "-8", "1X", "ten"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(Exception, match="invalid size"):
+        parse_size(text)
+
+
+def test_sweep_like_nccl_tests() -> None:
+    sizes = sweep_sizes(8, 64 * M, 2)
+    assert sizes[0] == 8 and sizes[-1] == 64 * M and len(sizes) == 24
+    assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+    assert sweep_sizes(8, 64 * M, 4)[-1] == 32 * M  # the next step (128M) passes -e
+    assert sweep_sizes(100, 400, 1, 100) == [100, 200, 300, 400]
+    assert sweep_sizes(16 * M, 16 * M) == [16 * M]
+    with pytest.raises(ValueError):
+        sweep_sizes(64, 8)
+    with pytest.raises(ValueError):
+        sweep_sizes(8, 64, 1, 0)
+
+
+def test_nccl_tests_flags() -> None:
+    a = args_for("allreduce", "-b", "8", "-e", "64M", "-f", "2", "-n", "7", "-w", "3", "-c", "0", "-o", "max",
+                 "-d", "half", "-r", "1", "-z", "1", "-t", "2")
+    assert a.collective == "all_reduce"
+    assert (a.minbytes, a.maxbytes, a.stepfactor, a.iters, a.warmup_iters) == (8, 64 * M, 2, 7, 3)
+    assert (a.check, a.op, a.datatype, a.root, a.blocking, a.nthreads) == (0, "max", "float16", 1, 1, 2)
+    d = args_for("all_gather")
+    assert (d.minbytes, d.maxbytes, d.iters, d.warmup_iters, d.check, d.op, d.datatype) == \
+        (32 * M, 32 * M, 20, 5, 1, "sum", "float32")
+    assert d.path == ["lsa"] and d.baseline and d.bound
+    assert args_for("reduce", "--path", "lsa,gin", "--backend", "proxy,gda").path == ["lsa", "gin"]
+    for dt, name in [("float", "float32"), ("bf16", "bfloat16"), ("int32", "int32"), ("double", "float64")]:
+        assert args_for("all_reduce", "-d", dt).datatype == name
+    with pytest.raises(SystemExit):
+        args_for("all_reduce", "-d", "complex64")
+    with pytest.raises(SystemExit):
+        args_for("all_reduce", "--path", "nvls")
+
+
+def test_series_cross_gin_backends_and_wires() -> None:
+    a = args_for("all_reduce", "--path", "lsa,gin", "--backend", "proxy,gda", "--wire", "shm")
+    assert [s.label for s in harness.series_of(a)] == ["lsa", "gin/proxy/shm", "gin/gda/shm"]
+    with pytest.raises(harness.NotAvailable, match="--path gin"):
+        harness.series_of(args_for("all_reduce", "--backend", "proxy"))
+
+
+def test_gin_paths_say_not_available_yet(capsys) -> None:
+    for extra in (["--path", "gin"], ["--path", "auto"], ["--path", "gin", "--backend", "rc", "--wire", "mpi"]):
+        assert harness.main(["all_reduce", "-b", "8", "-e", "8", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "not available yet" in err and "--path lsa" in err
+
+
+# ---------------------------------------------------------------------------------------
+# runs (ThreadWorld in process: fast)
+# ---------------------------------------------------------------------------------------
+
+SMALL = ("-b", "8", "-e", "8K", "-f", "32", "-n", "3", "-w", "1")
+
+
+def test_json_document_schema(tmp_path) -> None:
+    a = args_for("all_reduce", *SMALL, "-t", "2", "--json", str(tmp_path / "r.json"))
+    lines: list[str] = []
+    docs = ThreadWorld.run(2, run_rank, a, out=lines.append)
+    harness.write_outputs(docs[0], a)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["schema"] == harness.SCHEMA and doc["collective"] == "all_reduce"
+    assert doc["bus_factor"] == pytest.approx(1.0)
+    env = doc["environment"]
+    for key, typ in [("commref", str), ("numpy", str), ("mpi4py", str), ("python", str), ("host", str),
+                     ("cpu_model", str), ("device", str), ("nranks", int), ("world", str), ("link", str),
+                     ("ranks", list)]:
+        assert isinstance(env[key], typ), key
+    assert env["nranks"] == 2 and env["device"] == "cpu" and env["link"] == "threads"
+    assert "mpi_library" in env
+    # Rank threads have no MPI baseline: the document says why.
+    assert doc["baseline"] is None and "MPI ranks" in env["baseline_unavailable"]
+    assert [r["size"] for r in doc["rows"]] == [8, 256, 8192]
+    for r in doc["rows"]:
+        assert set(r) >= {"series", "path", "size", "count", "type", "redop", "root", "out_of_place", "in_place",
+                          "baseline", "ratio", "bound", "pct_of_bound"}
+        assert (r["type"], r["redop"], r["root"], r["series"], r["path"]) == ("float", "sum", -1, "lsa",
+                                                                             "lsa:threads")
+        for k in ("out_of_place", "in_place"):
+            v = r[k]
+            assert set(v) == {"time_us", "algbw", "busbw", "wrong"}
+            assert v["time_us"] > 0 and v["wrong"] == 0
+            assert v["busbw"] == pytest.approx(v["algbw"] * 1.0)
+            assert v["algbw"] == pytest.approx(r["size"] / (v["time_us"] * 1e-6) / 1e9)
+        assert r["bound"]["busbw"] > 0 and r["bound"]["copy_bytes"] == r["size"] // 2
+        assert r["pct_of_bound"] == pytest.approx(100 * r["out_of_place"]["busbw"] / r["bound"]["busbw"])
+    assert doc["summary"]["lsa"]["out_of_bounds"] == 0
+    # The printed table: nccl-tests' header, one row per size, its footer.
+    assert any("out-of-place" in s and "in-place" in s for s in lines)
+    assert sum(1 for s in lines if not s.startswith("#")) == 3
+    assert "# Out of bounds values : 0 OK" in lines and any(s.startswith("# Avg bus bandwidth") for s in lines)
+
+
+def test_single_rank_with_mpi_baseline() -> None:
+    a = args_for("reduce_scatter", "-b", "64", "-e", "64", "-n", "2", "-w", "1")
+    doc = run_rank(ThreadWorld.single(), a, out=lambda s: None)
+    assert doc["baseline"]["label"].startswith("MPI")
+    row = doc["rows"][0]
+    assert row["baseline"]["time_us"] > 0 and row["out_of_place"]["wrong"] == 0
+
+
+@pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter", "broadcast", "reduce"])
+def test_each_collective_checks_clean(coll: str) -> None:
+    a = args_for(coll, "-b", "96", "-e", "96", "-n", "2", "-w", "0", "-r", "1", "--no-baseline", "--no-bound")
+    docs = ThreadWorld.run(3, run_rank, a, out=lambda s: None)
+    (row,) = docs[0]["rows"]
+    assert row["out_of_place"]["wrong"] == 0 and row["in_place"]["wrong"] == 0
+    assert row["root"] == (1 if coll in ("broadcast", "reduce") else -1)
+    assert row["bound"] is None and row["baseline"] is None
+
+
+def test_wrong_counts_a_planted_error() -> None:
+    """A hook flips one element of rank 0's out-of-place output and one of rank 1's
+    in-place output after the last timed call: #wrong is 1 in each column."""
+    def corrupt(label, in_place, rank, out):
+        if rank == (1 if in_place else 0):
+            out.view(np.uint8)[0] ^= 0xFF
+
+    a = args_for("all_reduce", "-b", "64", "-e", "64", "-n", "2", "-w", "1", "--no-baseline", "--no-bound")
+    docs = ThreadWorld.run(2, run_rank, a, corrupt=corrupt, out=lambda s: None)
+    (row,) = docs[0]["rows"]
+    assert row["out_of_place"]["wrong"] == 1 and row["in_place"]["wrong"] == 1
+    assert docs[0]["summary"]["lsa"]["out_of_bounds"] == 2
+    assert harness.exit_code(docs[0]) == 1
+    assert "FAILED" in harness.footer(docs[0]["rows"])[0]
+
+
+def test_no_check_reports_na() -> None:
+    a = args_for("all_gather", "-b", "64", "-e", "64", "-n", "1", "-w", "0", "-c", "0", "--no-baseline")
+    lines: list[str] = []
+    doc = run_rank(ThreadWorld.single(), a, out=lines.append)
+    assert doc["rows"][0]["out_of_place"]["wrong"] is None
+    assert "N/A" in next(s for s in lines if not s.startswith("#"))
+    assert harness.exit_code(doc) == 0
+
+
+def test_plot_renders(tmp_path) -> None:
+    a = args_for("all_gather", "-b", "8", "-e", "64K", "-f", "4", "-n", "2", "-w", "0", "-t", "2",
+                 "--plot", str(tmp_path / "p.png"))
+    docs = ThreadWorld.run(2, run_rank, a, out=lambda s: None)
+    harness.write_outputs(docs[0], a)
+    data = (tmp_path / "p.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    from bench import plot
+
+    (tmp_path / "p.json").write_text(json.dumps(docs[0], default=harness._jsonable))
+    assert plot.main([str(tmp_path / "p.json"), str(tmp_path / "p.json"), "-o", str(tmp_path / "q.png")]) == 0
+    assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_mode_follows_the_launcher(monkeypatch) -> None:
+    monkeypatch.setenv(harness.PROGRESS_ENV, "bar")
+    assert harness.progress_mode() == "bar"
+    monkeypatch.setenv(harness.PROGRESS_ENV, "")
+    assert harness.progress_mode() is None
+    monkeypatch.delenv(harness.PROGRESS_ENV)
+    assert harness.progress_mode() is None  # pytest's stderr is not a terminal
+
+
+def test_cli_dispatches_bench(capsys) -> None:
+    from collectives import cli
+
+    assert cli.main(["bench", "broadcast", "-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--no-baseline"]) == 0
+    out = capsys.readouterr().out
+    assert "# Out of bounds values : 0 OK" in out and "lsa:threads" in out
+    assert "bench" in cli.build_parser().format_help()
+
+
+@pytest.mark.mpi
+def test_bench_under_mpiexec(tmp_path) -> None:
+    exe = shutil.which("commref", path=os.path.dirname(sys.executable))
+    if exe is None or shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
+                                   os.environ.get("PATH", "")) is None:
+        pytest.skip("needs the commref script and mpiexec")
+    out = tmp_path / "r.json"
+    proc = subprocess.run([exe, "bench", "all_reduce", "-b", "8", "-e", "64K", "-f", "64", "-n", "3", "-w", "1",
+                           "--np", "2", "--json", str(out)], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != harness.PROGRESS_ENV})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["environment"]["nranks"] == 2 and doc["environment"]["link"] == "shm"
+    assert doc["baseline"]["label"].startswith("MPI")
+    assert [r["size"] for r in doc["rows"]] == [8, 512, 32768]
+    assert all(r["ratio"] is not None and r["out_of_place"]["wrong"] == 0 for r in doc["rows"])
+    assert "# Out of bounds values : 0 OK" in proc.stdout

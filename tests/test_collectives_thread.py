@@ -1,0 +1,234 @@
+"""Collectives on the CPU engine with N ranks as threads (ThreadWorld), N = 1..8.
+
+Each world runs a reduced verification sweep (collectives.check) over every collective
+and algorithm, five dtypes, every op, in-place and out-of-place, with a FIFO geometry
+small enough that pipelining wraps the slots many times. The tuner only uses several
+channels from 4 MiB per channel on the CPU, so the sweeps lower that threshold (in this
+process) to exercise the multi-channel split on small counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from collectives import check, tuner, verify
+from collectives.communicator import Communicator, window_layout
+from collectives.verify import COLLECTIVES, OPS
+from device_kernels import abi
+from transports.errors import CommTimeout
+from transports.world import ThreadWorld
+
+DTYPES = ["float32", "bfloat16", "int8", "uint64", "float16"]
+WORLD_TIMEOUT = 30.0
+
+# (threads per block, max channels, slot bytes, FIFO steps)
+GEOMETRIES = {
+    "1thread-3ch-slot128-2steps": (1, 3, 128, 2),
+    "4fibers-2ch-slot256-4steps": (4, 2, 256, 4),
+}
+
+
+@pytest.fixture
+def many_channels(monkeypatch):
+    """Lets the CPU tuner split even small calls across channels (one per 256 bytes)."""
+    monkeypatch.setattr(tuner, "BYTES_PER_CHANNEL", 256)
+
+
+def _odd_count(nranks: int, channels: int) -> int:
+    """A count that does not divide evenly by ranks * channels (nor by either)."""
+    c = nranks * channels * 37 + 5
+    while c % (nranks * channels) == 0 or (nranks > 1 and c % nranks == 0) or c % channels == 0:
+        c += 1
+    return c
+
+
+def _sweep(world, geometry, counts):
+    threads, channels, slot, nsteps = geometry
+    comm = Communicator(world, "cpu", max_channels=channels, slot_bytes=slot, nsteps=nsteps, threads=threads,
+                        timeout=WORLD_TIMEOUT)
+    case_list = check.cases(list(COLLECTIVES), DTYPES, list(OPS), [], counts, world.size, seed=7)
+    wrong = check.run_sweep(comm, case_list)
+    return case_list, wrong
+
+
+def _sweep_params():
+    """Every world size once, alternating the geometries, plus the other geometry for
+    two sizes (the sweeps of 6..8 ranks dominate the run time on two cores)."""
+    names = list(GEOMETRIES)
+    params = [(n, names[n % 2]) for n in range(1, 9)] + [(3, names[0]), (4, names[1])]
+    return [pytest.param(n, GEOMETRIES[g], id=f"{n}ranks-{g}") for n, g in sorted(params)]
+
+
+@pytest.mark.parametrize("nranks, geometry", _sweep_params())
+def test_sweep(nranks, geometry, many_channels):
+    counts = [0, 1, 7, 1001, _odd_count(nranks, geometry[1])]
+    # The larger counts really are split across every channel.
+    assert tuner.plan("allgather", "ring", 1001, nranks, "cpu", geometry[1]).nchannels == geometry[1]
+    results = ThreadWorld.run(nranks, _sweep, geometry, counts, timeout=WORLD_TIMEOUT)
+    case_list, wrong = results[0]
+    assert all(r[1] == wrong for r in results), "ranks disagree on the per-case totals"
+    # Every collective x algorithm x dtype x op x count x placement was run.
+    reducing = sum(1 for c in COLLECTIVES if c in verify.REDUCING) + 1  # allreduce has ring and tree
+    moving = len(COLLECTIVES) - (reducing - 1)
+    assert len(case_list) == (reducing * len(OPS) + moving) * len(DTYPES) * len(counts) * 2
+    bad = [(c, w) for c, w in zip(case_list, wrong) if w]
+    assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:5]}"
+
+
+# ---------------------------------------------------------------------------------------
+# the checker itself must see errors
+# ---------------------------------------------------------------------------------------
+
+
+class _CorruptingComm:
+    """Wraps a Communicator; allreduce flips the bits of one output element on one rank."""
+
+    def __init__(self, comm, bad_rank: int, index: int = 3):
+        self._comm, self._bad_rank, self._index = comm, bad_rank, index
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def allreduce(self, sendbuf, recvbuf, op="sum", **kw):
+        self._comm.allreduce(sendbuf, recvbuf, op, **kw)
+        if self._comm.rank == self._bad_rank:
+            recvbuf.view(np.uint8)[self._index * recvbuf.itemsize] ^= 0xFF
+
+
+@pytest.mark.parametrize("nranks", [1, 3])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_run_case_detects_a_planted_error(nranks, in_place):
+    def fn(world):
+        comm = _CorruptingComm(Communicator(world, "cpu", timeout=WORLD_TIMEOUT), bad_rank=world.size - 1)
+        bad = check.Case("allreduce", "ring", "float32", "sum", 10, in_place, 0, 5)
+        good = check.Case("allgather", "ring", "float32", None, 10, in_place, 0, 6)
+        mine = check.run_case(comm, bad)
+        return mine, check.run_sweep(comm, [bad, good])
+
+    results = ThreadWorld.run(nranks, fn, timeout=WORLD_TIMEOUT)
+    assert [r[0] for r in results] == [0] * (nranks - 1) + [1]
+    assert all(r[1] == [1, 0] for r in results)
+
+
+def test_count_wrong_sees_every_kind_of_difference():
+    x = verify.input_values(verify.DTYPES["float32"], "sum", 1, 0, 8)
+    assert verify.count_wrong(x, x.copy()) == 0
+    y = x.copy()
+    y[[1, 6]] += 1
+    assert verify.count_wrong(y, x) == 2
+    assert verify.count_wrong(x[:7], x) == 8  # a length mismatch counts every element
+    neg_zero = np.array([0.0], np.float32), np.array([-0.0], np.float32)
+    assert verify.count_wrong(*neg_zero) == 1  # bitwise, not ==
+
+
+# ---------------------------------------------------------------------------------------
+# repeated calls on one communicator: the step counters persist across launches
+# ---------------------------------------------------------------------------------------
+
+
+def _link_steps(window_bytes: np.ndarray, channels: int, slot: int, nsteps: int) -> np.ndarray:
+    """The persistent step counters of one rank's window: [channel, in0..in3, out0..out3]."""
+    layout, _ = window_layout(channels, slot, nsteps)
+    off = int(layout["stateOff"])
+    n = channels * (abi.CONN_IN + abi.CONN_OUT)
+    return window_bytes[off : off + 8 * n].view(np.uint64).reshape(channels, abi.CONN_IN + abi.CONN_OUT).copy()
+
+
+@pytest.mark.parametrize("nranks", [2, 5])
+def test_repeated_interleaved_calls(nranks, many_channels):
+    channels, slot, nsteps = 3, 128, 2
+    rounds = 3
+    plan: list = []  # (collective, algorithm, dtype, op, count)
+    for k in range(rounds):
+        plan += [
+            ("allreduce", "ring", "float32", "sum", 1001 + k),
+            ("allgather", "ring", "int8", None, 33 * k),
+            ("allreduce", "tree", "bfloat16", "max", 257),
+            ("reduce_scatter", "ring", "uint64", "prod", 65 + k),
+            ("broadcast", "ring", "float16", None, 500),
+            ("reduce", "ring", "int8", "avg", 77),
+            ("allreduce", "tree", "uint64", "min", 0),
+            ("allreduce", "ring", "float16", "avg", 3),
+        ]
+
+    def fn(world):
+        comm = Communicator(world, "cpu", max_channels=channels, slot_bytes=slot, nsteps=nsteps, threads=2,
+                            timeout=WORLD_TIMEOUT)
+        wrong, snapshots = [], []
+        for i, (coll, algo, dtype, op, count) in enumerate(plan):
+            root = i % world.size
+            case = check.Case(coll, algo, dtype, op, count, i % 2 == 1, root, 100 + i)
+            wrong.append(check.run_case(comm, case))
+            if i % (len(plan) // rounds) == 0:  # first call of each round
+                snapshots.append(_link_steps(comm.window.local, channels, slot, nsteps))
+        world.barrier(what="steps settled")
+        snapshots.append(_link_steps(comm.window.local, channels, slot, nsteps))
+        return wrong, snapshots
+
+    results = ThreadWorld.run(nranks, fn, timeout=WORLD_TIMEOUT)
+    for r, (wrong, _) in enumerate(results):
+        assert sum(wrong) == 0, f"rank {r}: wrong elements per call {wrong}"
+    finals = [res[1][-1] for res in results]
+    # The counters grew over the rounds (they persist; a reset would show as a drop).
+    for r, (_, snaps) in enumerate(results):
+        total = [int(s.sum()) for s in snaps]
+        assert total == sorted(total) and total[-1] > total[0], f"rank {r}: {total}"
+    # Every ring link: what the sender posted equals what the receiver consumed.
+    for r in range(nranks):
+        nxt = (r + 1) % nranks
+        sent = finals[r][:, abi.CONN_IN + abi.OUT_RING]
+        received = finals[nxt][:, abi.IN_RING]
+        assert (sent == received).all(), f"ring link {r}->{nxt}: sent {sent}, received {received}"
+        assert sent[0] > 0
+    # Tree links: every parent/child pair agrees too, in both directions.
+    from collectives import topology
+
+    peers = [topology.channel_peers(r, nranks, channels) for r in range(nranks)]
+    for r in range(nranks):
+        for c in range(channels):
+            parent = int(peers[r][c]["treeParent"])
+            if parent < 0:
+                continue
+            up_sent = finals[r][c, abi.CONN_IN + abi.OUT_TREE_PARENT]
+            up_recv = finals[parent][c, int(peers[r][c]["treeInAtParent"])]
+            down_sent = finals[parent][c, abi.CONN_IN + int(peers[r][c]["treeOutAtParent"])]
+            down_recv = finals[r][c, abi.IN_TREE_PARENT]
+            assert up_sent == up_recv and down_sent == down_recv, (r, c, parent)
+
+
+def test_many_small_calls_reuse_the_fifo(many_channels):
+    """Far more launches than FIFO slots on a 2-step FIFO: each call resumes at the step
+    the previous one stopped at."""
+
+    def fn(world):
+        comm = Communicator(world, "cpu", max_channels=2, slot_bytes=64, nsteps=2, timeout=WORLD_TIMEOUT)
+        out = []
+        for i in range(40):
+            x = np.full(3 + 7 * (i % 5), world.rank + i, dtype=np.int32)
+            y = np.empty_like(x)
+            comm.allreduce(x, y, "sum", algorithm="tree" if i % 3 == 0 else "ring")
+            out.append(bool((y == sum(r + i for r in range(world.size))).all()))
+        return out
+
+    for r, ok in enumerate(ThreadWorld.run(3, fn, timeout=WORLD_TIMEOUT)):
+        assert all(ok), f"rank {r}: {ok}"
+
+
+@pytest.mark.xfail(strict=True, raises=CommTimeout,
+                   reason="BUG: Communicator accepts nsteps=1, but a ring step waits for its outbound credit "
+                          "before it releases its inbound slot, so a 1-slot FIFO ring deadlocks (ends in "
+                          "CommTimeout); nsteps should be validated >= 2")
+def test_single_slot_fifo_is_rejected_or_works():
+    def fn(world):
+        try:
+            comm = Communicator(world, "cpu", max_channels=1, slot_bytes=64, nsteps=1, timeout=1.0)
+        except ValueError as e:  # the fix: reject at construction
+            assert "nsteps" in str(e)
+            return True
+        x = np.ones(4, np.int32)
+        y = np.empty_like(x)
+        comm.allreduce(x, y, algorithm="ring")
+        return bool((y == world.size).all())
+
+    assert all(ThreadWorld.run(2, fn, timeout=5.0))

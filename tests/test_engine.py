@@ -1,0 +1,154 @@
+"""Unit tests of the CPU execution engine (device_kernels/cpu/engine.cpp), through the
+self-test kernels of device_kernels/kernels/selftest.cu:
+
+- commref_engine_selftest: dst[b] = b * 1000000 + sum_{t < blockDim} (t + 1) + gridDim * 1000,
+  where the sum is read back by thread 0 through __shared__ memory after a
+  __syncthreads(); checks per-block __shared__, the barrier, blockIdx/threadIdx/
+  blockDim/gridDim.
+- commref_copy: block b copies its share of `bytes`, the threads of a block split it.
+- commref_empty: does nothing (launch cost).
+
+Every kernel takes one abi.COPY_ARGS record (src, dst, bytes).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from device_kernels import abi, loader
+
+GRIDS = (1, 2, 3, 4, 5)
+BLOCKS = (1, 2, 7, 64, 1024)
+SENTINEL = 0xA5A5A5A5A5A5A5A5
+
+
+@pytest.fixture(scope="module")
+def kernels() -> loader.CpuKernels:
+    return loader.cpu_kernels()
+
+
+def copy_args(src: int = 0, dst: int = 0, nbytes: int = 0) -> np.ndarray:
+    a = np.zeros(1, dtype=abi.COPY_ARGS)
+    a[0]["src"], a[0]["dst"], a[0]["bytes"] = src, dst, nbytes
+    return a
+
+
+def selftest_expected(grid: int, block: int) -> np.ndarray:
+    return (np.arange(grid, dtype=np.uint64) * 1_000_000 + block * (block + 1) // 2 + grid * 1000).astype(np.uint64)
+
+
+def run_selftest(kernels: loader.CpuKernels, grid: int, block: int) -> np.ndarray:
+    """Launches the self-test kernel; returns dst[0:grid] after checking that the
+    element past the grid was not written."""
+    dst = np.full(grid + 1, SENTINEL, dtype=np.uint64)
+    args = copy_args(dst=dst.ctypes.data)
+    assert kernels.launch("commref_engine_selftest", grid, block, args) == 0
+    assert dst[grid] == SENTINEL, f"grid={grid} block={block}: the kernel wrote past dst[gridDim - 1]"
+    return dst[:grid]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("grid", GRIDS)
+def test_selftest_indices_shared_and_barrier(kernels, grid, block):
+    got = run_selftest(kernels, grid, block)
+    np.testing.assert_array_equal(got, selftest_expected(grid, block), err_msg=f"grid={grid} block={block}")
+
+
+def test_selftest_repeated_with_shrinking_blocks(kernels):
+    """The same OS threads (pooled workers, the caller) run blocks of successive
+    launches; their fiber stacks and __shared__ are reused, and nothing of a previous
+    launch may show through."""
+    for block in (1024, 64, 7, 2, 1, 7, 1024):
+        for grid in (5, 1, 3):
+            np.testing.assert_array_equal(run_selftest(kernels, grid, block), selftest_expected(grid, block),
+                                          err_msg=f"grid={grid} block={block}")
+
+
+COPY_SIZES = (0, 1, 2, 7, 63, 64, 65, 1001, 4099, 65537, (1 << 20) + 3)
+
+
+@pytest.mark.parametrize("threads", (1, 2, 7, 64))
+@pytest.mark.parametrize("grid", (1, 3, 5))
+def test_copy_exact(kernels, grid, threads):
+    rng = np.random.default_rng(grid * 100 + threads)
+    for nbytes in COPY_SIZES:
+        for src_off, dst_off in ((0, 0), (1, 3)):  # aligned and odd addresses
+            src_buf = rng.integers(0, 256, nbytes + src_off + 16, dtype=np.uint8)
+            dst_buf = np.full(nbytes + dst_off + 16, 0x5A, dtype=np.uint8)
+            src = src_buf[src_off:src_off + nbytes]
+            args = copy_args(src_buf.ctypes.data + src_off, dst_buf.ctypes.data + dst_off, nbytes)
+            assert kernels.launch("commref_copy", grid, threads, args) == 0
+            where = f"bytes={nbytes} grid={grid} threads={threads} offsets={src_off},{dst_off}"
+            np.testing.assert_array_equal(dst_buf[dst_off:dst_off + nbytes], src, err_msg=where)
+            assert (dst_buf[:dst_off] == 0x5A).all(), f"{where}: wrote before dst"
+            assert (dst_buf[dst_off + nbytes:] == 0x5A).all(), f"{where}: wrote past dst + bytes"
+
+
+def test_copy_more_blocks_than_bytes(kernels):
+    """Blocks and threads whose share is empty must do nothing."""
+    src = np.arange(3, dtype=np.uint8) + 1
+    dst = np.zeros(8, dtype=np.uint8)
+    assert kernels.launch("commref_copy", 5, 7, copy_args(src.ctypes.data, dst.ctypes.data, 3)) == 0
+    np.testing.assert_array_equal(dst, [1, 2, 3, 0, 0, 0, 0, 0])
+
+
+def test_empty_kernel(kernels):
+    for grid, block in ((1, 1), (4, 1), (2, 1024), (1, 1024)):
+        assert kernels.launch("commref_empty", grid, block, copy_args()) == 0
+
+
+@pytest.mark.parametrize("grid,block", [(0, 1), (1, 0), (0, 0), (65536, 1), (1, 1025), (1, 4096), (70000, 2000)])
+def test_bad_dimensions_raise(kernels, grid, block):
+    dst = np.full(2, SENTINEL, dtype=np.uint64)
+    with pytest.raises(loader.KernelError, match=rf"grid={grid} block={block}"):
+        kernels.launch("commref_engine_selftest", grid, block, copy_args(dst=dst.ctypes.data))
+    assert (dst == SENTINEL).all(), "a rejected launch ran the kernel"
+    # The engine is still usable after a rejected launch.
+    np.testing.assert_array_equal(run_selftest(kernels, 2, 3), selftest_expected(2, 3))
+
+
+def test_unknown_kernel_raises(kernels):
+    with pytest.raises(loader.KernelError, match="no kernel named"):
+        kernels.launch("commref_no_such_kernel", 1, 1, copy_args())
+
+
+def test_concurrent_launches_from_python_threads(kernels):
+    """Several Python threads launch at once (as ThreadWorld ranks do): the worker pool,
+    per-thread fiber stacks and per-block __shared__ must keep launches apart. ctypes
+    releases the GIL during a launch, so these really overlap."""
+    nthreads, iterations = 6, 25
+    configs = [(3, 7), (2, 1), (4, 64), (1, 1024), (5, 2), (2, 33)]
+    start = threading.Barrier(nthreads)
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        grid, block = configs[i % len(configs)]
+        rng = np.random.default_rng(i)
+        try:
+            start.wait(timeout=60)
+            for it in range(iterations):
+                got = run_selftest(kernels, grid, block)
+                if not np.array_equal(got, selftest_expected(grid, block)):
+                    errors.append(f"thread {i} iteration {it}: selftest grid={grid} block={block} got {got}")
+                    return
+                n = int(rng.integers(1, 200_000))
+                src = rng.integers(0, 256, n, dtype=np.uint8)
+                dst = np.zeros(n, dtype=np.uint8)
+                status = kernels.launch("commref_copy", grid, block, copy_args(src.ctypes.data, dst.ctypes.data, n))
+                if status != 0 or not np.array_equal(src, dst):
+                    errors.append(f"thread {i} iteration {it}: copy of {n} bytes grid={grid} block={block} "
+                                  f"status={status} wrong bytes={int(np.count_nonzero(src != dst))}")
+                    return
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(nthreads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "concurrent launches did not finish within 120 s"
+    assert not errors, "\n".join(errors)

@@ -1,0 +1,73 @@
+"""GPU tests: the same kernel source through CuPy. Skipped without a CUDA device."""
+
+import numpy as np
+import pytest
+
+from collectives import check
+from collectives.communicator import Communicator
+from collectives.verify import COLLECTIVES
+from transports.world import ThreadWorld
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+if not cupy.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+
+def _sweep(world, dtypes, counts):
+    comm = Communicator(world, "cuda", max_channels=2)
+    cases = check.cases(list(COLLECTIVES), dtypes, ["sum", "avg", "max"], [], counts, world.size, 3)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    return sum(check.run_sweep(comm, cases, stream=stream))
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_collectives_threadworld_one_gpu(nranks):
+    wrong = ThreadWorld.run(nranks, _sweep, ["float32", "float16", "uint8"], [0, 1, 7, 1001, 70001], timeout=60)
+    assert wrong[0] == 0
+
+
+def test_host_buffer_rejected_on_cuda_communicator():
+    def body(world):
+        comm = Communicator(world, "cuda")
+        x = np.zeros(4, np.float32)
+        with pytest.raises(TypeError, match="host memory"):
+            comm.allreduce(x, cupy.zeros(4, cupy.float32))
+        return True
+
+    assert ThreadWorld.run(1, body)[0]
+
+
+def test_wait_deadline_on_gpu():
+    """Rank 1 never launches: rank 0's kernel traps after its deadline and the host
+    reports the diagnostic naming the peer."""
+    # A trapped kernel leaves the CUDA context unusable: run in a subprocess.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import cupy, sys
+        from tests.test_gpu import _deadline_body
+        from transports.world import ThreadWorld
+        r = ThreadWorld.run(2, _deadline_body, timeout=30)
+        print(r[0]); sys.exit(0 if "peer 1" in r[0] else 1)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "timed out" in proc.stdout
+
+
+def _deadline_body(world):
+    from transports.errors import CommTimeout
+
+    comm = Communicator(world, "cuda", timeout=1.0)
+    if world.rank == 1:
+        return "skipped"
+    x = cupy.ones(1024, cupy.float32)
+    try:
+        comm.allreduce(x, x)
+        comm.synchronize()
+    except CommTimeout as e:
+        return str(e)
+    return "no timeout"

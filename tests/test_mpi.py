@@ -1,0 +1,87 @@
+"""`commref check` under mpiexec: one process per rank, windows in POSIX shared memory.
+
+Reduced sweeps with 2, 3 and 4 ranks, the full default sweep with 4 ranks (about 3 s
+here), a multi-channel run (the CPU tuner splits from 4 MiB per channel), and the
+`--np` relaunch path. No /dev/shm/commref-* file may be left behind.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from conftest import clean_env, mpiexec, run_cmd, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+CHECK = ["collectives.cli", "check"]
+REDUCED = ["--dtype", "float32", "bfloat16", "int8", "uint64", "--op", "sum", "prod", "avg", "max",
+           "--count", "0", "1", "7", "1001", "4099"]
+
+
+def _assert_clean(proc, min_cases: int = 1) -> int:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
+    assert m, out[-4000:]
+    assert "0 wrong elements" in proc.stdout
+    assert int(m.group(2)) == 0 and int(m.group(3)) == 0
+    assert int(m.group(1)) >= min_cases
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_check_reduced(nranks, shm_leak_check):
+    # 1 KiB slots: the 1001 and 4099 counts still wrap the 4-slot FIFOs, and 4 spinning
+    # processes on 2 cores stay fast (256-byte slots take 10-20 s there).
+    proc = run_mpi(nranks, [*CHECK, *REDUCED, "--slot-bytes", "1024"], timeout=90, module=True)
+    cases = _assert_clean(proc)
+    # (allreduce ring+tree, reduce_scatter, reduce) x 4 ops + (allgather, broadcast); x 4 dtypes x 5 counts x 2
+    assert cases == (4 * 4 + 2) * 4 * 5 * 2
+    assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
+
+
+def test_check_full_default_sweep(shm_leak_check):
+    proc = run_mpi(4, CHECK, timeout=120, module=True)
+    cases = _assert_clean(proc)
+    # 10 dtypes x (4 reducing x 5 ops + 2 moving) x 4 counts x 2 placements
+    assert cases == 10 * (4 * 5 + 2) * 4 * 2
+    for coll in ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"):
+        assert coll in proc.stdout
+
+
+def test_check_multi_channel(shm_leak_check):
+    """8.4 MB per rank: the CPU tuner uses two channels of shared-memory FIFOs."""
+    args = [*CHECK, "allreduce", "reduce_scatter", "--dtype", "float32", "--op", "sum", "--algorithm", "ring",
+            "--count", "2100001", "--channels", "3", "--slot-bytes", "4096"]
+    _assert_clean(run_mpi(2, args, timeout=120, module=True), min_cases=4)
+
+
+def test_check_threads_per_block(shm_leak_check):
+    args = [*CHECK, "allreduce", "allgather", "--dtype", "float16", "uint64", "--op", "sum", "min", "--count", "1",
+            "999", "--threads", "8", "--slot-bytes", "128"]
+    _assert_clean(run_mpi(3, args, timeout=90, module=True))
+
+
+def test_check_relaunch_np(shm_leak_check):
+    """`commref check --np 2` outside MPI relaunches itself under mpiexec."""
+    if mpiexec() is None:
+        pytest.skip("mpiexec not found")
+    cmd = [sys.executable, "-m", "collectives.cli", "check", "--np", "2", "reduce", "broadcast", "--dtype", "int8",
+           "float32", "--op", "sum", "max", "--count", "0", "5", "300"]
+    proc = run_cmd(cmd, timeout=90, env=clean_env())
+    _assert_clean(proc)
+    assert "# commref check: 2 ranks, device cpu" in proc.stdout
+    # Printed once (by rank 0 of the relaunched job), not once per rank.
+    assert proc.stdout.count("# commref check:") == 1
+
+
+def test_check_single_process_no_mpi():
+    """Without --np and outside MPI: a one-rank ThreadWorld."""
+    cmd = [sys.executable, "-m", "collectives.cli", "check", "allreduce", "--dtype", "float32", "--op", "avg",
+           "--count", "3"]
+    proc = run_cmd(cmd, timeout=60, env=clean_env())
+    _assert_clean(proc)
+    assert "# commref check: 1 ranks, device cpu" in proc.stdout

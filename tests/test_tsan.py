@@ -1,0 +1,195 @@
+"""ThreadSanitizer build of the CPU engine and the kernels, run in a ThreadWorld.
+
+The same sources are built with loader.TSAN_FLAGS and run in a subprocess that
+preloads the compiler's libtsan (python itself is not instrumented; the preload
+provides the runtime that the instrumented library needs and intercepts pthreads,
+malloc and the like, so the GIL and Python's locks are seen as synchronization).
+The subprocess runs ring and tree allreduce and ring allgather on 2 and 3 ranks with
+several channels (blocks on the engine's pooled worker threads), with one thread per
+block and with several (fibers, which the engine announces to TSan), then launches
+the engine self-test kernels from several Python threads at once.
+
+- Positive: the normal build runs clean (no ThreadSanitizer report at all) and
+  every result is exact.
+- Negative: built with COMMREF_TEST_BROKEN_RELEASE, store_release() is relaxed, so
+  a flag publishes FIFO data without ordering it; TSan must report the data race
+  between the sender's writes and the receiver's reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from device_kernels import loader
+
+REPO = Path(__file__).resolve().parents[1]
+TSAN_EXITCODE = 66
+# halt_on_error=0: report every race and keep going (the negative test counts them).
+# exitcode: a distinct status when anything was reported.
+# report_signal_unsafe=0: python's own signal handlers are not our concern.
+TSAN_OPTIONS = f"halt_on_error=0 exitcode={TSAN_EXITCODE} report_signal_unsafe=0 history_size=4"
+RUN_TIMEOUT_S = 600
+
+# Runs in the TSan subprocess: argv = library path, threads per block.
+SCRIPT = r'''
+import ctypes, json, sys, threading
+from pathlib import Path
+
+import numpy as np
+
+from collectives import communicator, tuner, verify
+from device_kernels import abi, loader
+from transports.world import ThreadWorld
+
+lib, threads = Path(sys.argv[1]), int(sys.argv[2])
+assert hasattr(ctypes.CDLL(None), "__tsan_switch_to_fiber"), "the TSan runtime is not loaded"
+tsan_kernels = loader.CpuKernels(lib)
+# The Communicator takes its kernels from loader.cpu_kernels(): hand it the TSan build
+# (the uninstrumented library is never built nor loaded in this process).
+loader.cpu_kernels = lambda defines=(): tsan_kernels
+# Small messages on several channels, so that blocks also run on the engine's workers.
+tuner.BYTES_PER_CHANNEL = 1024
+
+def rank_main(world):
+    n, r = world.size, world.rank
+    comm = communicator.Communicator(world, "cpu", max_channels=3, slot_bytes=256, nsteps=2,
+                                     threads=threads, timeout=120)
+    assert comm.kernels is tsan_kernels
+    wrong = {}
+    for it in range(2):
+        for algo in ("ring", "tree"):
+            for count in (1, 3001):
+                seed = 11 + it
+                x = verify.make_input("allreduce", np.int32, "sum", seed, r, n, count)
+                out = np.zeros_like(x)
+                comm.allreduce(x, out, "sum", algorithm=algo)
+                exp = verify.expected_output("allreduce", np.int32, "sum", seed, r, n, count)
+                wrong[f"allreduce/{algo}/{count}/{it}"] = verify.count_wrong(out, exp)
+        for count in (5, 7777):
+            x = verify.make_input("allgather", np.uint8, None, 3 + it, r, n, count)
+            out = np.zeros(count * n, np.uint8)
+            comm.allgather(x, out)
+            exp = verify.expected_output("allgather", np.uint8, None, 3 + it, r, n, count)
+            wrong[f"allgather/ring/{count}/{it}"] = verify.count_wrong(out, exp)
+    comm.close()
+    return wrong
+
+result = {}
+for nranks in (2, 3):
+    per_rank = ThreadWorld.run(nranks, rank_main, timeout=120)
+    for rank, w in enumerate(per_rank):
+        for case, bad in w.items():
+            result[f"nranks={nranks}/rank={rank}/{case}"] = bad
+
+# Engine: launches from several Python threads at once share the worker pool.
+def selftest(grid, block, reps, errors):
+    try:
+        for _ in range(reps):
+            dst = np.zeros(grid, np.uint64)
+            a = np.zeros(1, abi.COPY_ARGS)
+            a[0]["dst"] = dst.ctypes.data
+            tsan_kernels.launch("commref_engine_selftest", grid, block, a)
+            exp = np.arange(grid, dtype=np.uint64) * 1000000 + block * (block + 1) // 2 + grid * 1000
+            if not (dst == exp).all():
+                errors.append(f"selftest grid={grid} block={block}: {dst} != {exp}")
+    except Exception as e:
+        errors.append(repr(e))
+errors = []
+ths = [threading.Thread(target=selftest, args=(g, b, 10, errors)) for g, b in ((3, 7), (2, 1), (4, 33))]
+for t in ths: t.start()
+for t in ths: t.join()
+result["engine/concurrent_selftest"] = len(errors)
+print("RESULT " + json.dumps({"wrong": result, "errors": errors}), flush=True)
+'''
+
+
+def libtsan_path() -> str | None:
+    """The compiler's ThreadSanitizer runtime, or None (with the reason printed)."""
+    try:
+        cxx = loader.host_compiler()
+    except loader.KernelError as e:
+        print(f"no ThreadSanitizer runtime: {e}")
+        return None
+    out = subprocess.run([cxx, "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+    # Without the runtime the compiler echoes the bare name back.
+    if not out or not os.path.isabs(out) or not os.path.exists(out):
+        print(f"no ThreadSanitizer runtime: `{cxx} -print-file-name=libtsan.so` gave {out!r}")
+        return None
+    return os.path.realpath(out)
+
+
+LIBTSAN = libtsan_path()
+pytestmark = pytest.mark.skipif(LIBTSAN is None, reason="libtsan is not available for the host compiler "
+                                "(`<cxx> -print-file-name=libtsan.so` finds no runtime)")
+
+
+@pytest.fixture(scope="module")
+def tsan_library() -> Path:
+    return loader.build_cpu_library(flags=loader.TSAN_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def broken_tsan_library() -> Path:
+    return loader.build_cpu_library(flags=loader.TSAN_FLAGS, defines=("COMMREF_TEST_BROKEN_RELEASE",))
+
+
+def run_under_tsan(lib: Path, threads: int, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+    script = tmp_path / "tsan_collectives.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = LIBTSAN
+    env["TSAN_OPTIONS"] = TSAN_OPTIONS
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("COMMREF_TIMEOUT", "120")
+    proc = subprocess.run([sys.executable, str(script), str(lib), str(threads)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+    return proc, result
+
+
+def reports(stderr: str) -> list[str]:
+    """The TSan reports in `stderr`, one string each."""
+    return re.findall(r"={18}\nWARNING: ThreadSanitizer:.*?(?:\n={18}|\Z)", stderr, flags=re.S)
+
+
+def describe(proc: subprocess.CompletedProcess, limit: int = 12000) -> str:
+    return (f"exit status {proc.returncode}\n--- stdout (tail) ---\n{proc.stdout[-3000:]}\n"
+            f"--- stderr (head) ---\n{proc.stderr[:limit]}")
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_tsan_clean_collectives(tsan_library, tmp_path, threads):
+    proc, result = run_under_tsan(tsan_library, threads, tmp_path)
+    found = reports(proc.stderr)
+    summaries = sorted(set(re.findall(r"SUMMARY: ThreadSanitizer: .*", proc.stderr)))
+    assert "WARNING: ThreadSanitizer" not in proc.stderr, (
+        f"{len(found)} ThreadSanitizer report(s) with threads={threads}:\n" + "\n".join(summaries) + "\n"
+        + describe(proc))
+    assert proc.returncode == 0, describe(proc)
+    assert result is not None, describe(proc)
+    bad = {case: n for case, n in result["wrong"].items() if n}
+    assert not bad and not result["errors"], f"wrong results under TSan: {bad} {result['errors']}"
+    assert len(result["wrong"]) == 2 * (2 + 3) * 6 + 1  # every case ran on every rank
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_tsan_detects_broken_release(broken_tsan_library, tmp_path, threads):
+    proc, result = run_under_tsan(broken_tsan_library, threads, tmp_path)
+    assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
+        "a relaxed flag publish went unnoticed by ThreadSanitizer\n" + describe(proc))
+    assert proc.returncode == TSAN_EXITCODE, describe(proc)
+    # The races are on what the flags publish: FIFO slots and step headers, written by
+    # the sender (lsaPost, reduceCopy) and read by the receiver (lsaWaitReady, reduceCopy).
+    summaries = re.findall(r"SUMMARY: ThreadSanitizer: data race (\S+)", proc.stderr)
+    assert any("/commref/" in s for s in summaries), "\n".join(summaries) + "\n" + describe(proc)
+    assert result is not None, describe(proc)  # the run itself completed
