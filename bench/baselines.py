@@ -136,8 +136,7 @@ class NCCLBaseline:
     # (which commref's verify.DTYPE_CODES and OPS mirror).
     def _op(self, op: str):
         if self._api == "nccl4py":
-            ops = getattr(self._nccl, "NcclRedOp", None) or getattr(self._nccl, "RedOp")
-            return getattr(ops, op.upper())
+            return getattr(self._nccl, op.upper())  # nccl.core.SUM, PROD, MAX, MIN, AVG
         return OPS[op]
 
     def _stream(self) -> int:
@@ -240,12 +239,14 @@ def _short_mpi_name(version: str) -> str:
 
 
 def _nccl_version(mod) -> str:
-    for name in ("get_version", "version"):
-        fn = getattr(mod, name, None)
-        if callable(fn):
-            try:
-                v = int(fn())
-                return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
-            except Exception:  # the version is informational only
-                pass
-    return "?"
+    """libnccl's version: nccl4py's get_version() is a VersionInfo; CuPy's is an int."""
+    try:
+        v = mod.get_version()
+    except Exception:  # noqa: BLE001 - the version is informational only
+        return "?"
+    lib = getattr(v, "libnccl", None)
+    if lib is not None:
+        return str(getattr(lib, "version", lib))
+    if isinstance(v, int):
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+    return str(v)

@@ -107,7 +107,7 @@ def _case(name: str, comm: Communicator):
 
 # Errors raised below the Communicator (verify.dtype_name, tuner.plan) do not name the
 # rank, unlike every other input check (see the report).
-NO_RANK_IN_MESSAGE = {"dtype_complex64", "dtype_bool", "dtype_big_endian", "tree_allgather", "tree_reduce_scatter"}
+NO_RANK_IN_MESSAGE: set[str] = set()  # every input error names the rank
 
 BAD_CASES = [
     "allgather_recv_too_small", "reduce_scatter_send_wrong_size", "allreduce_count_differs", "dtype_send_vs_recv",
@@ -307,22 +307,20 @@ def test_mismatch_names_both_values():
         assert errors[0].peer == 1
 
 
-# Mismatches that put the ranks on connections that never meet (ring vs tree FIFOs, or a
-# rooted chain that starts at different ranks) are only caught by the deadline, or not at
-# all. The contract (communicator.py docstring) says CommMismatch; these document the gap.
-@pytest.mark.xfail(strict=True, reason="BUG: mismatches whose ranks use disjoint connections are not "
-                                       "detected as CommMismatch (CommTimeout after the deadline, or a "
-                                       "silent success); see report")
+# Mismatches that would put the ranks on connections that never meet (ring vs tree FIFOs,
+# or a rooted chain that starts at different ranks): the kernels' ring handshake turns
+# them into CommMismatch too.
 @pytest.mark.parametrize("field, nranks", [("algorithm", 2), ("collective (auto algorithm)", 3),
                                            ("reduce root", 2), ("broadcast root", 2)])
 def test_cross_rank_mismatch_on_disjoint_connections(field, nranks):
-    root, errors, elapsed = _run_mismatch(field, nranks, timeout=1.0)
+    root, errors, elapsed = _run_mismatch(field, nranks, timeout=5.0)
     assert isinstance(root, CommMismatch), f"{root!r} after {elapsed:.1f} s"
+    assert elapsed < PROMPT, f"took {elapsed:.1f} s"
 
 
 @pytest.mark.parametrize("field", ["algorithm", "reduce root"])
 def test_undetected_mismatch_still_never_hangs(field):
-    """Whatever the diagnosis, these mismatches end within the deadline (+ slack)."""
-    root, errors, elapsed = _run_mismatch(field, 2, timeout=1.0)
-    assert elapsed < 1.0 + 1.5, f"took {elapsed:.1f} s"
-    assert isinstance(root, (CommMismatch, CommTimeout)), repr(root)
+    """These mismatches end promptly with CommMismatch, well before the deadline."""
+    root, errors, elapsed = _run_mismatch(field, 2, timeout=5.0)
+    assert elapsed < 2.0, f"took {elapsed:.1f} s"
+    assert isinstance(root, CommMismatch), repr(root)

@@ -215,20 +215,12 @@ def test_many_small_calls_reuse_the_fifo(many_channels):
         assert all(ok), f"rank {r}: {ok}"
 
 
-@pytest.mark.xfail(strict=True, raises=CommTimeout,
-                   reason="BUG: Communicator accepts nsteps=1, but a ring step waits for its outbound credit "
-                          "before it releases its inbound slot, so a 1-slot FIFO ring deadlocks (ends in "
-                          "CommTimeout); nsteps should be validated >= 2")
-def test_single_slot_fifo_is_rejected_or_works():
+def test_single_slot_fifo_is_rejected():
+    """A ring step holds its inbound slot while it waits for an outbound one, so a
+    one-slot FIFO would deadlock: construction refuses it."""
     def fn(world):
-        try:
-            comm = Communicator(world, "cpu", max_channels=1, slot_bytes=64, nsteps=1, timeout=1.0)
-        except ValueError as e:  # the fix: reject at construction
-            assert "nsteps" in str(e)
-            return True
-        x = np.ones(4, np.int32)
-        y = np.empty_like(x)
-        comm.allreduce(x, y, algorithm="ring")
-        return bool((y == world.size).all())
+        with pytest.raises(ValueError, match="nsteps must be >= 2"):
+            Communicator(world, "cpu", max_channels=1, slot_bytes=64, nsteps=1, timeout=1.0)
+        return True
 
     assert all(ThreadWorld.run(2, fn, timeout=5.0))

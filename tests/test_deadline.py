@@ -58,7 +58,7 @@ def test_kernel_deadline_names_rank_and_peer():
         peer = (rank - 1) % 3
         assert (exc.rank, exc.peer) == (rank, peer)
         msg = str(exc)
-        assert msg.startswith(f"rank {rank}: timed out after 1 s waiting for peer {peer}: "), msg
+        assert msg.startswith(f"rank {rank}: timed out after 1.0 s waiting for peer {peer}: "), msg
         assert "data of the next step (recv ready)" in msg and "channel 0" in msg, msg
         m = re.search(r"expected >= (\d+), seen (\d+)", msg)
         assert m and int(m.group(1)) > int(m.group(2)), msg
@@ -86,13 +86,16 @@ def test_kernel_deadline_propagates_through_thread_world():
 
 
 def test_kernel_deadline_tree():
-    """Tree allreduce over 3 ranks: rank 1 is the root of tree 0 and waits on child 2."""
+    """Tree allreduce over 3 ranks. Rank 0 (a leaf of tree 0) waits in the call
+    handshake for its ring predecessor, the missing rank 2; rank 1 (the root) passed the
+    handshake and waits for its child 0's data, which never comes."""
     results = ThreadWorld.run(3, _absent_from_collective, False, "tree", timeout=10.0)
     errs = {r: results[r][0] for r in (0, 1)}
     for r, e in errs.items():
         assert isinstance(e, CommTimeout) and results[r][1] < 2.5, f"rank {r}: {e!r}"
         assert f"rank {r}: timed out" in str(e) and "expected >= " in str(e) and ", seen " in str(e)
-    assert errs[1].peer == MISSING, str(errs[1])
+    assert errs[0].peer == MISSING, str(errs[0])
+    assert errs[1].peer == 0 and "recv ready" in str(errs[1]), str(errs[1])
 
 
 def _absent_from_setup(world):
@@ -165,7 +168,7 @@ def test_mpi_kernel_deadline(shm_leak_check):
     assert proc.returncode != 0, out[-3000:]
     # Deadline, then MPI_Abort; the absent rank would otherwise sleep for 120 s.
     assert elapsed < MPI_TIMEOUT + 15, f"took {elapsed:.1f} s"
-    assert f"rank 0: timed out after {MPI_TIMEOUT} s waiting for peer {MISSING}" in out, out[-3000:]
+    assert f"rank 0: timed out after {MPI_TIMEOUT:.1f} s waiting for peer {MISSING}" in out, out[-3000:]
     assert "CommTimeout" in out and "expected >= 1, seen 0" in out
     assert "MPI_Abort" in out or "Abort" in out, out[-2000:]
 
