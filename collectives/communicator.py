@@ -169,8 +169,8 @@ class Communicator:
                     runtime.hostRegister(arr.ctypes.data, arr.nbytes, 2)  # cudaHostRegisterMapped
                 except runtime.CUDARuntimeError:
                     pass  # already registered (the world's abort word is shared)
-            self._error_address = runtime.hostGetDevicePointer(error.ctypes.data, 0)
-            self._abort_address = runtime.hostGetDevicePointer(abort.ctypes.data, 0)
+            self._error_address = _device_pointer_of_host(error.ctypes.data)
+            self._abort_address = _device_pointer_of_host(abort.ctypes.data)
         else:
             self._error_address = error.ctypes.data
             self._abort_address = abort.ctypes.data
@@ -385,6 +385,20 @@ class Communicator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _device_pointer_of_host(ptr: int) -> int:
+    """The device address of registered host memory (cudaHostGetDevicePointer); with
+    unified addressing and host-pointer support it is the host address itself."""
+    try:
+        from cuda.bindings import runtime as cudart
+
+        err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
+        if int(err) == 0:
+            return int(dptr)
+    except ImportError:
+        pass
+    return ptr
 
 
 def _address(table) -> int:

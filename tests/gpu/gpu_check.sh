@@ -4,13 +4,16 @@
 # Usage: bash tests/gpu/gpu_check.sh   (from the repository root; ~5 minutes)
 set -u
 cd "$(dirname "$0")/../.."
+# The launcher must match the MPI that mpi4py was built with: prefer the machine's own.
+MPIEXEC=$(command -v mpiexec || command -v mpirun || true)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  export PATH=/tmp/site/bin:$PATH
 fi
+[ -n "$MPIEXEC" ] || MPIEXEC=/tmp/site/bin/mpiexec
 export PYTHONPATH=$PWD:${PYTHONPATH:-} COMMREF_TIMEOUT=${COMMREF_TIMEOUT:-60} NCCL_MULTI_RANK_GPU_ENABLE=1
-MPIEXEC=$(command -v mpiexec || echo /tmp/site/bin/mpiexec)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+echo "mpiexec: $MPIEXEC"; python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 status=0
 step() { echo; echo "=== $1"; shift; local t0=$SECONDS; "$@"; local rc=$?; echo "=== rc=$rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1; }
 nvidia-smi -L
