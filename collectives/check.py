@@ -3,7 +3,7 @@ inputs and count wrong elements against the numpy references, per case."""
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,9 +120,11 @@ def _sentinel(xp, n: int, dt: np.dtype):
 def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
     """Runs the cases in order on every rank; returns wrong elements per case, summed
     over ranks (one allgather at the end)."""
+    comm.prepare({comm.kernel_spec(c.coll, c.dtype, c.op) for c in case_list})
     wrong = []
     for i, case in enumerate(case_list):
-        wrong.append(run_case(comm, case, stream))
+        with stream if stream is not None else contextlib.nullcontext():
+            wrong.append(run_case(comm, case, stream))
         if progress:
             progress(i + 1, len(case_list))
     per_rank = comm.world.allgather(wrong, what="check results")

@@ -264,10 +264,22 @@ class Communicator:
         a["elemSize"] = s.dtype.itemsize
         a["callDesc"] = pack_call(coll, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
         a["peers"] = self._peers[plan.nchannels]
-        spec = (DTYPE_CODES[dname], op_code) if coll in REDUCING else None
+        spec = self.kernel_spec(coll, dname, op)
         status = self.kernels.launch(name, plan.nchannels, self.threads, self._args, stream, spec)
         if status:
             raise self._failure()
+
+    @staticmethod
+    def kernel_spec(coll: str, dtype: str, op: str | None):
+        """Which kernel specialization a call needs (see loader.specialization)."""
+        return (DTYPE_CODES[dtype], OPS[op]) if coll in REDUCING else None
+
+    def prepare(self, specs) -> None:
+        """Collective: builds and loads the kernels for these specs on every rank, then
+        waits for all ranks. On a GPU, do this before a sweep over new dtypes and ops:
+        loading a module while collective kernels run could wait on them."""
+        self.kernels.prepare(specs)
+        self.world.barrier(what="kernels prepared")
 
     def synchronize(self, stream=None) -> None:
         """GPU: waits for `stream` and turns a kernel failure into its diagnostic."""

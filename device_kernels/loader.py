@@ -28,6 +28,11 @@ import numpy as np
 
 from . import abi
 
+# Kernels of different ranks spin on each other's flags. Lazy module loading (the CUDA
+# default since 12.2) may load a kernel while such kernels run and wait for them: load
+# eagerly. Only takes effect if set before CUDA is initialised in this process.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 SOURCE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = SOURCE_DIR / "include"
 MAIN_SOURCE = SOURCE_DIR / "kernels" / "all.cu"
@@ -138,6 +143,9 @@ class CpuKernels:
             raise KernelError(f"the CPU engine could not run {name} with grid={grid} block={block}")
         return status
 
+    def prepare(self, specs) -> None:
+        """Nothing to do: the CPU library holds every instance."""
+
     def abi(self) -> dict[str, int]:
         """Offsets ("Struct.field") and sizes ("Struct") of the ABI as this build sees them."""
         names_fn = self._lib.commref_abi_names
@@ -222,8 +230,17 @@ class CudaKernels:
                 with cupy.cuda.Device(self.device_id):
                     mod = cupy.RawModule(code=gpu_source(), options=options)
                     mod.compile()
+                    for name in KERNELS.values():  # load every entry point now, not mid-collective
+                        mod.get_function(name)
                 self._modules[defines] = mod
             return mod
+
+    def prepare(self, specs) -> None:
+        """Compiles and loads the modules for these (dtype code, op code) specs (None:
+        data movement). Call it while no collective kernel runs: loading a module can
+        wait for running kernels, which may be waiting for this rank."""
+        for spec in specs:
+            self.module(specialization(spec))
 
     def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None,
                spec: tuple[int, int] | None = None) -> int:

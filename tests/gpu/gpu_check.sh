@@ -11,9 +11,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 [ -n "$MPIEXEC" ] || MPIEXEC=/tmp/site/bin/mpiexec
+PY=$(command -v python3)  # absolute: the launcher's PATH may find another python3
 export PYTHONPATH=$PWD:${PYTHONPATH:-} COMMREF_TIMEOUT=${COMMREF_TIMEOUT:-60} NCCL_MULTI_RANK_GPU_ENABLE=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-echo "mpiexec: $MPIEXEC"; python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+MPIFLAGS=""
+if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
+  MPIFLAGS="--oversubscribe -x PYTHONPATH -x COMMREF_TIMEOUT -x NCCL_MULTI_RANK_GPU_ENABLE -x CUDA_MODULE_LOADING"
+fi
+export CUDA_MODULE_LOADING=EAGER
+echo "mpiexec: $MPIEXEC $MPIFLAGS"; python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 status=0
 step() { echo; echo "=== $1"; shift; local t0=$SECONDS; "$@"; local rc=$?; echo "=== rc=$rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1; }
 nvidia-smi -L
@@ -24,11 +30,11 @@ import time; t=time.time()
 from device_kernels import loader; loader.cuda_kernels(0); print('compiled in %.1f s' % (time.time()-t))"
 step "GPU tests (pytest -m gpu)" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider
 step "4 ranks in ThreadWorld on one GPU" timeout 200 python3 tests/gpu/thread_world_gpu.py --np 4
-step "2 MPI ranks on one GPU through CUDA IPC" timeout 200 "$MPIEXEC" -n 2 python3 -m mpi4py -m collectives.cli check \
+step "2 MPI ranks on one GPU through CUDA IPC" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m collectives.cli check \
   --device cuda --dtype float32 bfloat16 int32 --count 0 7 1001 65537
-step "commref vs NCCL (nccl4py), 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 python3 -m mpi4py tests/gpu/nccl_compare.py
+step "commref vs NCCL (nccl4py), 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py tests/gpu/nccl_compare.py
 if [ -f bench/harness.py ] && [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-  step "bench: ours vs NCCL, 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 python3 -m mpi4py -m collectives.cli bench \
+  step "bench: ours vs NCCL, 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m collectives.cli bench \
     all_reduce -b 8 -e 256M -f 4 --device cuda -n 10 -w 3
 fi
 echo; echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL)"

@@ -31,18 +31,21 @@ def main():
     uid = world.bcast(nccl.get_unique_id() if world.rank == 0 else None, what="nccl unique id")
     ncomm = nccl.Communicator.init(world.size, world.rank, uid)
     comm = Communicator(world, "cuda")
+    comm.prepare({comm.kernel_spec(c, d, o) for c, d, o in CASES})
     stream = cupy.cuda.Stream(non_blocking=True)
     ops = {"sum": nccl.SUM, "prod": nccl.PROD, "max": nccl.MAX, "min": nccl.MIN, "avg": nccl.AVG, None: None}
     n, r, failures = world.size, world.rank, 0
     for coll, dname, op in CASES:
         for count in (1, 1001, 1 << 20):
             dt = verify.DTYPES[dname]
-            x = cupy.asarray(verify.make_input(coll, dt, op, 7, r, n, count))
+            with stream:
+                x = cupy.asarray(verify.make_input(coll, dt, op, 7, r, n, count))
             exp = verify.expected_output(coll, dt, op, 7, r, n, count, root=0)
             rc = verify.recv_count(coll, count, n)
             outs = []
             for impl in ("commref", "nccl"):
-                out = cupy.zeros(rc, dtype=dt)
+                with stream:
+                    out = cupy.zeros(rc, dtype=dt)
                 if impl == "commref":
                     c, kw = comm, {"stream": stream}
                 else:

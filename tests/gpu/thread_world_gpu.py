@@ -34,7 +34,7 @@ def main():
     p.add_argument("--op", nargs="+", default=["sum", "prod", "max", "min", "avg"])
     args = p.parse_args()
     t0 = time.time()
-    results = ThreadWorld.run(args.np, body, args, timeout=120)
+    results = ThreadWorld.run(args.np, body, args, timeout=60)
     cases, wrong = results[0]
     print(check.format_table(check.summary_rows(cases, wrong), args.np, "cuda (ThreadWorld, one GPU)"))
     print(f"# {len(cases)} cases, {sum(wrong)} wrong elements, {time.time() - t0:.1f} s")
