@@ -16,6 +16,7 @@ different call from its peer fails with CommMismatch instead of hanging.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -287,8 +288,13 @@ class Communicator:
             return
         import cupy
 
+        s = stream or cupy.cuda.get_current_stream()
         try:
-            (stream or cupy.cuda.get_current_stream()).synchronize()
+            # Poll rather than block: a blocking wait that holds the GIL would stop the
+            # other ThreadWorld ranks from launching the kernels this one waits for.
+            while not s.done:
+                time.sleep(0)
+            s.synchronize()
         except cupy.cuda.runtime.CUDARuntimeError as e:
             if int(self._error[0]["code"]) != abi.ERR_OK:
                 raise self._failure() from e

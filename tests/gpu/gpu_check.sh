@@ -16,9 +16,9 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} COMMREF_TIMEOUT=${COMMREF_TIMEOUT:-60} NC
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 MPIFLAGS=""
 if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
-  MPIFLAGS="--oversubscribe -x PYTHONPATH -x COMMREF_TIMEOUT -x NCCL_MULTI_RANK_GPU_ENABLE -x CUDA_MODULE_LOADING"
+  MPIFLAGS="--oversubscribe -x PYTHONPATH -x COMMREF_TIMEOUT -x NCCL_MULTI_RANK_GPU_ENABLE -x CUDA_MODULE_LOADING -x NCCL_DEBUG"
 fi
-export CUDA_MODULE_LOADING=EAGER
+export CUDA_MODULE_LOADING=EAGER NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 echo "mpiexec: $MPIEXEC $MPIFLAGS"; python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 status=0
 step() { echo; echo "=== $1"; shift; local t0=$SECONDS; "$@"; local rc=$?; echo "=== rc=$rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1; }

@@ -28,6 +28,8 @@ def main():
 
     world = MPIWorld()
     cupy.cuda.Device(0).use()
+    if world.rank == 0:
+        print(f"nccl4py {nccl.__version__}, NCCL library {nccl.get_version()}", flush=True)
     uid = world.bcast(nccl.get_unique_id() if world.rank == 0 else None, what="nccl unique id")
     ncomm = nccl.Communicator.init(world.size, world.rank, uid)
     comm = Communicator(world, "cuda")
