@@ -14,6 +14,9 @@ import json
 import sys
 
 
+_DOC_STYLES = ["-", "-.", (0, (6, 2)), (0, (1, 1))]  # baseline line style per document
+
+
 def _human(n: float) -> str:
     for unit in ("B", "K", "M", "G"):
         if n < 1024 or unit == "G":
@@ -33,13 +36,15 @@ def plot(docs: list[dict], path: str, title: str | None = None) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     many = len(docs) > 1
     drawn_baselines, drawn_bounds = set(), set()
+    all_sizes: list[int] = []
     for k, doc in enumerate(docs):
         env = doc.get("environment", {})
-        tag = f" [{env.get('nranks')} ranks, {env.get('device')}]" if many else ""
+        tag = f" [{doc.get('collective')}, {env.get('nranks')} ranks, {env.get('device')}]" if many else ""
         rows = doc["rows"]
         for label in dict.fromkeys(r["series"] for r in rows):
             mine = [r for r in rows if r["series"] == label and r["size"] > 0]
             sizes = [r["size"] for r in mine]
+            all_sizes += sizes
             line, = ax.plot(sizes, [r["out_of_place"]["busbw"] for r in mine], marker="o", ms=3,
                             label=f"commref {label} out-of-place{tag}")
             ax.plot(sizes, [r["in_place"]["busbw"] for r in mine], ls="--", marker=".", ms=3,
@@ -49,12 +54,16 @@ def plot(docs: list[dict], path: str, title: str | None = None) -> None:
         if base and any(r.get("baseline") for r in first) and (base["label"], tag) not in drawn_baselines:
             drawn_baselines.add((base["label"], tag))
             pts = [(r["size"], r["baseline"]["busbw"]) for r in first if r.get("baseline")]
-            ax.plot(*zip(*pts), color="black", marker="s", ms=3, label=f"{base['label']} (baseline){tag}")
+            ax.plot(*zip(*pts), color="black", marker="s", ms=3, ls=_DOC_STYLES[k % len(_DOC_STYLES)],
+                    label=f"{base['label']} (baseline){tag}")
         if any(r.get("bound") for r in first) and tag not in drawn_bounds:
             drawn_bounds.add(tag)
             pts = [(r["size"], r["bound"]["busbw"]) for r in first if r.get("bound")]
-            ax.plot(*zip(*pts), color="gray", ls=":", lw=2, label=f"memory-bandwidth bound{tag}")
+            ax.plot(*zip(*pts), color="gray", ls=":", lw=2 + k % 2, alpha=1 - 0.3 * (k % 2),
+                    label=f"memory-bandwidth bound{tag}")
     ax.set_xscale("log", base=2)
+    if all_sizes:
+        ax.set_xlim(min(all_sizes) / 1.4, max(all_sizes) * 1.4)
     ax.xaxis.set_major_locator(LogLocator(base=2, numticks=40))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _human(v)))
     ax.tick_params(axis="x", labelrotation=45, labelsize=8)
@@ -62,11 +71,14 @@ def plot(docs: list[dict], path: str, title: str | None = None) -> None:
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_ylim(bottom=0)
     ax.grid(True, which="major", alpha=0.3)
+    if title is None and many:
+        title = "commref bench: " + ", ".join(dict.fromkeys(str(d.get("collective")) for d in docs))
     if title is None:
         d = docs[0]
         env, p = d.get("environment", {}), d.get("params", {})
         title = (f"commref {d.get('collective')}: {env.get('nranks')} ranks ({env.get('world')}), "
-                 f"{p.get('datatype')}, device {env.get('device')}, {env.get('link', '')}")
+                 f"{p.get('datatype')}, device {env.get('device')}, "
+                 f"{', '.join(p.get('path') or ['lsa'])} over {env.get('link', '?')}")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()

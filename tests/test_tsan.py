@@ -167,7 +167,7 @@ def describe(proc: subprocess.CompletedProcess, limit: int = 12000) -> str:
             f"--- stderr (head) ---\n{proc.stderr[:limit]}")
 
 
-@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("threads", [1, 5])
 def test_tsan_clean_collectives(tsan_library, tmp_path, threads):
     proc, result = run_under_tsan(tsan_library, threads, tmp_path)
     found = reports(proc.stderr)
@@ -182,7 +182,7 @@ def test_tsan_clean_collectives(tsan_library, tmp_path, threads):
     assert len(result["wrong"]) == 2 * (2 + 3) * 6 + 1  # every case ran on every rank
 
 
-@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("threads", [1, 5])
 def test_tsan_detects_broken_release(broken_tsan_library, tmp_path, threads):
     proc, result = run_under_tsan(broken_tsan_library, threads, tmp_path)
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
