@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 import sys
@@ -49,9 +50,12 @@ from .bound import BoundMeter, BoundTimes, bound_busbw
 from .environment import LINKS, environment
 
 SCHEMA = "commref-bench/1"
+# Communicator's path options (GIN: backend, wire ordering model, network under it, signal protocol).
 PATHS = ("lsa", "gin", "auto")
-BACKENDS = ("proxy", "gda", "rc")
-WIRES = ("shm", "mpi", "ordered", "unordered")
+BACKENDS = ("auto", "proxy", "gda", "rc")
+WIRES = ("ordered", "unordered")
+NETWORKS = ("auto", "shm", "mpi")
+PROTOCOLS = ("strong", "weak")
 PROGRESS_ENV = "COMMREF_BENCH_PROGRESS"  # set by the launching process: "bar" or "bar+rows"
 
 # nccl-tests' type names, and the numpy names commref uses.
@@ -157,9 +161,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--path", type=_list_of(PATHS, "path"), default=["lsa"],
                    help="lsa, gin or auto; several comma-separated are measured side by side (default lsa)")
     c.add_argument("--backend", type=_list_of(BACKENDS, "backend"), default=None,
-                   help="GIN backends: proxy, gda, rc (comma-separated)")
+                   help="GIN backends: auto, proxy, gda, rc (comma-separated; Communicator's default if omitted)")
     c.add_argument("--wire", type=_list_of(WIRES, "wire"), default=None,
-                   help="GIN wires: shm, mpi, ordered, unordered (comma-separated)")
+                   help="GIN wire ordering: ordered, unordered (comma-separated)")
+    c.add_argument("--network", type=_list_of(NETWORKS, "network"), default=None,
+                   help="what carries GIN traffic: auto, shm, mpi (comma-separated)")
+    c.add_argument("--gin-protocol", type=_list_of(PROTOCOLS, "GIN protocol"), default=None,
+                   help="GIN signals: strong, weak (comma-separated)")
     c.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree"])
     c.add_argument("--seed", type=int, default=1, help="seed of the exact-checkable inputs (default 1)")
     c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -187,54 +195,61 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class Series:
-    """One configuration measured side by side with the others: a path, and for GIN a
-    backend and a wire."""
+    """One configuration measured side by side with the others: a path, and for GIN
+    its backend, wire, network and signal protocol (None: Communicator's default)."""
 
     path: str
     backend: str | None = None
     wire: str | None = None
+    network: str | None = None
+    gin_protocol: str | None = None
 
     @property
     def label(self) -> str:
-        return "/".join(x for x in (self.path, self.backend, self.wire) if x)
+        return "/".join(x for x in dataclasses.astuple(self) if x)
+
+    def gin_options(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "path" and v is not None}
+
+
+GIN_FLAGS = {"backend": "--backend", "wire": "--wire", "network": "--network", "gin_protocol": "--gin-protocol"}
 
 
 def series_of(args) -> list[Series]:
-    """Every configuration the flags ask for. LSA takes no backend or wire; GIN and
-    auto are crossed with each backend and wire given."""
+    """Every configuration the flags ask for. LSA takes no GIN options; gin and auto
+    are crossed with every backend, wire, network and protocol given."""
     out = []
     for path in args.path:
         if path == "lsa":
             out.append(Series("lsa"))
-        else:
-            for backend in args.backend or [None]:
-                for wire in args.wire or [None]:
-                    out.append(Series(path, backend, wire))
-    if (args.backend or args.wire) and all(s.path == "lsa" for s in out):
-        raise NotAvailable("--backend and --wire choose GIN transports; add --path gin (or auto)")
+            continue
+        for combo in itertools.product(*[getattr(args, k, None) or [None] for k in GIN_FLAGS]):
+            out.append(Series(path, *combo))
+    if any(getattr(args, k, None) for k in GIN_FLAGS) and all(s.path == "lsa" for s in out):
+        raise NotAvailable(f"{', '.join(GIN_FLAGS.values())} choose GIN transports; add --path gin (or auto)")
     return list(dict.fromkeys(out))
 
 
 def communicator_kwargs(args, series: Series) -> dict:
-    """Communicator options for `series`; raises NotAvailable for paths this build of
-    commref does not have (the check is on Communicator's signature, so GIN paths work
-    here as soon as Communicator takes path=, backend= and wire=)."""
+    """Communicator options for `series`. Raises NotAvailable when this build's
+    Communicator does not take an option the series needs (its signature says which,
+    so a path works here as soon as Communicator offers it)."""
     from collectives.communicator import Communicator
 
     kw: dict[str, Any] = {"algorithm": args.algorithm, "max_channels": args.channels,
                           "slot_bytes": args.slot_bytes, "threads": args.threads}
-    if series != Series("lsa"):
-        params = inspect.signature(Communicator).parameters
-        missing = [k for k, v in (("path", series.path), ("backend", series.backend), ("wire", series.wire))
-                   if v is not None and k not in params]
-        if missing:
-            raise NotAvailable(f"--path {series.path}"
-                               + (f" --backend {series.backend}" if series.backend else "")
-                               + (f" --wire {series.wire}" if series.wire else "")
-                               + " is not available yet: commref's Communicator has only the LSA path so far "
-                               "(GIN paths arrive with the GIN issue); use --path lsa")
-        kw.update({k: v for k, v in (("path", series.path), ("backend", series.backend), ("wire", series.wire))
-                   if v is not None})
+    if series == Series("lsa"):
+        return kw
+    wanted = {"path": series.path, **series.gin_options()}
+    params = inspect.signature(Communicator).parameters
+    missing = [k for k in wanted if k not in params]
+    if missing:
+        flags = " ".join(f"{GIN_FLAGS.get(k, '--' + k)} {wanted[k]}" for k in wanted)
+        raise NotAvailable(f"{flags} is not available yet: this commref's Communicator has no "
+                           f"{', '.join(missing)} option; use --path lsa")
+    kw.update(wanted)
+    if "seed" in params:
+        kw["seed"] = args.seed  # the unordered wire's seed: runs are reproducible
     return kw
 
 
@@ -365,7 +380,7 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
             bound = {"busbw": bw_bound, "time_us": t_bound * 1e6, "copy_bytes": bt[0].copy_bytes,
                      "add_bytes": bt[0].add_bytes}
         size_rows = []
-        for s, _ in runners:
+        for s, comm in runners:
             res = {}
             for in_place in (False, True):
                 key = f"{s.label}|{int(in_place)}"
@@ -373,7 +388,8 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
                     [r[key]["times"] for r in every], nbytes, factor, [r[key]["wrong"] for r in every])
             oop = res["out_of_place"]
             size_rows.append({
-                "series": s.label, "path": f"{s.label}:{ctx.link}", "size": size_col, "count": counts.param,
+                "series": s.label, "path": f"{s.label}:{series_link(comm, ctx.link)}", "size": size_col,
+                "count": counts.param,
                 "type": NCCL_TYPE_NAMES[args.datatype],
                 "redop": args.op if plugin.reducing else "none", "root": args.root if plugin.rooted else -1,
                 "out_of_place": oop, "in_place": res["in_place"],
@@ -466,7 +482,7 @@ def footer(rows: list[dict]) -> list[str]:
     return lines
 
 
-def header(ctx: Ctx, env: dict, runners, baseline, link: str) -> list[str]:
+def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> list[str]:
     a = ctx.args
     lines = [
         f"# commref bench {ctx.plugin.name}: {env['nranks']} ranks ({env['world']}), device {ctx.device}, "
@@ -483,6 +499,7 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str) -> list[str]:
     lines.append("#")
     paths = ", ".join(s.label for s, _ in runners)
     lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {a.algorithm}; seed {a.seed}")
+    lines.extend(f"# Skipped {s.label}: {why}" for s, why in skipped)
     if baseline is not None:
         lines.append(f"# Baseline: {baseline.label}, out-of-place, same sweep; ratio = our out-of-place busbw / "
                      f"baseline busbw")
@@ -601,23 +618,55 @@ def setup_baseline(world, device: str, device_id: int | None, plugin, dtype, op:
     return baseline, why
 
 
+def setup_communicators(world, args, device: str, device_id: int | None, plugin, op: str | None):
+    """A Communicator per series: ([(series, comm)], [(series, reason)]). A series whose
+    setup this machine cannot meet (CapabilityError: a backend without the asked-for
+    wire, say) is skipped with its reason on every rank, so the others still run."""
+    from collectives.communicator import Communicator
+    from transports.errors import CapabilityError
+
+    runners, skipped = [], []
+    for s in series_of(args):
+        kw = {k: v for k, v in communicator_kwargs(args, s).items() if v is not None}
+        if device_id is not None:
+            kw["device_id"] = device_id
+        comm, err = None, None
+        try:
+            comm = Communicator(world, device, **kw)
+        except CapabilityError as e:
+            err = str(e)
+        errors = [e for e in world.allgather(err, what="bench: series setup") if e]
+        if errors:
+            if comm is not None:
+                comm.close()
+            skipped.append((s, errors[0]))
+            continue
+        if hasattr(comm, "prepare"):  # GPU: load the kernel module before any collective runs
+            comm.prepare([comm.kernel_spec(plugin.coll, args.datatype, op)])
+        runners.append((s, comm))
+    if not runners:
+        raise NotAvailable("no configuration can run here: "
+                           + "; ".join(f"{s.label}: {why}" for s, why in skipped))
+    return runners, skipped
+
+
+def series_link(comm, link: str) -> str:
+    """The path column's link for one series: the GIN network when GIN carries some
+    peers, else what carries LSA traffic."""
+    network = getattr(comm, "network", None)
+    return network if isinstance(network, str) and getattr(comm, "peer_mask", 0) else link
+
+
 def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], None] = print) -> dict:
     """The whole benchmark on one rank of `world`; returns the results document (the
     JSON file's content) on every rank. Rank 0 prints the table through `out`.
     `corrupt(label, in_place, rank, out)` is a test hook run after each last call."""
-    from collectives.communicator import Communicator
-
     plugin = plugins.get(args.collective)
     dtype = DTYPES[args.datatype]
     op = args.op if plugin.reducing else None
     device, device_id, xp, sync = setup_device(world, args.device)
     ctx = Ctx(world, args, plugin, dtype, device, xp, corrupt)
-    runners = []
-    for s in series_of(args):
-        kw = {k: v for k, v in communicator_kwargs(args, s).items() if v is not None}
-        if device_id is not None:
-            kw["device_id"] = device_id
-        runners.append((s, Communicator(world, device, **kw)))
+    runners, skipped = setup_communicators(world, args, device, device_id, plugin, op)
     baseline, baseline_error = (setup_baseline(world, device, device_id, plugin, dtype, op) if args.baseline
                                 else (None, "--no-baseline"))
     meter = BoundMeter(xp, dtype, sync) if args.bound else None
@@ -628,7 +677,7 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
     report = Report(world.rank == 0, out, len(sizes), plugin.name)
     t0 = time.perf_counter()
     try:
-        report.lines(header(ctx, env, runners, baseline, env["link"]))
+        report.lines(header(ctx, env, runners, baseline, env["link"], skipped))
         report.lines(table_head(baseline.label if baseline else None))
         rows = sweep(ctx, runners, baseline, meter, report.rows, report.progress)
         report.lines(footer(rows))
@@ -640,7 +689,9 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
         "collective": plugin.name,
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
         "environment": env,
-        "series": [dataclasses.asdict(s) | {"label": s.label} for s, _ in runners],
+        "series": [dataclasses.asdict(s) | {"label": s.label, "link": series_link(c, env["link"])}
+                   for s, c in runners],
+        "skipped": [dataclasses.asdict(s) | {"label": s.label, "reason": why} for s, why in skipped],
         "baseline": {"label": baseline.label, "library": baseline.library, "notes": sorted(set(baseline.notes))}
         if baseline else None,
         "bus_factor": plugin.bus_factor(world.size),

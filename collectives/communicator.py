@@ -37,21 +37,28 @@ def _align(x: int, a: int = 64) -> int:
     return (x + a - 1) // a * a
 
 
-def window_layout(nchannels: int, slot_bytes: int, nsteps: int) -> tuple[np.ndarray, int]:
-    """The connection window layout for up to `nchannels` channels, and its size."""
+def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: int = 0,
+                  gin_counters: int = 0) -> tuple[np.ndarray, int]:
+    """The connection window layout for up to `nchannels` channels (args.h), and its
+    size. GIN regions are empty when gin_capacity is 0."""
     lay = np.zeros((), dtype=abi.WINDOW_LAYOUT)
-    nin = nchannels * abi.CONN_IN
+    nin, nout = nchannels * abi.CONN_IN, nchannels * abi.CONN_OUT
+    stride = slot_bytes + abi.SLOT_HEADER
     off = 0
-    lay["fifoOff"] = off
-    off = _align(off + nin * nsteps * slot_bytes)
-    lay["readyOff"] = off
-    off = _align(off + nin * FLAG_STRIDE)
-    lay["headerOff"] = off
-    off = _align(off + nin * nsteps * 16)
-    lay["creditOff"] = off
-    off = _align(off + nchannels * abi.CONN_OUT * FLAG_STRIDE)
-    lay["stateOff"] = off
-    off = _align(off + nchannels * (abi.CONN_IN + abi.CONN_OUT) * 8)
+
+    def region(name: str, nbytes: int) -> None:
+        nonlocal off
+        lay[name] = off
+        off = _align(off + nbytes)
+
+    region("fifoOff", nin * nsteps * stride)
+    region("readyOff", nin * FLAG_STRIDE)
+    region("creditOff", nout * FLAG_STRIDE)
+    region("stateOff", nchannels * (abi.CONN_IN + abi.CONN_OUT) * 8)
+    region("stagingOff", nout * nsteps * stride if gin_capacity else 0)
+    region("ginQueueOff", gin_capacity * abi.GIN_DESCRIPTOR.itemsize + (128 if gin_capacity else 0))
+    region("ginSignalsOff", abi.gin_signals(nchannels, nsteps)[1] * 8 if gin_capacity else 0)
+    region("ginCountersOff", gin_counters * 8)
     lay["slotBytes"] = slot_bytes
     lay["nsteps"] = nsteps
     lay["flagStride"] = FLAG_STRIDE
@@ -98,11 +105,22 @@ class Communicator:
     Options: `algorithm` default ("auto", "ring", "tree"); `max_channels` (blocks per
     launch, also sizes the window); `slot_bytes` and `nsteps` (FIFO geometry);
     `threads` per block; `timeout` seconds for every wait (default: world.timeout).
+
+    Paths: `path="lsa"` (every peer by load/store; all ranks on one host), `"gin"`
+    (every peer through the GIN proxy, even on one host) or `"auto"` (LSA where the
+    peer's window is mapped, GIN otherwise, per peer). GIN options: `backend` ("auto",
+    "proxy", "rc", "gda"), `wire` ordering model ("ordered", "unordered"), `network`
+    ("auto", "shm", "mpi"), `seed` of the unordered wire, `gin_protocol` ("strong",
+    "weak-last", "signal-per-put", "flush-signal"; only "strong" is safe everywhere),
+    `puts_per_slot`, `gin_queue` descriptors, `gin_counters`, `segment_bytes`.
     """
 
     def __init__(self, world, device: str = "auto", *, algorithm: str = "auto", max_channels: int | None = None,
                  slot_bytes: int | None = None, nsteps: int | None = None, threads: int | None = None,
-                 timeout: float | None = None, device_id: int | None = None):
+                 timeout: float | None = None, device_id: int | None = None, path: str = "lsa",
+                 backend: str = "auto", wire: str = "ordered", network: str = "auto", seed: int = 0,
+                 gin_protocol: str = "strong", puts_per_slot: int = 4, gin_queue: int = 256,
+                 gin_counters: int = 0, segment_bytes: int = 4096):
         self.world = world
         self.rank, self.nranks = world.rank, world.size
         self.device = _resolve_device(device)
@@ -137,14 +155,26 @@ class Communicator:
             self.device_id = None
             self.kernels = loader.cpu_kernels()
 
-        layout, nbytes = window_layout(self.max_channels, self.slot_bytes, self.nsteps)
+        gin = self._plan_gin(world, path, backend, wire, network, gin_protocol, puts_per_slot, gin_queue,
+                             gin_counters, segment_bytes)
+        layout, nbytes = window_layout(self.max_channels, self.slot_bytes, self.nsteps,
+                                       gin_queue if gin else 0, gin_counters)
         self.window = register_window(world, nbytes, self.device, self.device_id or 0)
-        missing = [r for r in range(self.nranks) if self.window.peer_addresses[r] == 0]
+        missing = [r for r in range(self.nranks) if self.window.peer_addresses[r] == 0 and
+                   not (self.peer_mask >> r) & 1]
         if missing:
             self.window.close()
             raise CapabilityError(
                 f"rank {self.rank}: ranks {missing} cannot map this rank's window (not in its LSA team "
-                f"{self.window.lsa_ranks}); the LSA path needs every rank on one host")
+                f"{self.window.lsa_ranks}); the LSA path needs every rank on one host (use path='auto' or 'gin')")
+        self.proxy = None
+        if gin:
+            from transports.gin.proxy import GinProxy
+
+            mpi_comm = world.comm.Dup() if self.network == "mpi" else None
+            self.proxy = GinProxy(world, self.window, layout, gin_queue, self.backend, self.transport, self.network,
+                                  seed, segment_bytes, self.kernels._lib, mpi_comm)
+            self.proxy.start()
         self._error, self._abort = self._host_words()
         self._args = np.zeros(1, dtype=abi.COLL_ARGS)
         a = self._args[0]
@@ -154,8 +184,62 @@ class Communicator:
         a["timeoutNs"] = int(self.timeout * 1e9)
         a["layout"] = layout
         a["rank"], a["nranks"] = self.rank, self.nranks
+        g = a["gin"]
+        g["peerMask"] = self.peer_mask
+        g["capacity"] = gin_queue if gin else 0
+        g["protocol"] = abi.GIN_PROTOCOLS[gin_protocol] if gin else 0
+        g["putsPerSlot"] = puts_per_slot
+        g["checkHeaders"] = int(gin_protocol == "strong")
+        g["creditSignalBase"] = abi.gin_signals(self.max_channels, self.nsteps)[0]
         self._peers = {c: topology.channel_peers(self.rank, self.nranks, c) for c in range(1, self.max_channels + 1)}
         world.barrier(what="communicator ready")
+
+    def _plan_gin(self, world, path, backend, wire, network, protocol, puts_per_slot, queue, counters,
+                  segment_bytes) -> bool:
+        """Decides which peers go over GIN (self.peer_mask) and selects the backend.
+        Returns whether GIN is used at all."""
+        from transports.gin import semantics
+        from transports.gin.backends import Requirements, select_backend
+        from transports.windows import lsa_team
+
+        if path not in ("lsa", "gin", "auto"):
+            raise ValueError(f"path must be 'lsa', 'gin' or 'auto', not {path!r}")
+        if wire not in ("ordered", "unordered"):
+            raise ValueError(f"wire must be 'ordered' or 'unordered', not {wire!r}")
+        if network not in ("auto", "shm", "mpi"):
+            raise ValueError(f"network must be 'auto', 'shm' or 'mpi', not {network!r}")
+        if protocol not in abi.GIN_PROTOCOLS:
+            raise ValueError(f"gin_protocol must be one of {', '.join(abi.GIN_PROTOCOLS)}, not {protocol!r}")
+        if puts_per_slot < 1 or queue < 1:
+            raise ValueError("puts_per_slot and gin_queue must be >= 1")
+        if self.nranks > 64:
+            raise CapabilityError("GIN connections address at most 64 ranks in this version")
+        team = set(lsa_team(world)) if path != "gin" else set()
+        others = [r for r in range(self.nranks) if r != self.rank]
+        gin_peers = [] if path == "lsa" else [r for r in others if r not in team]
+        self.peer_mask = sum(1 << r for r in gin_peers)
+        self.path = path
+        if not gin_peers:
+            self.backend, self.transport, self.network = None, None, None
+            return False
+        if self.device == "cuda":
+            raise CapabilityError("GIN connections run on the CPU engine in this version (device='cpu')")
+        local = set(lsa_team(world))
+        if network == "auto":
+            network = "shm" if all(r in local for r in gin_peers) else "mpi"
+        if network == "shm" and not all(r in local for r in gin_peers):
+            raise CapabilityError(f"rank {self.rank}: network 'shm' needs every GIN peer on this host")
+        if network == "mpi" and world.kind != "mpi":
+            raise CapabilityError("network 'mpi' needs an MPI world (run under mpiexec)")
+        self.network = network
+        req = Requirements(strong_signals_required=protocol == "strong", wire=wire,
+                           signals_counters=abi.gin_signals(self.max_channels, self.nsteps)[1] + counters)
+        self.backend = select_backend(req, backend)
+        self.transport = semantics.Transport(
+            wire, ordered=wire == "ordered",
+            flush_orders_later_writes=self.backend.caps.local_completion_orders_later_writes)
+        self.gin_protocol = protocol
+        return True
 
     # ---- host-visible words the kernels write (error record) and poll (abort flag) ----
 
@@ -267,6 +351,9 @@ class Communicator:
         a["peers"] = self._peers[plan.nchannels]
         spec = self.kernel_spec(coll, dname, op)
         status = self.kernels.launch(name, plan.nchannels, self.threads, self._args, stream, spec)
+        if self.proxy is not None and self.proxy.error is not None:
+            self._broken = f"GIN proxy failed: {self.proxy.error}"
+            raise self.proxy.error
         if status:
             raise self._failure()
 
@@ -396,6 +483,9 @@ class Communicator:
         return arr, int(arr.data.ptr), not readonly
 
     def close(self) -> None:
+        if getattr(self, "proxy", None) is not None:
+            self.proxy.stop()
+            self.proxy = None
         self.window.close()
 
     def __enter__(self):

@@ -25,15 +25,35 @@ WAIT_WHAT = {
     2: "a free FIFO slot (send credit)",
     3: "call descriptor",
     4: "element count",
+    5: "a free GIN queue slot (the proxy is behind)",
+    6: "the GIN proxy to complete earlier operations (flush)",
 }
+
+# GinProtocol (args.h): how a GIN connection publishes a slot.
+GIN_PROTOCOLS = {"strong": 0, "weak-last": 1, "signal-per-put": 2, "flush-signal": 3}
+# GinOp and GinFlags (gin.h).
+GIN_PUT, GIN_PUT_VALUE, GIN_SIGNAL, GIN_GET, GIN_FLUSH = 1, 2, 3, 4, 5
+GIN_HAS_SIGNAL, GIN_STRONG, GIN_VA, GIN_ADD, GIN_HAS_COUNTER = 1, 2, 4, 8, 16
+
+SLOT_HEADER = 64  # bytes before each FIFO slot's data: call descriptor and count
+
+
+def gin_signals(nchannels: int, nsteps: int) -> tuple[int, int]:
+    """(credit signal base, total signals) of a GIN window: a ready signal per slot of
+    every inbound FIFO, then a credit signal per outbound link (connection.h)."""
+    base = nchannels * CONN_IN * nsteps
+    return base, base + nchannels * CONN_OUT
 
 WINDOW_LAYOUT = np.dtype(
     [
         ("fifoOff", "<u8"),
         ("readyOff", "<u8"),
-        ("headerOff", "<u8"),
         ("creditOff", "<u8"),
         ("stateOff", "<u8"),
+        ("stagingOff", "<u8"),
+        ("ginQueueOff", "<u8"),
+        ("ginSignalsOff", "<u8"),
+        ("ginCountersOff", "<u8"),
         ("slotBytes", "<u8"),
         ("nsteps", "<u4"),
         ("flagStride", "<u4"),
@@ -69,6 +89,30 @@ ERROR_RECORD = np.dtype(
     align=True,
 )
 
+GIN_ARGS = np.dtype(
+    [("peerMask", "<u8"), ("capacity", "<u4"), ("protocol", "<u4"), ("putsPerSlot", "<u4"), ("checkHeaders", "<u4"),
+     ("creditSignalBase", "<u4"), ("pad", "<u4")],
+    align=True,
+)
+
+GIN_DESCRIPTOR = np.dtype(
+    [
+        ("seq", "<u8"),
+        ("op", "<u4"),
+        ("flags", "<u4"),
+        ("peer", "<i4"),
+        ("ctx", "<i4"),
+        ("dstOffset", "<u8"),
+        ("srcOffset", "<u8"),
+        ("bytes", "<u8"),
+        ("signal", "<u8"),
+        ("signalValue", "<u8"),
+        ("counter", "<u4"),
+        ("pad", "<u4"),
+    ],
+    align=True,
+)
+
 COLL_ARGS = np.dtype(
     [
         ("sendbuf", "<u8"),
@@ -88,6 +132,7 @@ COLL_ARGS = np.dtype(
         ("nchannels", "<i4"),
         ("elemSize", "<i4"),
         ("pad", "<i4"),
+        ("gin", GIN_ARGS),
         ("peers", CHANNEL_PEERS, (MAX_CHANNELS,)),
     ],
     align=True,
@@ -101,4 +146,6 @@ STRUCTS = {
     "WindowLayout": WINDOW_LAYOUT,
     "ErrorRecord": ERROR_RECORD,
     "CopyArgs": COPY_ARGS,
+    "GinArgs": GIN_ARGS,
+    "GinDescriptor": GIN_DESCRIPTOR,
 }

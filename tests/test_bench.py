@@ -218,6 +218,7 @@ def test_no_check_reports_na() -> None:
 
 
 def test_plot_renders(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need the bench extra (pip install 'commref[bench]')")
     a = args_for("all_gather", "-b", "8", "-e", "64K", "-f", "4", "-n", "2", "-w", "0", "-t", "2",
                  "--plot", str(tmp_path / "p.png"))
     docs = ThreadWorld.run(2, run_rank, a, out=lambda s: None)

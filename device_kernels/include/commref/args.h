@@ -16,15 +16,22 @@ enum ConnOut { kOutRing = 0, kOutTreeParent = 1, kOutTreeChild0 = 2, kOutTreeChi
 
 // Where each piece of connection state lives inside every rank's connection window.
 // The layout is symmetric: the same offsets on every rank.
-//   fifo[c][k]      nsteps slots of slotBytes    written by the sender of inbound k
-//   ready[c][k]     uint64 steps posted          written by that sender (release)
-//   header[c][k][s] 2 x uint64 call descriptor   written by that sender, per step
-//   credit[c][j]    uint64 steps consumed        written by the receiver of outbound j
-//   stepState       uint64 per (c, k) and (c, j) this rank's own persistent step counters
+//   fifo[c][k][s]     a slot: a 64-byte header (call descriptor, count) then slotBytes
+//                     of data; written by the sender of inbound FIFO k (LSA: directly,
+//                     GIN: by the proxy, from the sender's staging slot)
+//   ready[c][k]       uint64 steps posted (LSA)   written by that sender (release)
+//   credit[c][j]      uint64 steps consumed (LSA) written by the receiver of outbound j
+//   stepState         uint64 per (c, k) and (c, j): this rank's persistent step counters
+//   staging[c][j][s]  GIN: the slot a sender fills before the proxy puts it
+//   ginQueue          GIN: the descriptor ring, its claimed and consumed counters
+//   ginSignals        GIN: indexed signals (ready of slot s of (c, k) at (c*4+k)*nsteps+s,
+//                     credit of (c, j) at creditSignalBase + c*4+j), then ginCounters
 // Flag words are 64 bytes apart so that two writers never share a cache line.
+#define COMMREF_SLOT_HEADER 64
 struct WindowLayout {
-  uint64_t fifoOff, readyOff, headerOff, creditOff, stateOff;
-  uint64_t slotBytes;
+  uint64_t fifoOff, readyOff, creditOff, stateOff, stagingOff;
+  uint64_t ginQueueOff, ginSignalsOff, ginCountersOff;
+  uint64_t slotBytes;  // data bytes per slot; a slot occupies slotBytes + COMMREF_SLOT_HEADER
   uint32_t nsteps, flagStride;
 };
 
@@ -44,12 +51,31 @@ enum WaitWhat : uint32_t {
   kWaitRecvReady = 1,   // data of a step from the sending peer
   kWaitSendCredit = 2,  // the receiving peer to free a FIFO slot
   kCallMismatch = 3,    // the peer's call descriptor (collective, algorithm, dtype, op, root) differs
-  kCountMismatch = 4    // the peer's element count differs
+  kCountMismatch = 4,   // the peer's element count differs
+  kWaitGinQueue = 5,    // a free descriptor slot in the GIN queue (the proxy is behind)
+  kWaitGinFlush = 6     // the proxy to complete earlier operations (flush)
 };
 struct ErrorRecord {
   uint32_t code, what;
   int32_t rank, peer, channel, pad;
   uint64_t expected, seen;
+};
+
+// GIN: how a kernel reaches its proxy, and how its GIN connections signal.
+enum GinProtocol : uint32_t {
+  kGinStrong = 0,        // each slot: one put with a strong signal (the default; always safe)
+  kGinWeakLast = 1,      // each slot: putsPerSlot puts, a weak signal on the last one only (unsafe unordered)
+  kGinSignalPerPut = 2,  // each slot: putsPerSlot puts, each with a weak signal; the receiver counts
+  kGinFlushSignal = 3    // each slot: putsPerSlot puts, flush, then a weak signal
+};
+struct GinArgs {
+  uint64_t peerMask;     // bit r set: the link to rank r goes over GIN (else LSA)
+  uint32_t capacity;     // descriptors in the queue
+  uint32_t protocol;     // GinProtocol
+  uint32_t putsPerSlot;
+  uint32_t checkHeaders; // 0 where the header itself may land late (weak protocols)
+  uint32_t creditSignalBase;  // ready signals first: (c*4 + k)*nsteps + slot; then credits: base + c*4 + j
+  uint32_t pad;
 };
 
 struct CollArgs {
@@ -62,6 +88,7 @@ struct CollArgs {
   int64_t timeoutNs;          // deadline of every wait
   WindowLayout layout;
   int32_t rank, nranks, root, dtype, op, nchannels, elemSize, pad;
+  GinArgs gin;
   ChannelPeers peers[COMMREF_MAX_CHANNELS];
 };
 

@@ -1,7 +1,7 @@
 // commref/flow.h — flow primitives: the vocabulary every collective is written in.
 //
 // A Prims object is one block's view of one channel: up to two inbound and two
-// outbound connections. Each primitive is one pipeline step on the connections it
+// outbound connections, each LSA or GIN (connection.h). Each primitive is one pipeline step on the connections it
 // uses, moving at most slotElems() elements:
 //
 //   send(src, n)                        src            -> every send peer
@@ -19,7 +19,7 @@
 // the waits and the posts, the block moves the data between two __syncthreads().
 // Every step happens on every rank even when n == 0, so step counters stay aligned.
 #pragma once
-#include "lsa.h"
+#include "connection.h"
 #include "reduce.h"
 
 // Copies this thread's share of n elements (the same share reduceInto computed).
@@ -78,13 +78,13 @@ class Prims {
 
   // Inbound FIFO `in` of this rank, fed by `peer` through its outbound link `outAtPeer`.
   __device__ void addRecv(int in, int peer, int outAtPeer) {
-    rx[nrecv] = lsaRecv(a, channel_, in, peer, outAtPeer);
+    rx[nrecv] = makeRecv(a, channel_, in, peer, outAtPeer);
     rxStep[nrecv] = load_relaxed(rx[nrecv].stepState);
     nrecv++;
   }
   // Outbound link `out` of this rank to `peer`, which receives on its FIFO `inAtPeer`.
   __device__ void addSend(int out, int peer, int inAtPeer) {
-    tx[nsend] = lsaSend(a, channel_, out, peer, inAtPeer);
+    tx[nsend] = makeSend(a, channel_, out, peer, inAtPeer);
     txStep[nsend] = load_relaxed(tx[nsend].stepState);
     nsend++;
   }
@@ -109,12 +109,12 @@ class Prims {
   __device__ void handshake() {
     if (threadIdx.x == 0) {
       for (int i = 0; i < nsend; i++) {
-        lsaWaitCredit(tx[i], txStep[i], a, env);
-        lsaPost(tx[i], txStep[i], a);
+        connWaitCredit(tx[i], txStep[i], a, env);
+        connPost(tx[i], txStep[i], 0, a, env);
       }
       for (int i = 0; i < nrecv; i++) {
-        lsaWaitReady(rx[i], rxStep[i], a, env);
-        lsaRelease(rx[i], rxStep[i]);
+        connWaitReady(rx[i], rxStep[i], a, env);
+        connRelease(rx[i], rxStep[i], a, env);
       }
     }
     __syncthreads();
@@ -135,22 +135,22 @@ class Prims {
   __device__ COMMREF_NOINLINE void step(bool useRecv, bool useSend, const T* src, T* dst, uint64_t n, bool last) {
     const int nr = useRecv ? nrecv : 0, ns = useSend ? nsend : 0;
     if (threadIdx.x == 0) {
-      for (int i = 0; i < nr; i++) lsaWaitReady(rx[i], rxStep[i], a, env);
-      for (int i = 0; i < ns; i++) lsaWaitCredit(tx[i], txStep[i], a, env);
+      for (int i = 0; i < nr; i++) connWaitReady(rx[i], rxStep[i], a, env);
+      for (int i = 0; i < ns; i++) connWaitCredit(tx[i], txStep[i], a, env);
     }
     __syncthreads();
     const T* in[3];
     T* out[3];
     int nin = 0, nout = 0;
     if (src) in[nin++] = src;
-    for (int i = 0; i < nr; i++) in[nin++] = (const T*)lsaRecvSlot(rx[i], rxStep[i], a);
+    for (int i = 0; i < nr; i++) in[nin++] = (const T*)connRecvData(rx[i], rxStep[i], a);
     if (dst) out[nout++] = dst;
-    for (int i = 0; i < ns; i++) out[nout++] = (T*)lsaSendSlot(tx[i], txStep[i], a);
+    for (int i = 0; i < ns; i++) out[nout++] = (T*)connSendData(tx[i], txStep[i], a);
     if (nin > 0 && nout > 0) reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0);
     __syncthreads();
     if (threadIdx.x == 0) {
-      for (int i = 0; i < ns; i++) lsaPost(tx[i], txStep[i], a);
-      for (int i = 0; i < nr; i++) lsaRelease(rx[i], rxStep[i]);
+      for (int i = 0; i < ns; i++) connPost(tx[i], txStep[i], n * sizeof(T), a, env);
+      for (int i = 0; i < nr; i++) connRelease(rx[i], rxStep[i], a, env);
     }
     for (int i = 0; i < nr; i++) rxStep[i]++;
     for (int i = 0; i < ns; i++) txStep[i]++;
@@ -160,7 +160,7 @@ class Prims {
   KernelEnv env;
   int channel_;
   int nrecv, nsend;
-  LsaRecvConnection rx[2];
-  LsaSendConnection tx[2];
+  RecvConnection rx[2];
+  SendConnection tx[2];
   uint64_t rxStep[2], txStep[2];
 };

@@ -58,3 +58,20 @@ static __device__ COMMREF_NOINLINE uint64_t waitAtLeast(const uint64_t* flag, ui
     }
   }
 }
+
+// Like waitAtLeast, for counters that may wrap: done once (int64_t)(*flag - least) >= 0.
+static __device__ COMMREF_NOINLINE uint64_t waitReached(const uint64_t* flag, uint64_t least, const KernelEnv& env,
+                                                        uint32_t what, int peer, int channel) {
+  uint64_t v = load_acquire(flag);
+  if ((int64_t)(v - least) >= 0) return v;
+  uint64_t start = commref_now_ns();
+  for (uint32_t spins = 1;; spins++) {
+    commref_spin_pause(spins);
+    v = load_acquire(flag);
+    if ((int64_t)(v - least) >= 0) return v;
+    if ((spins & 63) == 0) {
+      if (load_relaxed(env.abortFlag) != 0) commref_fail(env, kAborted, what, peer, channel, least, v);
+      if ((int64_t)(commref_now_ns() - start) > env.timeoutNs) commref_fail(env, kTimeout, what, peer, channel, least, v);
+    }
+  }
+}

@@ -1,0 +1,167 @@
+// commref/connection.h — a Connection: one direction of one link, LSA or GIN, chosen
+// per peer at run time (bit `peer` of CollArgs.gin.peerMask), as NCCL's Flow does.
+// flow.h uses only the functions below; each has an LSA and a GIN body.
+//
+// GIN protocol (a slot = 64-byte header + data, as for LSA):
+//   sender, step s:   wait until its credit signal >= s + 1 - nsteps; fill its own
+//                     staging slot; put it into the receiver's FIFO slot with a remote
+//                     action that depends on GinArgs.protocol:
+//                       strong:         one put, StrongSignalInc(ready)
+//                       weak-last:      putsPerSlot puts, WeakSignalInc(ready) on the last
+//                       signal-per-put: putsPerSlot puts, each WeakSignalInc(ready)
+//                       flush-signal:   putsPerSlot puts, flush, then WeakSignalInc(ready)
+//   receiver, step s: wait until the ready signal of slot s % nsteps has counted every
+//                     signal of this use of the slot ((s / nsteps + 1) * signals per
+//                     slot); read the slot; WeakSignalInc(credit) at the sender (a
+//                     credit carries no data).
+// Ready signals are per slot: a cumulative per-link count would let signals of step
+// s + 1 stand in for a late put of step s (the sender may run nsteps ahead).
+// Only strong is safe on every wire; the others exist for the ordering experiments.
+// Signals: ready of slot s of inbound (c, k) at (c*4 + k)*nsteps + s of the receiver,
+// credit of outbound (c, j) at creditSignalBase + c*4 + j of the sender. Context = channel.
+#pragma once
+#include "gin.h"
+#include "lsa.h"
+
+
+struct SendConnection {
+  int peer, channel;
+  bool gin;
+  char* slots;             // LSA: the receiver's FIFO (mapped); GIN: this rank's staging
+  uint64_t* ready;         // LSA: the receiver's ready word
+  const uint64_t* credit;  // LSA: in this rank's window; GIN: this rank's credit signal
+  uint64_t peerFifoOff;    // GIN: the FIFO's offset in the receiver's window
+  uint64_t stagingOff;     // GIN: the staging slots' offset in this rank's window
+  uint32_t readySignal;    // GIN: the receiver's ready signal of slot 0 (slot s: + s)
+  uint64_t* stepState;
+};
+
+struct RecvConnection {
+  int peer, channel;
+  bool gin;
+  const char* slots;       // this rank's FIFO
+  const uint64_t* ready;   // LSA: ready word; GIN: this rank's ready signal of slot 0
+  uint64_t* credit;        // LSA: in the sender's window
+  uint32_t creditSignal;   // GIN: the sender's credit signal index
+  uint64_t* stepState;
+};
+
+static __device__ __forceinline__ bool overGin(const CollArgs& a, int peer) { return (a.gin.peerMask >> peer) & 1; }
+
+// Outbound link `out` of channel c to `peer`, which receives on its FIFO `inAtPeer`.
+static __device__ SendConnection makeSend(const CollArgs& a, int c, int out, int peer, int inAtPeer) {
+  SendConnection s;
+  s.peer = peer;
+  s.channel = c;
+  s.gin = overGin(a, peer);
+  s.peerFifoOff = fifoOffset(a, c, inAtPeer);
+  s.stagingOff = stagingOffset(a, c, out);
+  s.readySignal = (c * COMMREF_CONN_IN + inAtPeer) * a.layout.nsteps;
+  if (s.gin) {
+    const KernelEnv env = kernelEnv(a);
+    Gin g{a, env};
+    s.slots = windowOf(a, a.rank) + s.stagingOff;
+    s.ready = nullptr;
+    s.credit = g.signals() + a.gin.creditSignalBase + c * COMMREF_CONN_OUT + out;
+  } else {
+    s.slots = windowOf(a, peer) + s.peerFifoOff;
+    s.ready = readyWord(a, peer, c, inAtPeer);
+    s.credit = creditWord(a, a.rank, c, out);
+  }
+  s.stepState = stepStateOf(a, c, COMMREF_CONN_IN + out);
+  return s;
+}
+
+// Inbound FIFO `in` of channel c, fed by `peer` through its outbound link `outAtPeer`.
+static __device__ RecvConnection makeRecv(const CollArgs& a, int c, int in, int peer, int outAtPeer) {
+  RecvConnection r;
+  r.peer = peer;
+  r.channel = c;
+  r.gin = overGin(a, peer);
+  r.slots = windowOf(a, a.rank) + fifoOffset(a, c, in);
+  r.creditSignal = a.gin.creditSignalBase + c * COMMREF_CONN_OUT + outAtPeer;
+  if (r.gin) {
+    const KernelEnv env = kernelEnv(a);
+    Gin g{a, env};
+    r.ready = g.signals() + (c * COMMREF_CONN_IN + in) * a.layout.nsteps;
+    r.credit = nullptr;
+  } else {
+    r.ready = readyWord(a, a.rank, c, in);
+    r.credit = creditWord(a, peer, c, outAtPeer);
+  }
+  r.stepState = stepStateOf(a, c, in);
+  return r;
+}
+
+static __device__ __forceinline__ uint32_t signalsPerSlot(const CollArgs& a) {
+  return a.gin.protocol == kGinSignalPerPut ? a.gin.putsPerSlot : 1;
+}
+
+// Waits until slot `step` of the link is free to fill.
+static __device__ __forceinline__ void connWaitCredit(const SendConnection& s, uint64_t step, const CollArgs& a,
+                                                      const KernelEnv& env) {
+  if (step + 1 > a.layout.nsteps)
+    waitAtLeast(s.credit, step + 1 - a.layout.nsteps, env, kWaitSendCredit, s.peer, s.channel);
+}
+// Where the block writes the data of step `step` (the header goes 64 bytes before).
+static __device__ __forceinline__ char* connSendData(const SendConnection& s, uint64_t step, const CollArgs& a) {
+  return s.slots + (step % a.layout.nsteps) * slotStride(a) + COMMREF_SLOT_HEADER;
+}
+// Publishes step `step` carrying `bytes` of data. Thread 0, after the block's __syncthreads().
+static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t bytes, const CollArgs& a,
+                                const KernelEnv& env) {
+  const uint64_t slot = (step % a.layout.nsteps) * slotStride(a);
+  uint64_t* h = (uint64_t*)(s.slots + slot);
+  h[0] = a.callDesc;
+  h[1] = a.count;
+  if (!s.gin) {
+    store_release(s.ready, step + 1);
+    return;
+  }
+  Gin g{a, env};
+  const uint64_t total = COMMREF_SLOT_HEADER + bytes, dst = s.peerFifoOff + slot, src = s.stagingOff + slot;
+  const uint64_t readySignal = s.readySignal + step % a.layout.nsteps;
+  if (a.gin.protocol == kGinStrong) {
+    g.put(s.channel, s.peer, dst, src, total, StrongSignalInc(readySignal));
+    return;
+  }
+  const uint32_t n = a.gin.putsPerSlot;
+  for (uint32_t i = 0; i < n; i++) {
+    const uint64_t b = total * i / n, e = total * (i + 1) / n;
+    GinRemoteAction r = NoSignal();
+    if (a.gin.protocol == kGinSignalPerPut || (a.gin.protocol == kGinWeakLast && i == n - 1))
+      r = WeakSignalInc(readySignal);
+    g.put(s.channel, s.peer, dst + b, src + b, e - b, r);
+  }
+  if (a.gin.protocol == kGinFlushSignal) {
+    g.flush(s.channel);
+    g.signal(s.channel, s.peer, WeakSignalInc(readySignal));
+  }
+}
+// Waits for step `step` and checks its header. Thread 0.
+static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, const KernelEnv& env) {
+  if (r.gin) {
+    waitReached(r.ready + step % a.layout.nsteps, (step / a.layout.nsteps + 1) * signalsPerSlot(a), env,
+                kWaitRecvReady, r.peer, r.channel);
+    if (!a.gin.checkHeaders) return;
+  } else {
+    waitAtLeast(r.ready, step + 1, env, kWaitRecvReady, r.peer, r.channel);
+  }
+  const uint64_t* h = (const uint64_t*)(r.slots + (step % a.layout.nsteps) * slotStride(a));
+  if (h[0] != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, h[0]);
+  if (h[1] != a.count) commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, h[1]);
+}
+static __device__ __forceinline__ const char* connRecvData(const RecvConnection& r, uint64_t step, const CollArgs& a) {
+  return r.slots + (step % a.layout.nsteps) * slotStride(a) + COMMREF_SLOT_HEADER;
+}
+// Returns slot `step` to the sender. Thread 0, after the block's __syncthreads().
+static __device__ __forceinline__ void connRelease(const RecvConnection& r, uint64_t step, const CollArgs& a,
+                                                   const KernelEnv& env) {
+  if (r.gin) {
+    Gin g{a, env};
+    // A credit publishes no data, so a weak signal suffices (and every backend has one).
+    g.signal(r.channel, r.peer, WeakSignalInc(r.creditSignal));
+  } else {
+    store_release(r.credit, step + 1);
+  }
+}

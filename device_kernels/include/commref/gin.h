@@ -1,0 +1,124 @@
+// commref/gin.h — the device side of GIN: kernels post operations, a CPU proxy thread
+// (transports/gin/proxy.py) carries them over a wire.
+//
+// Contract (NCCL's GIN semantics, 2.30+; see also transports/gin/semantics.py):
+//   - a context is an ordering domain; every (context, peer) pair is independent;
+//   - put(peer, dst, src, bytes, remote action, local action) copies bytes from this
+//     rank's window at src to the peer's window at dst;
+//   - remote action: a signal, strong (once visible at the peer, this put and every
+//     earlier put from this rank to that peer on the same context are visible) or weak
+//     (only its own put is); inc or add; indexed (a signal slot of the peer) or VA (a
+//     64-bit word at a window offset of the peer);
+//   - local action: a counter of this rank increments once the source is reusable;
+//   - putValue: a put of up to 8 bytes given by value; signal: a put of no data;
+//   - get(peer, dst, src, bytes): lands in this rank's window; complete only after flush;
+//   - flush(ctx): earlier puts' sources are reusable and earlier gets have landed. It
+//     promises nothing about remote visibility, unless the backend declares that local
+//     completion orders later writes;
+//   - waitSignal(id, least) compares with wrap-around; resetSignal must not race with
+//     incoming signals (only reset a signal no peer is still signalling).
+//
+// The queue: a ring of `capacity` descriptors in memory the proxy reads. A producer
+// claims a slot with an atomic increment, waits (bounded) until the proxy has consumed
+// the slot's previous occupant (backpressure: a full queue slows producers; the proxy
+// never waits for a producer that has not claimed), writes the fields, then publishes
+// the slot by storing seq = slot + 1 with release. The proxy consumes in slot order and
+// stores consumed = slot + 1 once the operation is locally complete.
+#pragma once
+#include "wait.h"
+
+enum GinOp : uint32_t { kGinPut = 1, kGinPutValue = 2, kGinSignal = 3, kGinGet = 4, kGinFlush = 5 };
+enum GinFlags : uint32_t {
+  kGinHasSignal = 1u << 0,
+  kGinStrongSignal = 1u << 1,  // else weak
+  kGinVaSignal = 1u << 2,      // else indexed
+  kGinSignalAdd = 1u << 3,     // else inc (value 1)
+  kGinHasCounter = 1u << 4
+};
+
+struct GinDescriptor {
+  uint64_t seq;  // slot + 1 once published
+  uint32_t op, flags;
+  int32_t peer, ctx;
+  uint64_t dstOffset, srcOffset;  // window offsets (dst at the target for puts, here for gets)
+  uint64_t bytes;                 // bytes, or the value of a putValue
+  uint64_t signal;                // signal index, or VA offset in the peer's window
+  uint64_t signalValue;           // for add
+  uint32_t counter, pad;
+};
+
+// A remote action, as the device API names them.
+struct GinRemoteAction {
+  uint32_t flags;
+  uint64_t signal, value;
+};
+static __device__ __forceinline__ GinRemoteAction StrongSignalInc(uint64_t id) { return GinRemoteAction{kGinHasSignal | kGinStrongSignal, id, 1}; }
+static __device__ __forceinline__ GinRemoteAction StrongSignalAdd(uint64_t id, uint64_t v) { return GinRemoteAction{kGinHasSignal | kGinStrongSignal | kGinSignalAdd, id, v}; }
+static __device__ __forceinline__ GinRemoteAction WeakSignalInc(uint64_t id) { return GinRemoteAction{kGinHasSignal, id, 1}; }
+static __device__ __forceinline__ GinRemoteAction WeakSignalAdd(uint64_t id, uint64_t v) { return GinRemoteAction{kGinHasSignal | kGinSignalAdd, id, v}; }
+static __device__ __forceinline__ GinRemoteAction VaSignal(GinRemoteAction r) { r.flags |= kGinVaSignal; return r; }
+static __device__ __forceinline__ GinRemoteAction NoSignal() { return GinRemoteAction{0, 0, 0}; }
+
+struct Gin {
+  const CollArgs& a;
+  const KernelEnv& env;
+
+  __device__ GinDescriptor* ring() const { return (GinDescriptor*)(windowOfGin() + a.layout.ginQueueOff); }
+  __device__ uint64_t* claimed() const { return (uint64_t*)(windowOfGin() + a.layout.ginQueueOff + (uint64_t)a.gin.capacity * sizeof(GinDescriptor)); }
+  __device__ const uint64_t* consumed() const { return claimed() + 8; }  // a cache line apart
+  __device__ uint64_t* signals() const { return (uint64_t*)(windowOfGin() + a.layout.ginSignalsOff); }
+  __device__ uint64_t* counters() const { return (uint64_t*)(windowOfGin() + a.layout.ginCountersOff); }
+  __device__ char* windowOfGin() const { return (char*)((const uint64_t*)a.peerWindows)[a.rank]; }
+
+  // Posts one descriptor; returns its slot.
+  __device__ uint64_t post(uint32_t op, uint32_t flags, int peer, int ctx, uint64_t dst, uint64_t src, uint64_t bytes,
+                           uint64_t signal, uint64_t value, uint32_t counter) const {
+    const uint64_t slot = fetch_add_relaxed(claimed(), 1);
+    if (slot >= a.gin.capacity) waitAtLeast(consumed(), slot + 1 - a.gin.capacity, env, kWaitGinQueue, peer, ctx);
+    GinDescriptor* d = ring() + slot % a.gin.capacity;
+    d->op = op;
+    d->flags = flags;
+    d->peer = peer;
+    d->ctx = ctx;
+    d->dstOffset = dst;
+    d->srcOffset = src;
+    d->bytes = bytes;
+    d->signal = signal;
+    d->signalValue = value;
+    d->counter = counter;
+    store_release(&d->seq, slot + 1);
+    return slot;
+  }
+
+  __device__ uint64_t put(int ctx, int peer, uint64_t dst, uint64_t src, uint64_t bytes, GinRemoteAction r,
+                          int counter = -1) const {
+    return post(kGinPut, r.flags | (counter >= 0 ? kGinHasCounter : 0), peer, ctx, dst, src, bytes, r.signal, r.value,
+                (uint32_t)counter);
+  }
+  __device__ uint64_t putValue(int ctx, int peer, uint64_t dst, uint64_t value, GinRemoteAction r) const {
+    return post(kGinPutValue, r.flags, peer, ctx, dst, 0, value, r.signal, r.value, 0);
+  }
+  __device__ uint64_t signal(int ctx, int peer, GinRemoteAction r) const {
+    return post(kGinSignal, r.flags, peer, ctx, 0, 0, 0, r.signal, r.value, 0);
+  }
+  __device__ uint64_t get(int ctx, int peer, uint64_t dst, uint64_t src, uint64_t bytes) const {
+    return post(kGinGet, 0, peer, ctx, dst, src, bytes, 0, 0, 0);
+  }
+  // Waits until every operation posted before it (on any context) is locally complete.
+  __device__ void flush(int ctx) const {
+    const uint64_t slot = post(kGinFlush, 0, -1, ctx, 0, 0, 0, 0, 0, 0);
+    waitAtLeast(consumed(), slot + 1, env, kWaitGinFlush, -1, ctx);
+  }
+
+  __device__ uint64_t readSignal(uint64_t id) const { return load_acquire(signals() + id); }
+  // Waits until signal `id` has reached `least` (wrap-around compare).
+  __device__ uint64_t waitSignal(uint64_t id, uint64_t least, int peer, int channel) const {
+    return waitReached(signals() + id, least, env, kWaitRecvReady, peer, channel);
+  }
+  __device__ void resetSignal(uint64_t id) const { store_relaxed(signals() + id, 0); }
+  __device__ uint64_t readCounter(uint64_t id) const { return load_acquire(counters() + id); }
+  __device__ uint64_t waitCounter(uint64_t id, uint64_t least) const {
+    return waitReached(counters() + id, least, env, kWaitGinFlush, -1, -1);
+  }
+  __device__ void resetCounter(uint64_t id) const { store_relaxed(counters() + id, 0); }
+};
