@@ -24,11 +24,14 @@ size / n), then fetch the other n - 1 reduced shards. all_gather: land the other
 ranks' n - 1 shards. reduce_scatter: reduce this rank's shard. broadcast: a non-root
 rank lands all of the root's bytes.
 
-The time those bytes take is measured in the same run, at the same size, on every
+The speed of those bytes is measured in the same run, at the same size, on every
 rank at once (so the ranks contend for memory bandwidth as they do in the
-collective): ``copyto(dst, src)`` over the copy bytes and ``add(a, b, out=c)`` over
-the add bytes, in the benchmark's dtype, numpy on the CPU and CuPy on a GPU. Per
-rank the time is the median over the iterations; the bound time is the slowest
+collective): ``copyto(dst, src)`` and ``add(a, b, out=c)`` over arrays of the full
+`size` bytes, in the benchmark's dtype, numpy on the CPU and CuPy on a GPU. Full-size
+arrays keep the measurement's footprint that of the collective's own buffers: a
+share-sized array would stay in cache where the collective's buffers do not, and the
+bound would then be a cache bandwidth. Per rank each time is the median over the
+iterations, scaled from `size` to the rank's share; the bound time is the slowest
 rank's copy time plus add time, and
 
     bound busbw = bus bytes / bound time,  bus bytes = algbw bytes * bus factor,
@@ -37,7 +40,7 @@ the busbw a collective would show if it did nothing but the unavoidable memory
 traffic at the speed of numpy's own loops. The add is counted once per operand
 byte, though it reads two operands and writes one: numpy's add and the kernels'
 reduce do the same traffic per element, so the ratio is fair. At small sizes the
-bound is the cost of two numpy calls (about a microsecond each), not of memory.
+bound is the cost of numpy calls (about a microsecond each), not of memory.
 """
 
 from __future__ import annotations
@@ -50,12 +53,20 @@ import numpy as np
 
 @dataclass
 class BoundTimes:
-    """One rank's median seconds for the copy and the add of one size."""
+    """One rank's median seconds for a copy and an add over `measured_bytes`, and the
+    share of each that the collective must move."""
 
     copy_bytes: int
     add_bytes: int
+    measured_bytes: int
     copy_s: float
     add_s: float
+
+    def seconds(self) -> float:
+        """Seconds for this rank's share: the measured times scaled to its bytes."""
+        if self.measured_bytes <= 0:
+            return 0.0
+        return (self.copy_bytes * self.copy_s + self.add_bytes * self.add_s) / self.measured_bytes
 
 
 class BoundMeter:
@@ -76,18 +87,20 @@ class BoundMeter:
             self._scratch[key] = buf
         return buf[:nbytes]
 
-    def measure(self, copy_bytes: int, add_bytes: int, iters: int, warmup: int = 1) -> BoundTimes:
-        """Median seconds of `iters` copies and adds (after `warmup` of each)."""
+    def measure(self, size: int, copy_bytes: int, add_bytes: int, iters: int, warmup: int = 1) -> BoundTimes:
+        """Median seconds of `iters` copies and adds over `size` bytes (after `warmup`
+        of each); only those the share needs (copy_bytes, add_bytes > 0) are timed."""
         xp = self.xp
-        src, dst = self._buf("src", copy_bytes), self._buf("dst", copy_bytes)
-        n = add_bytes // self.dtype.itemsize
+        n = size // self.dtype.itemsize
         nb = n * self.dtype.itemsize
-        a = self._buf("a", nb).view(self.dtype)
-        b = self._buf("b", nb).view(self.dtype)
-        c = self._buf("c", nb).view(self.dtype)
-        copy_s = self._time(lambda: xp.copyto(dst, src), iters, warmup) if copy_bytes else 0.0
-        add_s = self._time(lambda: xp.add(a, b, out=c), iters, warmup) if n else 0.0
-        return BoundTimes(copy_bytes, add_bytes, copy_s, add_s)
+        copy_s = add_s = 0.0
+        if copy_bytes and nb:
+            src, dst = self._buf("src", nb), self._buf("dst", nb)
+            copy_s = self._time(lambda: xp.copyto(dst, src), iters, warmup)
+        if add_bytes and nb:
+            a, b, c = (self._buf(k, nb).view(self.dtype) for k in "abc")
+            add_s = self._time(lambda: xp.add(a, b, out=c), iters, warmup)
+        return BoundTimes(copy_bytes, add_bytes, nb, copy_s, add_s)
 
     def _time(self, fn, iters: int, warmup: int) -> float:
         for _ in range(warmup):
@@ -104,5 +117,5 @@ class BoundMeter:
 
 def bound_busbw(bus_bytes: float, per_rank: list[BoundTimes]) -> tuple[float, float]:
     """(bound seconds, bound busbw in GB/s) from every rank's BoundTimes."""
-    t = max(bt.copy_s + bt.add_s for bt in per_rank)
+    t = max(bt.seconds() for bt in per_rank)
     return t, (bus_bytes / t / 1e9 if t > 0 else 0.0)

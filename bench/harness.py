@@ -8,6 +8,13 @@ iterations, -c check (0/1), -o reduction op, -d dtype, -r root, -z blocking (acc
 commref's CPU launches return when the collective is done, GPU calls are synchronized
 per iteration), -t rank threads in one process (ThreadWorld).
 
+Paths. --path lsa,gin,auto (and for GIN --backend, --wire, --network,
+--gin-protocol, each a comma-separated list) measures every combination side by side,
+one row per size and configuration; the path column names the configuration and what
+carries its bytes. A combination the machine cannot set up (a backend without the
+asked-for wire) is skipped with its reason; options this build's Communicator does
+not take are refused before any rank starts.
+
 Timing. Per size and per variant (out-of-place, in-place, baseline): `-w` untimed
 calls, one world barrier, then `-n` calls timed one by one on every rank (GPU: each
 call is followed by a stream synchronize inside the timed region). Ranks are not
@@ -169,7 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--gin-protocol", type=_list_of(PROTOCOLS, "GIN protocol"), default=None,
                    help="GIN signals: strong, weak (comma-separated)")
     c.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree"])
-    c.add_argument("--seed", type=int, default=1, help="seed of the exact-checkable inputs (default 1)")
+    c.add_argument("--seed", type=int, default=1, help="seed of the exact-checkable inputs and of GIN's unordered wire (default 1)")
     c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
     c.add_argument("--slot-bytes", type=int, default=None, help="FIFO slot size in bytes")
@@ -367,7 +374,7 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
         if meter is not None:
             copy_b, add_b = plugin.bound_bytes(size_col, n)
             w.barrier(what="bench: bound")
-            mine["bound"] = dataclasses.asdict(meter.measure(copy_b, add_b, args.iters))
+            mine["bound"] = dataclasses.asdict(meter.measure(size_col, copy_b, add_b, args.iters))
         every = w.allgather(mine, what="bench: results of one size")
 
         base = None
@@ -377,8 +384,11 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
         if meter is not None:
             bt = [BoundTimes(**r["bound"]) for r in every]
             t_bound, bw_bound = bound_busbw(nbytes * factor, bt)
-            bound = {"busbw": bw_bound, "time_us": t_bound * 1e6, "copy_bytes": bt[0].copy_bytes,
-                     "add_bytes": bt[0].add_bytes}
+            slowest = max(bt, key=BoundTimes.seconds)
+            bound = {"busbw": bw_bound, "time_us": t_bound * 1e6, "copy_bytes": slowest.copy_bytes,
+                     "add_bytes": slowest.add_bytes,
+                     "copy_GBps": slowest.measured_bytes / slowest.copy_s / 1e9 if slowest.copy_s else None,
+                     "add_GBps": slowest.measured_bytes / slowest.add_s / 1e9 if slowest.add_s else None}
         size_rows = []
         for s, comm in runners:
             res = {}
@@ -506,8 +516,8 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
         lines.extend(f"# Baseline note: {n}" for n in dict.fromkeys(baseline.notes))
     elif env.get("baseline_unavailable"):
         lines.append(f"# Baseline: none ({env['baseline_unavailable']})")
-    lines.append("# Bound: busbw the memory bandwidth allows (numpy copy and add of each rank's share, measured in "
-                 "this run; bench/bound.py); %bound = our out-of-place busbw / bound")
+    lines.append("# Bound: busbw the memory bandwidth allows (numpy copy and add over each size's buffers, scaled to "
+                 "each rank's share, measured in this run; bench/bound.py); %bound = our out-of-place busbw / bound")
     lines.append("#")
     return lines
 

@@ -2,6 +2,7 @@
 
   commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--count ...]
   commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py)
+  commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress]   (collectives/study.py)
 
 With --np N outside an MPI job, commref relaunches itself under mpiexec with N ranks
 (one process each, `python -m mpi4py` so that an exception on one rank aborts the
@@ -69,7 +70,8 @@ def cmd_check(args, argv) -> int:
 
     world = _world(args)
     comm = Communicator(world, args.device, max_channels=args.channels, slot_bytes=args.slot_bytes,
-                        threads=args.threads)
+                        threads=args.threads, path=args.path, backend=args.backend, wire=args.wire,
+                        network=args.network, seed=args.seed, gin_protocol=args.gin_protocol)
     colls = args.collectives or list(COLLECTIVES)
     case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed)
     t0 = time.perf_counter()
@@ -99,11 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--algorithm", nargs="+", default=[], choices=["ring", "tree"],
                    help="algorithms (default: every one implemented for each collective)")
     c.add_argument("--count", nargs="+", type=int, default=[0, 1, 7, 1001], help="element counts")
-    c.add_argument("--seed", type=int, default=1)
+    c.add_argument("--seed", type=int, default=1, help="seed of the inputs and of the unordered GIN wire")
     c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
     c.add_argument("--slot-bytes", type=int, default=None, help="FIFO slot size in bytes")
     c.add_argument("--threads", type=int, default=None, help="threads per block")
+    c.add_argument("--path", default="lsa", choices=["lsa", "gin", "auto"],
+                   help="peers by load/store (lsa), through the GIN proxy (gin), or LSA where mapped (auto)")
+    c.add_argument("--backend", default="auto", choices=["auto", "proxy", "rc", "gda"], help="GIN backend")
+    c.add_argument("--wire", default="ordered", choices=["ordered", "unordered"],
+                   help="GIN wire ordering model (unordered: seeded by --seed)")
+    c.add_argument("--network", default="auto", choices=["auto", "shm", "mpi"], help="GIN wire network")
+    c.add_argument("--gin-protocol", default="strong",
+                   choices=["strong", "weak-last", "signal-per-put", "flush-signal"],
+                   help="how a GIN connection publishes a slot (only strong is safe on every wire)")
+    from . import study
+
+    st = sub.add_parser("study", help="ordering study: protocol x transport model x signal strength -> safe/unsafe "
+                                      "(docs/ordering.md)")
+    study.add_arguments(st)
     sub.add_parser("bench", add_help=False,
                    help="nccl-tests-style sweep with baselines and a bound (commref bench -h for its flags)")
     return p
@@ -118,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
         return cmd_check(args, argv)
+    if args.command == "study":
+        from . import study
+
+        return study.run(args)
     return 2
 
 

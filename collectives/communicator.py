@@ -26,7 +26,9 @@ from transports.errors import CapabilityError, CommAborted, CommMismatch, CommTi
 from transports.windows import register_window
 
 from . import topology, tuner
-from .verify import COLLECTIVES, DTYPE_CODES, OPS, REDUCING, dtype_name
+from .verify import COLLECTIVES, DTYPE_CODES, DTYPES, OPS, REDUCING, dtype_name
+
+DTYPE_OF = {d: n for n, d in DTYPES.items()}
 
 ALGORITHMS = ("ring", "tree")
 COLL_CODES = {c: i for i, c in enumerate(COLLECTIVES)}
@@ -127,7 +129,7 @@ class Communicator:
         if algorithm not in ("auto", *ALGORITHMS):
             raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', not {algorithm!r}")
         self.algorithm = algorithm
-        defaults = tuner.defaults(self.device)
+        defaults = tuner.defaults(self.device, world.local_size)
         self.max_channels = int(max_channels or defaults.max_channels)
         self.slot_bytes = int(slot_bytes or defaults.slot_bytes)
         self.nsteps = int(nsteps or defaults.nsteps)
@@ -191,7 +193,18 @@ class Communicator:
         g["putsPerSlot"] = puts_per_slot
         g["checkHeaders"] = int(gin_protocol == "strong")
         g["creditSignalBase"] = abi.gin_signals(self.max_channels, self.nsteps)[0]
-        self._peers = {c: topology.channel_peers(self.rank, self.nranks, c) for c in range(1, self.max_channels + 1)}
+        a["peers"] = topology.channel_peers(self.rank, self.nranks, self.max_channels)
+        f = abi.COLL_ARGS.fields
+        self._args_u64 = self._args.view(np.uint64)
+        self._args_i32 = self._args.view(np.int32)
+        self._args_address = self._args_u64.__array_interface__["data"][0]
+        self._off_send, self._off_recv = f["sendbuf"][1] // 8, f["recvbuf"][1] // 8
+        self._off_count, self._off_desc = f["count"][1] // 8, f["callDesc"][1] // 8
+        self._off_i32 = f["root"][1] // 4
+        assert [f[k][1] for k in ("root", "dtype", "op", "nchannels", "elemSize", "pad")] == \
+            [f["root"][1] + 4 * i for i in range(6)]
+        self._calls: dict = {}
+        self._addresses: dict = {}
         world.barrier(what="communicator ready")
 
     def _plan_gin(self, world, path, backend, wire, network, protocol, puts_per_slot, queue, counters,
@@ -325,6 +338,29 @@ class Communicator:
         if self._broken:
             raise CommAborted(f"rank {self.rank}: communicator unusable after an earlier failure: {self._broken}",
                               rank=self.rank, origin_rank=None, reason=self._broken)
+        key = (coll, algorithm or self.algorithm, s.nbytes, s.dtype, op, root)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = self._plan_call(coll, key[1], s, op, root)
+        name, nchannels, spec, fields32, desc = call
+        # The record's per-call fields, through integer views (field access by name
+        # costs microseconds; see _plan_call for the layout).
+        self._args_u64[self._off_send] = s.address
+        self._args_u64[self._off_recv] = r.address
+        self._args_u64[self._off_count] = count
+        self._args_u64[self._off_desc] = desc
+        self._args_i32[self._off_i32 : self._off_i32 + 6] = fields32
+        status = self.kernels.launch(name, nchannels, self.threads, self._args, stream, spec, self._args_address)
+        if self.proxy is not None and self.proxy.error is not None:
+            self._broken = f"GIN proxy failed: {self.proxy.error}"
+            raise self.proxy.error
+        if status:
+            raise self._failure()
+
+    def _plan_call(self, coll, algorithm, s: Buffer, op, root):
+        """Everything about a call that depends only on its signature (cached per
+        signature): kernel, channels, specialization, the int32 fields (root, dtype,
+        op, nchannels, elemSize, pad) and the call descriptor."""
         dname = dtype_name(s.dtype)
         if coll in ("allgather", "broadcast"):
             op_code = OPS["sum"]  # data movement: no reduction
@@ -332,30 +368,16 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: unsupported op {op!r} for {coll}; supported: {', '.join(OPS)}")
         else:
             op_code = OPS[op]
-        algo = algorithm or self.algorithm
         try:
-            plan = tuner.plan(coll, algo, s.nbytes if coll != "allgather" else s.nbytes * self.nranks,
+            plan = tuner.plan(coll, algorithm, s.nbytes if coll != "allgather" else s.nbytes * self.nranks,
                               self.nranks, self.device, self.max_channels)
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {e}") from None
         name = loader.KERNELS[(coll, plan.algorithm)]
-        a = self._args[0]
-        a["sendbuf"], a["recvbuf"] = s.address, r.address
-        a["count"] = count
-        a["root"] = root
-        a["dtype"] = DTYPE_CODES[dname]
-        a["op"] = op_code
-        a["nchannels"] = plan.nchannels
-        a["elemSize"] = s.dtype.itemsize
-        a["callDesc"] = pack_call(coll, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
-        a["peers"] = self._peers[plan.nchannels]
-        spec = self.kernel_spec(coll, dname, op)
-        status = self.kernels.launch(name, plan.nchannels, self.threads, self._args, stream, spec)
-        if self.proxy is not None and self.proxy.error is not None:
-            self._broken = f"GIN proxy failed: {self.proxy.error}"
-            raise self.proxy.error
-        if status:
-            raise self._failure()
+        fields32 = np.array([root, DTYPE_CODES[dname], op_code, plan.nchannels, s.dtype.itemsize, 0], np.int32)
+        desc = pack_call(coll, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
+        spec = self.kernel_spec(coll, dname, op) if coll in REDUCING else None
+        return name, plan.nchannels, spec, fields32, desc
 
     @staticmethod
     def kernel_spec(coll: str, dtype: str, op: str | None):
@@ -437,28 +459,44 @@ class Communicator:
         if obj is None:
             raise TypeError(f"rank {self.rank}: {name} is required")
         if self.device == "cpu":
-            if not isinstance(obj, np.ndarray):
+            if type(obj) is not np.ndarray:
                 kind = type(obj).__module__.split(".")[0]
                 if hasattr(obj, "__cuda_array_interface__") or kind == "cupy":
                     raise TypeError(f"rank {self.rank}: {name} is device memory ({type(obj).__name__}) "
                                     f"but this communicator runs on the CPU")
-                raise TypeError(f"rank {self.rank}: {name} must be a numpy array, got {type(obj).__name__}")
+                if not isinstance(obj, np.ndarray):
+                    raise TypeError(f"rank {self.rank}: {name} must be a numpy array, got {type(obj).__name__}")
             arr = obj
+            address = self._host_address(arr)
             writeable = arr.flags.writeable
-            address = arr.ctypes.data
         else:
             arr, address, writeable = self._device_array(obj, name)
         if not arr.flags.c_contiguous:
             raise ValueError(f"rank {self.rank}: {name} must be C-contiguous")
-        try:
-            dtype_name(arr.dtype)
-        except TypeError as e:
-            raise TypeError(f"rank {self.rank}: {name}: {e}") from None
+        dt = arr.dtype
+        if dt not in DTYPE_OF:
+            try:
+                dtype_name(dt)
+            except TypeError as e:
+                raise TypeError(f"rank {self.rank}: {name}: {e}") from None
         if write and not writeable:
             raise ValueError(f"rank {self.rank}: {name} is read-only")
-        if arr.size and address % arr.dtype.itemsize:
-            raise ValueError(f"rank {self.rank}: {name} is not aligned to its element size {arr.dtype.itemsize}")
-        return Buffer(obj, address, int(arr.size), arr.dtype, int(arr.nbytes), writeable)
+        if address % dt.itemsize and arr.size:
+            raise ValueError(f"rank {self.rank}: {name} is not aligned to its element size {dt.itemsize}")
+        return Buffer(obj, address, arr.size, dt, arr.nbytes, writeable)
+
+    def _host_address(self, arr: np.ndarray) -> int:
+        """arr's data address. Looking it up costs microseconds, a noticeable part of a
+        small collective, so the last few arrays seen are remembered (a numpy array's
+        buffer does not move while the array lives, and the cache holds it alive)."""
+        hit = self._addresses.get(id(arr))
+        if hit is not None and hit[0] is arr and hit[2] == arr.nbytes:
+            return hit[1]
+        address = arr.__array_interface__["data"][0]
+        if len(self._addresses) >= 16:
+            self._addresses.pop(next(iter(self._addresses)))
+        self._addresses[id(arr)] = (arr, address, arr.nbytes)
+        return address
 
     def _device_array(self, obj, name):
         import cupy

@@ -18,13 +18,15 @@ class Defaults:
     threads: int
 
 
-def defaults(device: str) -> Defaults:
+def defaults(device: str, local_ranks: int = 1) -> Defaults:
+    """FIFO geometry and channel limit. On the CPU a channel is a spinning OS thread:
+    more channels per rank than this host's cores per local rank only take turns."""
     if device == "cuda":
         return Defaults(max_channels=8, slot_bytes=512 * 1024, nsteps=8, threads=512)
     # CPU engine: one block is one OS thread and copies run at memcpy speed, so few
     # channels; 128 KiB slots keep a step's data in the L2 cache between the writer
     # and the reader.
-    cores = os.cpu_count() or 1
+    cores = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
     return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=128 * 1024, nsteps=4, threads=1)
 
 

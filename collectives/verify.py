@@ -36,6 +36,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 DTYPE_CODES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
                "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+_NAMES = {d: n for n, d in DTYPES.items()}
 # NCCL's ncclRedOp_t codes.
 OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce")
@@ -45,9 +46,9 @@ MAX_EXACT_RANKS = 8
 
 def dtype_name(dtype) -> str:
     dt = np.dtype(dtype)
-    for name, d in DTYPES.items():
-        if d == dt:
-            return name
+    name = _NAMES.get(dt)
+    if name is not None:
+        return name
     raise TypeError(f"unsupported dtype {dt}; supported: {', '.join(DTYPES)}")
 
 

@@ -134,11 +134,13 @@ class CpuKernels:
             self._entry[name] = addr
         return addr
 
-    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None, spec=None) -> int:
+    def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None, spec=None,
+               address: int | None = None) -> int:
         """Runs kernel `name` with the one-record array `args` (`spec` is for the GPU
         loader's specialised modules; the CPU library holds every instance). Returns 0, or 1 when the
-        kernel aborted (its ErrorRecord says why). The GIL is released meanwhile."""
-        status = self._launch(self.entry(name), args.ctypes.data, grid, block)
+        kernel aborted (its ErrorRecord says why). The GIL is released meanwhile.
+        `address`, if given, is args' address (saves looking it up on hot paths)."""
+        status = self._launch(self.entry(name), address or args.ctypes.data, grid, block)
         if status == 2:
             raise KernelError(f"the CPU engine could not run {name} with grid={grid} block={block}")
         return status
@@ -243,7 +245,7 @@ class CudaKernels:
             self.module(specialization(spec))
 
     def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None,
-               spec: tuple[int, int] | None = None) -> int:
+               spec: tuple[int, int] | None = None, address: int | None = None) -> int:
         """Enqueues kernel `name` on `stream`; failures surface at synchronization."""
         key = (name, spec)
         fn = self._fn.get(key)

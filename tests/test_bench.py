@@ -115,18 +115,45 @@ def test_nccl_tests_flags() -> None:
         args_for("all_reduce", "--path", "nvls")
 
 
-def test_series_cross_gin_backends_and_wires() -> None:
-    a = args_for("all_reduce", "--path", "lsa,gin", "--backend", "proxy,gda", "--wire", "shm")
-    assert [s.label for s in harness.series_of(a)] == ["lsa", "gin/proxy/shm", "gin/gda/shm"]
+def test_series_cross_gin_options() -> None:
+    a = args_for("all_reduce", "--path", "lsa,gin", "--backend", "proxy,gda", "--wire", "unordered",
+                 "--network", "shm")
+    assert [s.label for s in harness.series_of(a)] == ["lsa", "gin/proxy/unordered/shm", "gin/gda/unordered/shm"]
+    assert harness.series_of(args_for("all_reduce", "--path", "gin"))[0].gin_options() == {}
     with pytest.raises(harness.NotAvailable, match="--path gin"):
         harness.series_of(args_for("all_reduce", "--backend", "proxy"))
 
 
-def test_gin_paths_say_not_available_yet(capsys) -> None:
-    for extra in (["--path", "gin"], ["--path", "auto"], ["--path", "gin", "--backend", "rc", "--wire", "mpi"]):
+def test_paths_the_communicator_lacks_say_not_available_yet(monkeypatch, capsys) -> None:
+    """Paths are offered as soon as Communicator takes them; until then the flags fail
+    with a clear message before any rank starts."""
+    from collectives import communicator
+
+    class LsaOnly:
+        def __init__(self, world, device="auto", *, algorithm="auto", max_channels=None, slot_bytes=None,
+                     threads=None, device_id=None):
+            raise AssertionError("not constructed")
+
+    monkeypatch.setattr(communicator, "Communicator", LsaOnly)
+    for extra in (["--path", "gin"], ["--path", "auto"], ["--path", "gin", "--backend", "rc", "--wire", "ordered"]):
         assert harness.main(["all_reduce", "-b", "8", "-e", "8", *extra]) == 2
         err = capsys.readouterr().err
         assert "not available yet" in err and "--path lsa" in err
+
+
+def test_lsa_and_gin_side_by_side() -> None:
+    from collectives.communicator import Communicator
+
+    if "path" not in __import__("inspect").signature(Communicator).parameters:
+        pytest.skip("this Communicator has no GIN path yet")
+    a = args_for("all_reduce", "-b", "64", "-e", "64", "-n", "2", "-w", "1", "--no-baseline", "--no-bound",
+                 "--path", "lsa,gin", "--backend", "proxy,rc", "--wire", "unordered")
+    docs = ThreadWorld.run(2, run_rank, a, out=lambda s: None)
+    doc = docs[0]
+    assert [r["series"] for r in doc["rows"]] == ["lsa", "gin/proxy/unordered"]
+    assert all(r["out_of_place"]["wrong"] == 0 and r["in_place"]["wrong"] == 0 for r in doc["rows"])
+    # rc has no unordered wire: skipped with the reason, the others still run.
+    assert [s["label"] for s in doc["skipped"]] == ["gin/rc/unordered"] and "unordered" in doc["skipped"][0]["reason"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,6 +170,9 @@ def test_json_document_schema(tmp_path) -> None:
     harness.write_outputs(docs[0], a)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["schema"] == harness.SCHEMA and doc["collective"] == "all_reduce"
+    assert doc["series"] == [{"path": "lsa", "backend": None, "wire": None, "network": None, "gin_protocol": None,
+                              "label": "lsa", "link": "threads"}] and doc["skipped"] == []
+    assert doc["params"]["minbytes"] == 8 and doc["params"]["iters"] == 3
     assert doc["bus_factor"] == pytest.approx(1.0)
     env = doc["environment"]
     for key, typ in [("commref", str), ("numpy", str), ("mpi4py", str), ("python", str), ("host", str),

@@ -2,15 +2,16 @@
 
 - Every kernel compiles for sm_90: with nvcc (loader.nvcc_compile_check) when nvcc is
   on PATH, else with NVRTC through cuda-python (cuda.bindings.nvrtc) or CuPy when one
-  is importable; skipped only when none of them exists. The full module (every
-  kernel, every (dtype, op) instance) is compiled, plus the GPU loader's per-(dtype,
-  op) specialised modules for data movement and for one reduction.
+  is importable; skipped only when none of them exists. The modules are the GPU
+  loader's per-(dtype, op) specialisations (see gpu_modules() for which, and
+  COMMREF_TEST_ALL_GPU_MODULES=1 for all of them plus the full module).
 - The launch ABI: every size and offset that the CPU build reports (commref_abi_*())
   equals device_kernels/abi.py's numpy dtypes.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import time
@@ -142,30 +143,51 @@ def nvcc_with_size_probe(tmp_path: Path) -> tuple[str, Path]:
     return str(wrapper), size_file
 
 
-# The full module (every kernel, every instance), then the specialised modules the GPU
-# loader builds: data movement, and one reduction (float32 sum and avg).
-SPECIALIZATIONS = {
-    "full": (),
-    "data-only": loader.specialization(None) if hasattr(loader, "specialization") else None,
-    "float32-sum": loader.specialization((7, 0)) if hasattr(loader, "specialization") else None,
-}
+def gpu_modules() -> dict[str, tuple[str, ...]]:
+    """The modules to compile, by name.
+
+    The GPU loader compiles one module per (dtype, op) specialization (every kernel
+    in each; loader.specialization()). By default: the data-movement module, every
+    dtype with sum (type-specific code: conversions, Arith, Unsigned) and float32 with
+    every other functor (op-specific code) -- 14 modules, a few seconds each. With
+    COMMREF_TEST_ALL_GPU_MODULES=1: all of loader.all_specializations() and the full
+    module (no defines: every kernel with every instance in one translation unit, what
+    nvcc_compile_check() builds by default; minutes of ptxas on a small machine).
+    """
+    if not hasattr(loader, "specialization"):  # a loader without specialised modules
+        return {"full": ()}
+    from collectives.verify import DTYPE_CODES, OPS
+
+    dtype_names = {v: k for k, v in DTYPE_CODES.items()}
+    op_names = {v: k for k, v in OPS.items()}
+    everything = os.environ.get("COMMREF_TEST_ALL_GPU_MODULES", "") not in ("", "0")
+    specs: dict[str, tuple[str, ...]] = {"data-movement": loader.specialization(None)}
+    for dtype in sorted(dtype_names):
+        for op in (0, 1, 2, 3):  # avg shares sum's module
+            if everything or op == 0 or dtype == DTYPE_CODES["float32"]:
+                specs[f"{dtype_names[dtype]}-{op_names[op]}"] = loader.specialization((dtype, op))
+    if everything:
+        assert sorted(set(specs.values())) == sorted(loader.all_specializations())
+        specs["full"] = ()
+    return specs
 
 
-@pytest.mark.parametrize("which", list(SPECIALIZATIONS))
+GPU_MODULES = gpu_modules()
+
+
+@pytest.mark.parametrize("which", list(GPU_MODULES))
 def test_every_kernel_compiles_for_sm90(which, tmp_path):
-    defines = SPECIALIZATIONS[which]
-    if defines is None:
-        pytest.skip("this loader has no specialised GPU modules")
+    defines = GPU_MODULES[which]
     t0 = time.perf_counter()
     if shutil.which("nvcc"):
         nvcc, size_file = nvcc_with_size_probe(tmp_path)
         kwargs = {"defines": defines} if defines else {}
         proc = loader.nvcc_compile_check(ARCH, nvcc=nvcc, **kwargs)
         elapsed = time.perf_counter() - t0
-        assert proc.returncode == 0, f"nvcc failed for {ARCH} ({which}):\n{proc.stderr[-6000:]}"
+        assert proc.returncode == 0, f"nvcc failed for {ARCH} ({which}: {defines}):\n{proc.stderr[-6000:]}"
         size = int(size_file.read_text()) if size_file.exists() else 0
         assert size > 0, "nvcc reported success but wrote no cubin"
-        print(f"nvcc {ARCH} {which}: cubin {size} bytes ({size / 2**20:.1f} MiB) in {elapsed:.1f} s")
+        print(f"nvcc {ARCH} {which}: cubin {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
         return
     backend = nvrtc_backend()
     if backend is None:
@@ -177,4 +199,4 @@ def test_every_kernel_compiles_for_sm90(which, tmp_path):
     else:
         size, what = compile_cupy(mod, defines)
     elapsed = time.perf_counter() - t0
-    print(f"NVRTC ({kind}) {ARCH} {which}: {what} {size} bytes ({size / 2**20:.1f} MiB) in {elapsed:.1f} s")
+    print(f"NVRTC ({kind}) {ARCH} {which}: {what} {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")

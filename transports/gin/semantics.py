@@ -18,6 +18,12 @@ Vocabulary (NCCL's GIN contract, 2.30+):
 Transport axes: ordered vs unordered delivery between operations; segment placement
 within a put (any order, or in order inside each aligned 128-byte block); duplicate
 placement of a segment; and whether a local completion (flush) orders later writes.
+
+Also here, for the ordering explorer (collectives/study.py) and anyone who models a
+target: TargetMemory (a byte-level model of the target window, signal slots and a
+counted-writes byte counter), apply() (lands one event on it) and first_disallowed()
+(checks a delivery order against enabled()). They add no rule: enabled() alone says
+what may land.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ class Transport:
     ordered: bool  # per (context, source, target) FIFO placement of every event
     placement: str = "any"  # "any" | "block128": in order within each aligned 128-byte block
     duplicates: bool = False  # a data segment may be placed a second time (SRD retransmit)
-    # Local completion (flush) of a put orders every later write to the same target after
-    # it (the assumption EFA GDA's tail write makes).
+    # Local completion (flush) orders later writes (the assumption EFA GDA's tail write
+    # makes). Modelled per context: the put posted right after a flush lands only after
+    # every earlier put of its context has landed.
     flush_orders_later_writes: bool = False
 
     def __post_init__(self):
@@ -179,3 +186,76 @@ def enabled(transport: Transport, plan: Plan, landed, strong_always: bool = Fals
                     continue
             out.append(Event(i, -1))
     return out
+
+
+# --- Additions for the ordering explorer (collectives/study.py); enabled() is unchanged. ---
+
+SIGNAL_MASK = (1 << 64) - 1
+
+
+@dataclass
+class TargetMemory:
+    """Byte-level model of what one source's events have done to one target.
+
+    - window: the target window's bytes (whatever was there before, "stale", until a
+      data segment writes them);
+    - signals: value of each indexed signal slot, keyed ("index", i); 64-bit,
+      wrapping. A VA signal adds to the little-endian 64-bit word at its window
+      offset instead;
+    - placed_bytes: counted-writes bookkeeping: bytes placed by data segments, a
+      duplicate placement counted again (what a counter that the target NIC bumps on
+      every placed write reads; it is not a count of distinct bytes);
+    - landed: the events applied so far, in order.
+    """
+
+    window: bytearray
+    signals: dict = field(default_factory=dict)
+    placed_bytes: int = 0
+    landed: list = field(default_factory=list)
+
+    @classmethod
+    def fresh(cls, nbytes: int, fill: int = 0) -> "TargetMemory":
+        return cls(bytearray([fill]) * nbytes)
+
+    def copy(self) -> "TargetMemory":
+        return TargetMemory(bytearray(self.window), dict(self.signals), self.placed_bytes, list(self.landed))
+
+    def signal(self, slot: int = 0) -> int:
+        return self.signals.get(("index", slot), 0)
+
+
+def apply(plan: Plan, event: Event, payload, mem: TargetMemory) -> None:
+    """Lands `event` on `mem`: a data segment (original or duplicate) copies its bytes
+    of put `event.put`'s source data `payload[event.put]` (bytes-like, put.nbytes long)
+    into the window and adds its size to placed_bytes; a signal adds its value to its
+    slot (indexed) or to its 64-bit word (VA). Does not check that the event is
+    enabled (see first_disallowed)."""
+    p = plan.puts[event.put]
+    if event.is_signal:
+        sig = p.signal
+        kind, where = sig.target
+        if kind == "index":
+            key = ("index", where)
+            mem.signals[key] = (mem.signals.get(key, 0) + sig.value) & SIGNAL_MASK
+        elif kind == "va":
+            old = int.from_bytes(mem.window[where:where + 8], "little")
+            mem.window[where:where + 8] = ((old + sig.value) & SIGNAL_MASK).to_bytes(8, "little")
+        else:
+            raise ValueError(f"signal target kind must be 'index' or 'va', not {kind!r}")
+    else:
+        off, n = plan.segs[event.put][event.segment]
+        src = payload[event.put]
+        mem.window[off:off + n] = src[off - p.offset:off - p.offset + n]
+        mem.placed_bytes += n
+    mem.landed.append(event)
+
+
+def first_disallowed(transport: Transport, plan: Plan, order, strong_always: bool = False) -> int | None:
+    """Index of the first event of the delivery order `order` that enabled() does not
+    allow at its point (or that repeats an event), None if the whole order is allowed."""
+    landed: set = set()
+    for k, e in enumerate(order):
+        if e in landed or e not in enabled(transport, plan, landed, strong_always):
+            return k
+        landed.add(e)
+    return None

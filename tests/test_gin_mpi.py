@@ -1,0 +1,60 @@
+"""GIN under mpiexec: `commref check --path gin`, one process per rank.
+
+Every collective over the GIN proxy with the MPI wire (messages between the ranks'
+proxies: the distributed path, here on one host) and the shm wire (the proxy writes
+into the peer's mapped window), ordered and unordered, 2 and 3 ranks, a reduced sweep
+with small slots (many pipeline steps). Also: the rc backend, and a setup failure that
+names the missing capability. No /dev/shm/commref-* file may be left behind.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+CHECK = ["collectives.cli", "check", "--path", "gin"]
+REDUCED = ["--dtype", "float32", "int8", "bfloat16", "--op", "sum", "max", "avg", "--count", "0", "1", "7", "1001",
+           "2049", "--slot-bytes", "512"]
+
+
+def _assert_clean(proc, cases: int) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
+    assert m, out[-4000:]
+    assert (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (cases, 0, 0), m.group(0)
+
+
+# (allreduce ring+tree, reduce_scatter, reduce) x 3 ops + (allgather, broadcast); x 3 dtypes x 5 counts x 2
+REDUCED_CASES = (4 * 3 + 2) * 3 * 5 * 2
+
+
+@pytest.mark.parametrize("wire", ["ordered", "unordered"])
+@pytest.mark.parametrize("network", ["mpi", "shm"])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_check_over_gin(nranks, network, wire, shm_leak_check):
+    args = [*CHECK, *REDUCED, "--network", network, "--wire", wire, "--seed", str(nranks * 7 + len(network))]
+    proc = run_mpi(nranks, args, timeout=90, module=True)
+    _assert_clean(proc, REDUCED_CASES)
+    assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
+
+
+def test_check_over_gin_rc_two_channels(shm_leak_check):
+    """rc (every signal strong, ordered wire) over MPI with the work split across two
+    channels (8.4 MB per rank; the CPU tuner splits from 4 MiB per channel)."""
+    args = [*CHECK, "allreduce", "reduce_scatter", "--dtype", "float32", "--op", "sum", "--algorithm", "ring",
+            "--count", "2100001", "--channels", "2", "--slot-bytes", "65536", "--backend", "rc", "--network", "mpi"]
+    _assert_clean(run_mpi(2, args, timeout=90, module=True), 4)
+
+
+def test_no_backend_qualifies_fails_at_setup(shm_leak_check):
+    args = [*CHECK, "allreduce", "--dtype", "float32", "--op", "sum", "--count", "7", "--backend", "gda",
+            "--gin-protocol", "strong", "--network", "mpi"]
+    proc = run_mpi(2, args, timeout=60, module=True)
+    assert proc.returncode != 0
+    assert "no GIN backend meets the requirements: gda lacks strong signals" in proc.stdout + proc.stderr

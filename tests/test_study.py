@@ -1,0 +1,297 @@
+"""The ordering study (collectives/study.py): every cell of the default matrix pinned,
+every counterexample replayed on a fresh target memory, the reduced search checked
+against the plain one, and the semantics helpers it adds."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from collectives import study as st
+from collectives.cli import main as cli_main
+from transports.gin import semantics as sem
+from transports.gin.semantics import Event, Plan, Put, Signal
+
+COLUMNS = ["ordered", "ordered/2ctx", "unordered", "unordered+block128", "unordered+duplicates",
+           "unordered+flush_orders", "unordered/2ctx"]
+
+# Expected verdicts, one letter per column above (S safe, U unsafe), reasoned from the
+# GIN contract (DESIGN.md) and semantics.enabled(), before running the explorer:
+#
+# - ordered: per-context FIFO, so every event of a context lands after every earlier one:
+#   anything the receiver waits for (a signal, the last byte, the last line) implies all
+#   earlier data on that context. Everything is safe.
+# - /2ctx: contexts are separate ordering domains. The signal (or the last put) travels on
+#   context 1, the data on context 0: neither FIFO nor a strong signal (which covers earlier
+#   puts *on its context*) nor a flush of context 0 (per context in semantics) orders the
+#   two, so every protocol that waits on a signal or on the last put is unsafe, ordered or
+#   not. Counted writes (the counter counts placements on every context) and LL (each line
+#   carries its own flag) do not care which context a put rides on. A torn LL line is
+#   still in order inside its own put on an ordered wire (data before flag).
+# - unordered: a weak signal implies only its own put; a strong one, every earlier put of
+#   its context (applied in sequence order). So:
+#   signal-per-put: n signals each implying its own put = all puts: safe, weak or strong.
+#   last-put: weak implies only the last put (2 puts: unsafe); strong implies all: safe.
+#   flush-signal: the signal is a bare signal; a weak one implies nothing (unsafe), a strong
+#   one implies every earlier put (safe).
+#   counted-writes: without duplicates the counter reaches the message size only when every
+#   byte has been placed: safe.
+#   headers: a signal (weak or strong) lands only after its own put, header included, so
+#   the set of signalled puts is a subset of the puts with a valid header; count >= valid
+#   headers makes the two sets equal, so every put read has landed: safe (DeepEP's rule).
+#   ll-flag: a line lands whole (the atomicity assumption): safe. ll-flag-8B: the flag
+#   segment may land before the data segment of its line: unsafe.
+#   poll-last-byte: the last segment may land first: unsafe.
+# - +block128: segments of a put land in order inside each aligned 128-byte block; nothing
+#   else changes. An LL line (16-byte aligned) never straddles a block, so a torn line's
+#   data lands before its flag: ll-flag-8B becomes safe (what LL128 relies on). poll-last-
+#   byte stays unsafe (other blocks, other puts). The rest as unordered.
+# - +duplicates: a segment may be placed twice. Rewriting the same bytes harms no reader,
+#   but the placed-bytes counter counts the duplicate: counted-writes becomes unsafe (the
+#   counter reaches the size while a segment is missing). The rest as unordered.
+# - +flush_orders: the op after a flush lands only after earlier puts of its context: the
+#   flush-signal's weak bare signal becomes safe. Protocols without a flush as unordered.
+EXPECTED_ROWS = {
+    # protocol, strength       ord  o/2c unord b128 dup flush u/2c
+    ("signal-per-put", "weak"):   "S U S S S S U",
+    ("signal-per-put", "strong"): "S U S S S S U",
+    ("last-put", "weak"):         "S U U U U U U",
+    ("last-put", "strong"):       "S U S S S S U",
+    ("flush-signal", "weak"):     "S U U U U S U",
+    ("flush-signal", "strong"):   "S U S S S S U",
+    ("counted-writes", "-"):      "S S S S U S S",
+    ("headers", "weak"):          "S U S S S S U",
+    ("headers", "strong"):        "S U S S S S U",
+    ("ll-flag", "-"):             "S S S S S S S",
+    ("ll-flag-8B", "-"):          "S S U S U U U",
+    ("poll-last-byte", "-"):      "S U U U U U U",
+}
+EXPECTED = {(p, s, col): ("safe" if v == "S" else "unsafe")
+            for (p, s), row in EXPECTED_ROWS.items() for col, v in zip(COLUMNS, row.split())}
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    t0 = time.perf_counter()
+    cells = st.run_matrix()
+    return cells, time.perf_counter() - t0
+
+
+def test_columns_and_rows_are_the_default_matrix(matrix):
+    cells, _ = matrix
+    assert [m.name for m in st.MODELS] == COLUMNS
+    assert {c.key() for c in cells} == set(EXPECTED)
+    assert len(cells) == len(EXPECTED) == 84
+
+
+def test_every_cell_verdict(matrix):
+    cells, _ = matrix
+    got = {c.key(): c.verdict for c in cells}
+    wrong = {k: (got[k], EXPECTED[k]) for k in EXPECTED if got[k] != EXPECTED[k]}
+    assert not wrong, f"cells whose verdict differs (got, expected): {wrong}"
+
+
+def test_default_matrix_is_fast(matrix):
+    _, seconds = matrix
+    assert seconds < 60, f"the default matrix took {seconds:.1f} s"
+
+
+def test_safe_cells_checked_every_shape(matrix):
+    cells, _ = matrix
+    n = len(st.shapes(st.DEFAULT_BOUND))
+    assert n == 16
+    for c in cells:
+        if c.safe:
+            assert c.shapes_checked == n and c.events is None
+
+
+def test_every_counterexample_replays_to_a_wrong_read(matrix):
+    cells, _ = matrix
+    unsafe = [c for c in cells if not c.safe]
+    assert len(unsafe) == sum(v == "unsafe" for v in EXPECTED.values())
+    for c in unsafe:
+        proto, model, prog = st.cell_program(c)
+        assert c.shape.puts <= st.DEFAULT_BOUND[0] and c.shape.units <= st.DEFAULT_BOUND[1]
+        assert c.shortest, c.key()
+        # Every event is allowed where it lands (semantics.enabled), no event repeats.
+        assert sem.first_disallowed(model.transport, prog.plan, c.events, model.strong_always) is None
+        mem = prog.fresh()
+        for e in c.events:
+            sem.apply(prog.plan, e, prog.payload, mem)
+        read = proto.receive(prog, mem)
+        assert read is not None, f"{c.key()}: the receiver does not read at the end of the trace"
+        stale = st.stale_ranges(prog, mem, read)
+        assert stale, f"{c.key()}: the receiver's read is correct at the end of the trace"
+        for off, n in stale:  # stale bytes still hold what was there before the message
+            assert all(b == st.STALE for b in mem.window[off:off + n])
+        # The trace printers agree with it.
+        assert "UNSAFE" in st.trace_lines(c)[0]
+        assert st.cell_json(c)["counterexample"]["read"]["stale"] == [[o, o + n] for o, n in stale]
+
+
+def test_sample_counterexamples_are_the_expected_shortest(matrix):
+    cells, _ = matrix
+    by = {c.key(): c for c in cells}
+    # Weak signal on the last put, unordered: the last put and its signal land; put 0 not.
+    c = by[("last-put", "weak", "unordered")]
+    assert (str(c.shape), c.events) == ("2x1", [Event(1, 0), Event(1, -1)])
+    # Counted writes with duplicates: one segment placed twice, the other never.
+    c = by[("counted-writes", "-", "unordered+duplicates")]
+    assert (str(c.shape), c.events) == ("1x2", [Event(0, 0), Event(0, 0, 1)])
+    # Weak bare signal after a flush: lands first.
+    c = by[("flush-signal", "weak", "unordered")]
+    assert (str(c.shape), c.events) == ("1x1", [Event(1, -1)])
+    # A torn LL line: the flag segment lands before the data segment.
+    c = by[("ll-flag-8B", "-", "unordered")]
+    assert (str(c.shape), c.events) == ("1x1", [Event(0, 1)])
+    # Headers with the signal on another context: a header and a bare signal, body missing.
+    c = by[("headers", "weak", "ordered/2ctx")]
+    assert str(c.shape) == "1x2" and set(c.events) == {Event(0, 0), Event(1, -1)}
+
+
+def _small_shapes():
+    return [s for s in st.shapes((4, 4)) if s.puts * s.units <= 6]
+
+
+@pytest.mark.parametrize("proto", st.PROTOCOLS, ids=lambda p: p.name)
+def test_reduced_search_agrees_with_plain_search(proto):
+    """Per message shape (up to 6 segments or lines in all), the reduced search (victims
+    + persistent sets) finds a wrong read exactly when the plain BFS does."""
+    for strength in proto.strengths:
+        for model in st.MODELS:
+            for shape in _small_shapes():
+                prog = proto.program(shape, strength, model.split_ctx)
+                reduced = st.search(prog, proto, model, por=True)
+                plain = st.search(prog, proto, model, por=False)
+                assert (reduced is None) == (plain is None), (proto.name, strength, model.name, str(shape))
+                if reduced is not None:
+                    assert st.replay(prog, proto, model, reduced)[2]
+
+
+def test_no_event_disables_another():
+    """The reductions rely on it: landing an event never removes another from enabled().
+    Checked on every reachable state of small programs of every protocol and model."""
+    for proto in st.PROTOCOLS:
+        for strength in proto.strengths:
+            for model in st.MODELS:
+                for shape in (st.Shape(2, 2), st.Shape(3, 1)):
+                    prog = proto.program(shape, strength, model.split_ctx)
+                    tr, plan = model.transport, prog.plan
+                    seen, todo = {frozenset()}, [frozenset()]
+                    while todo:
+                        landed = todo.pop()
+                        en = sem.enabled(tr, plan, landed)
+                        for e in en:
+                            nxt = landed | {e}
+                            after = set(sem.enabled(tr, plan, nxt))
+                            assert set(en) - {e} <= after, (proto.name, model.name, sorted(landed), e)
+                            if nxt not in seen:
+                                seen.add(nxt)
+                                todo.append(nxt)
+
+
+def test_larger_bound_keeps_verdicts():
+    cells = st.run_matrix(protocols=[st.PROTOCOL_BY_NAME["last-put"], st.PROTOCOL_BY_NAME["headers"]],
+                          bound=(5, 3))
+    for c in cells:
+        assert c.verdict == EXPECTED[c.key()], c.key()
+        assert c.safe or c.shapes_checked <= 15
+
+
+def test_programs():
+    # Flush then signal: the signal is the op after the flush.
+    prog = st.FlushSignal().program(st.Shape(2, 2), "weak", False)
+    assert [p.nbytes for p in prog.puts] == [128, 128, 0]
+    assert [p.after_flush for p in prog.puts] == [False, False, True]
+    assert prog.puts[2].signal == Signal(False)
+    # Split contexts: data on 0, bare signals on 1, sequence numbers per context.
+    prog = st.SignalPerPut().program(st.Shape(2, 1), "strong", True)
+    assert [(p.ctx, p.seq, p.nbytes, p.signal is not None) for p in prog.puts] == \
+        [(0, 0, 64, False), (1, 0, 0, True), (0, 1, 64, False), (1, 1, 0, True)]
+    # Every payload byte differs from the stale fill, so a stale byte shows.
+    for proto in st.PROTOCOLS:
+        prog = proto.program(st.Shape(4, 4), proto.strengths[-1], False)
+        assert st.STALE not in prog.image
+    # LL lines: 8 data bytes, then the flag; 16-byte segments (8-byte for ll-flag-8B).
+    prog = st.LLFlag().program(st.Shape(1, 2), None, False)
+    assert prog.plan.segs[0] == [(0, 16), (16, 16)] and prog.image[8:16] == st.LL_FLAG
+    assert st.LLFlagTorn().program(st.Shape(1, 1), None, False).plan.segs[0] == [(0, 8), (8, 8)]
+
+
+def test_semantics_target_memory():
+    tr = sem.Transport("u+dup", ordered=False, duplicates=True)
+    puts = [Put(0, 0, 0, 16), Put(0, 1, 16, 8, Signal(True, ("index", 2), 5)),
+            Put(0, 2, 0, 0, Signal(False, ("va", 32), 3))]
+    plan = Plan.of(puts, 8)
+    payload = [bytes(range(1, 17)), bytes(range(17, 25)), b""]
+    mem = sem.TargetMemory.fresh(40)
+    for e in (Event(0, 1), Event(0, 1, 1), Event(2, -1), Event(2, -1)):
+        sem.apply(plan, e, payload, mem)
+    assert bytes(mem.window[8:16]) == bytes(range(9, 17)) and bytes(mem.window[0:8]) == bytes(8)
+    assert mem.placed_bytes == 16  # the duplicate counted again
+    assert int.from_bytes(mem.window[32:40], "little") == 6  # VA signal added twice
+    sem.apply(plan, Event(1, -1), payload, mem)
+    assert mem.signal(2) == 5 and mem.signals == {("index", 2): 5}
+    assert mem.landed[:2] == [Event(0, 1), Event(0, 1, 1)]
+    copy = mem.copy()
+    copy.window[0] = 99
+    assert mem.window[0] == 0
+    # first_disallowed: the strong signal of op 1 needs op 0's data and its own.
+    order = [Event(0, 0), Event(1, -1)]
+    assert sem.first_disallowed(tr, plan, order) == 1
+    assert sem.first_disallowed(tr, plan, [Event(0, 0), Event(0, 1), Event(1, 0), Event(1, -1)]) is None
+    assert sem.first_disallowed(tr, plan, [Event(0, 0, 1)]) == 0  # a duplicate before its original
+    assert sem.first_disallowed(tr, plan, [Event(0, 0), Event(0, 0)]) == 1  # repeated
+
+
+def test_cli_json_and_filters(capsys):
+    assert cli_main(["study", "--protocol", "last-put", "--transport", "unordered", "ordered", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    got = {(c["protocol"], c["strength"], c["transport"]): c["verdict"] for c in out["cells"]}
+    assert got == {("last-put", "weak", "unordered"): "unsafe", ("last-put", "weak", "ordered"): "safe",
+                   ("last-put", "strong", "unordered"): "safe", ("last-put", "strong", "ordered"): "safe"}
+    cex = next(c for c in out["cells"] if c["verdict"] == "unsafe")["counterexample"]
+    assert [t["what"] for t in cex["trace"]] == ["op1 seg0 [64,128)", "op1 signal (weak, index 0 += 1) -> 1"]
+    assert cex["read"]["stale"] == [[0, 64]]
+    assert out["bound"] == {"puts": 4, "units": 4}
+
+
+def test_cli_text(capsys):
+    assert cli_main(["study", "--protocol", "counted-writes", "--bound", "2x2"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("counted-writes"))
+    assert row.split()[2:] == ["safe", "safe", "safe", "safe", "UNSAFE", "safe", "safe"]
+    assert "placed bytes = 128 >= 128" in out and "bound 2x2" in out
+    with pytest.raises(SystemExit):
+        cli_main(["study", "--bound", "4by4"])
+
+
+def test_stress_on_the_proxy_agrees_with_the_explorer():
+    """Part of `commref study --stress` on the real GIN proxy (ThreadWorld, shm wire):
+    cells proven safe show no corruption, a torn LL line and a bare signal on another
+    context show theirs, and every delivery order the proxy produced is one
+    semantics.enabled() allows for the explorer's plan of the program."""
+    from collectives import study_stress
+
+    P, M = st.PROTOCOL_BY_NAME, st.MODEL_BY_NAME
+    picks = [("last-put", "strong", "unordered"), ("headers", "weak", "unordered+duplicates"),
+             ("flush-signal", "weak", "unordered+flush_orders"), ("ll-flag", None, "unordered"),
+             ("ll-flag-8B", None, "unordered"), ("signal-per-put", "weak", "unordered/2ctx")]
+    cells = []
+    for p, s, m in picks:
+        cells += study_stress.run_stress([P[p]], [M[m]], [s] if s else None, seeds=2, messages=4)
+    by = {c.key(): c for c in cells}
+    assert len(by) == len(picks)
+    for p, s, m in picks:
+        c = by[(p, s or "-", m)]
+        assert c.verdict == EXPECTED[c.key()]
+        assert c.messages == 8 and c.orders_checked == 8 and c.orders_disallowed == 0, c
+        assert c.agrees, c
+        if c.verdict == "safe":
+            assert c.corrupted == 0, c
+        else:
+            assert c.corrupted > 0 and c.example, c
+    text = study_stress.format_stress(cells, 2, 4, st.DEFAULT_BOUND)
+    assert "0 not allowed" in text and "disagreements (a safe cell corrupted, or an order the model forbids): none" in text
