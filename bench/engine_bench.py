@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
 
-from device_kernels import abi, loader  # noqa: E402
+from device_kernels import abi, loader
 
 COPY_TARGET_RATIO = 0.5
 LAUNCH_TARGET_US = 50.0
@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * 70)
     print(f"{'copy commref_copy (GB/s)':<34}{copy['ours_gbps']:>12.2f}")
     print(f"{'copy np.copyto (GB/s)':<34}{copy['numpy_gbps']:>12.2f}")
-    print(f"{'copy ratio commref / numpy':<34}{copy['ratio']:>12.2f}  {'>= %.2f' % COPY_TARGET_RATIO:<16}"
+    print(f"{'copy ratio commref / numpy':<34}{copy['ratio']:>12.2f}  {f'>= {COPY_TARGET_RATIO:.2f}':<16}"
           f"{'ok' if copy_ok else 'MISS':<6}")
-    print(f"{'empty launch 1x1 median (us)':<34}{launch1['median_us']:>12.2f}  {'<= %g' % LAUNCH_TARGET_US:<16}"
+    print(f"{'empty launch 1x1 median (us)':<34}{launch1['median_us']:>12.2f}  {f'<= {LAUNCH_TARGET_US:g}':<16}"
           f"{'ok' if launch_ok else 'MISS':<6}")
     print(f"{'empty launch 1x1 p10 / p90 (us)':<34}{launch1['p10_us']:>5.2f} / {launch1['p90_us']:<6.2f}")
     label = f"empty launch {a.blocks}x{a.threads} median (us)"

@@ -246,6 +246,7 @@ class Communicator:
             raise CapabilityError("network 'mpi' needs an MPI world (run under mpiexec)")
         self.network = network
         req = Requirements(strong_signals_required=protocol == "strong", wire=wire,
+                           flush_orders_later_writes=protocol == "flush-signal",
                            signals_counters=abi.gin_signals(self.max_channels, self.nsteps)[1] + counters)
         self.backend = select_backend(req, backend)
         self.transport = semantics.Transport(
@@ -521,7 +522,11 @@ class Communicator:
         return arr, int(arr.data.ptr), not readonly
 
     def close(self) -> None:
+        """Collective when GIN is in use: every rank's proxy delivers what its kernels
+        posted before any proxy stops."""
         if getattr(self, "proxy", None) is not None:
+            self.proxy.quiesce(self.timeout)
+            self.world.barrier(what="GIN proxies drained")
             self.proxy.stop()
             self.proxy = None
         self.window.close()

@@ -66,23 +66,26 @@ def test_abi_numpy_dtypes_are_c_layouts():
 
 # ---- GPU compile (no GPU needed) ----
 
-def nvrtc_backend():
-    """('cuda-python', module) or ('cupy', module) or None."""
+def nvrtc_backend() -> tuple[tuple[str, object] | None, list[str]]:
+    """(('cuda-python' | 'cupy', module) or None, why each candidate is unusable)."""
+    why = []
     for modname in ("cuda.bindings.nvrtc", "cuda.nvrtc"):
         try:
             mod = __import__(modname, fromlist=["nvrtcCreateProgram"])
-            err, major, minor = mod.nvrtcVersion()  # loads libnvrtc: fails if it is missing
+            err, _major, _minor = mod.nvrtcVersion()  # loads libnvrtc: fails if it is missing
             if _ok(mod, err):
-                return "cuda-python", mod
-        except Exception:  # noqa: BLE001 - not importable or no libnvrtc: try the next
-            pass
+                return ("cuda-python", mod), why
+            why.append(f"{modname}: nvrtcVersion() returned {err}")
+        except Exception as e:  # noqa: BLE001 - not importable or no libnvrtc: try the next
+            why.append(f"{modname}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     try:
-        import cupy.cuda.compiler as compiler
+        from cupy.cuda import compiler
 
         compiler._get_nvrtc_version()
-        return "cupy", compiler
-    except Exception:  # noqa: BLE001
-        return None
+        return ("cupy", compiler), why
+    except Exception as e:  # noqa: BLE001
+        why.append(f"cupy: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return None, why
 
 
 def _ok(nvrtc, err) -> bool:
@@ -189,9 +192,10 @@ def test_every_kernel_compiles_for_sm90(which, tmp_path):
         assert size > 0, "nvcc reported success but wrote no cubin"
         print(f"nvcc {ARCH} {which}: cubin {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
         return
-    backend = nvrtc_backend()
+    backend, why = nvrtc_backend()
     if backend is None:
-        pytest.skip("neither nvcc nor NVRTC (cuda-python's cuda.bindings.nvrtc or CuPy) is available")
+        pytest.skip("neither nvcc nor NVRTC (cuda-python's cuda.bindings.nvrtc or CuPy) is available: "
+                    + "; ".join(why))
     kind, mod = backend
     if kind == "cuda-python":
         size, _ = compile_cuda_python(mod, defines)

@@ -223,6 +223,24 @@ def test_weak_protocols_select_gda_and_strong_does_not():
                         for w in ("ordered", "unordered")}}
 
 
+def test_flush_signal_never_falls_back_to_an_unsafe_backend():
+    """flush-signal is safe where local completion orders later writes (gda) or where
+    every signal is strong (rc). 16 channels x 8 steps need 576 signals (> 512): gda is
+    out, rc runs ordered wires only, and proxy would corrupt (6 of 20 seeds here), so
+    selection should fail naming the missing capability."""
+    assert abi.gin_signals(16, 8)[1] > 512
+
+    def fn(world):
+        comm = _comm(world, path="gin", wire="unordered", gin_protocol="flush-signal", max_channels=16, nsteps=8,
+                     slot_bytes=256)
+        name = comm.backend.name
+        _close(world, comm)
+        return name
+
+    with pytest.raises(CapabilityError, match="local completion ordering later writes"):
+        ThreadWorld.run(2, fn, timeout=WORLD_TIMEOUT)
+
+
 # ---------------------------------------------------------------------------------------
 # backend selection
 # ---------------------------------------------------------------------------------------
@@ -266,7 +284,8 @@ def test_select_backend_falls_back_in_priority_order(req, expected):
     (Requirements(wire="unordered"), "rc", ["rc lacks the unordered wire (runs on ordered only)"]),
     (Requirements(flush_orders_later_writes=True), "proxy", ["proxy lacks local completion ordering later writes"]),
     (Requirements(strong_signals_required=True, flush_orders_later_writes=True, wire="unordered"), "auto",
-     ["gda lacks strong signals", "rc lacks local completion ordering later writes, the unordered wire",
+     # rc's signals are all strong, which makes flush-then-signal safe: it lacks only the wire.
+     ["gda lacks strong signals", "rc lacks the unordered wire",
       "proxy lacks local completion ordering later writes"]),
 ])
 def test_select_backend_names_what_is_missing(req, backend, words):

@@ -55,7 +55,8 @@ class Requirements:
     get: bool = False
     signals_counters: int = 0
     wire: str = "ordered"
-    flush_orders_later_writes: bool = False
+    flush_orders_later_writes: bool = False  # flush-then-signal must be safe (gda declares it; rc's
+    # signals imply every earlier put anyway)
 
     def missing(self, b: Backend) -> list[str]:
         c, out = b.caps, []
@@ -67,7 +68,8 @@ class Requirements:
             out.append("counters")
         if self.get and not c.get:
             out.append("get")
-        if self.flush_orders_later_writes and not c.local_completion_orders_later_writes:
+        if self.flush_orders_later_writes and not (c.local_completion_orders_later_writes
+                                                    or c.flushes_all_puts_on_any_signal):
             out.append("local completion ordering later writes")
         if c.max_signals_counters is not None and self.signals_counters > c.max_signals_counters:
             out.append(f"{self.signals_counters} signals+counters (at most {c.max_signals_counters})")

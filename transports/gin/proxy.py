@@ -100,6 +100,22 @@ class GinProxy:
     def start(self) -> None:
         self._thread.start()
 
+    def quiesce(self, timeout: float) -> None:
+        """Waits until every operation posted so far has been taken from the queue and
+        landed (MPI: sent). Call before stop() so that peers get this rank's last
+        data and credits."""
+        claimed_addr = self.consumed_addr - 64
+        deadline = time.monotonic() + timeout
+        while True:
+            claimed = self._load_acquire(claimed_addr)
+            if (self._consumed >= claimed and not any(l.puts for l in self.links.values())
+                    and not self._pending_sends) or self.error is not None or not self._thread.is_alive():
+                return
+            if time.monotonic() > deadline:
+                raise ProxyError(f"rank {self.rank}: GIN proxy did not drain within {timeout} s "
+                                 f"(expected {claimed} operations taken, seen {self._consumed})")
+            time.sleep(50e-6)
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
