@@ -37,6 +37,10 @@ _HEADER = 48
 _TAG = 7171
 
 
+def _int32(x: int) -> int:
+    return x - (1 << 32) if x & 0x80000000 else x
+
+
 def _header(kind: int, offset: int = 0, size: int = 0, is_va: int = 0, signal: int = 0, value: int = 0):
     return np.array([kind, offset, size, is_va, signal, value], np.uint64)
 
@@ -72,6 +76,10 @@ class GinProxy:
         self.capacity = capacity
         qoff = int(layout["ginQueueOff"])
         self.ring = self.local[qoff : qoff + capacity * abi.GIN_DESCRIPTOR.itemsize].view(abi.GIN_DESCRIPTOR)
+        # The same ring as rows of uint64 words: one tolist() per descriptor is much
+        # cheaper than reading its fields by name.
+        assert abi.GIN_DESCRIPTOR.itemsize == 72
+        self.ring_words = self.local[qoff : qoff + capacity * 72].view(np.uint64).reshape(capacity, 9)
         self.consumed_addr = self.base + qoff + capacity * abi.GIN_DESCRIPTOR.itemsize + 64
         self.signals_off = int(layout["ginSignalsOff"])
         self.counters_off = int(layout["ginCountersOff"])
@@ -146,8 +154,8 @@ class GinProxy:
         while took < budget:
             slot = self._consumed
             if self._load_acquire(self._desc_addr(slot)) != slot + 1:
-                break  # not published yet
-            self._execute(ring[slot % cap])
+                break  # not published yet (the acquire orders the reads of its fields after)
+            self._execute(self.ring_words[slot % cap].tolist())
             self._consumed = slot + 1
             self._store_release(self.consumed_addr, slot + 1)
             took += 1
@@ -157,8 +165,12 @@ class GinProxy:
     def _desc_addr(self, slot: int) -> int:
         return self.ring.ctypes.data + (slot % self.capacity) * abi.GIN_DESCRIPTOR.itemsize
 
-    def _execute(self, d) -> None:
-        op, flags, peer, ctx = int(d["op"]), int(d["flags"]), int(d["peer"]), int(d["ctx"])
+    def _execute(self, w: list) -> None:
+        """Carries one descriptor, given as its 9 uint64 words (gin.h GinDescriptor:
+        seq, op|flags, peer|ctx, dstOffset, srcOffset, bytes, signal, signalValue, counter)."""
+        op, flags = w[1] & 0xFFFFFFFF, w[1] >> 32
+        peer, ctx = _int32(w[2] & 0xFFFFFFFF), _int32(w[2] >> 32)
+        dst, src, nbytes, sig, sigval, counter = w[3], w[4], w[5], w[6], w[7], w[8] & 0xFFFFFFFF
         if op == abi.GIN_FLUSH:
             for link in self.links.values():
                 link.after_flush[ctx] = True
@@ -166,7 +178,7 @@ class GinProxy:
         if not 0 <= peer < self.world.size:
             raise ProxyError(f"rank {self.rank}: GIN operation {op} names peer {peer} outside [0, {self.world.size})")
         if op == abi.GIN_GET:
-            self._get(peer, int(d["srcOffset"]), int(d["dstOffset"]), int(d["bytes"]))
+            self._get(peer, src, dst, nbytes)
             return
         signal = None
         if flags & abi.GIN_HAS_SIGNAL:
@@ -177,26 +189,24 @@ class GinProxy:
             va = bool(flags & abi.GIN_VA)
             if va and not self.backend.caps.va_signals:
                 raise ProxyError(f"rank {self.rank}: VA signal to peer {peer} on backend {self.backend.name}")
-            value = int(d["signalValue"]) if flags & abi.GIN_ADD else 1
+            value = sigval if flags & abi.GIN_ADD else 1
             if self.backend.signals_count_writes:
                 if flags & abi.GIN_ADD:
                     raise ProxyError(f"rank {self.rank}: signal add on backend {self.backend.name}, whose signals "
                                      f"count completed writes")
                 value = 1
-            signal = semantics.Signal(strong or self.backend.strong_always, ("va" if va else "index", int(d["signal"])),
-                                      value)
+            signal = semantics.Signal(strong or self.backend.strong_always, ("va" if va else "index", sig), value)
         if op == abi.GIN_PUT:
-            src, n = int(d["srcOffset"]), int(d["bytes"])
-            payload = self.local[src : src + n].copy()  # the source is reusable from here on
+            payload = self.local[src : src + nbytes].copy()  # the source is reusable from here on
         elif op == abi.GIN_PUT_VALUE:
-            payload = np.frombuffer(int(d["bytes"]).to_bytes(8, "little"), dtype=np.uint8).copy()
+            payload = np.frombuffer(nbytes.to_bytes(8, "little"), dtype=np.uint8).copy()
         elif op == abi.GIN_SIGNAL:
             payload = np.zeros(0, np.uint8)
         else:
             raise ProxyError(f"rank {self.rank}: unknown GIN operation {op}")
         if flags & abi.GIN_HAS_COUNTER:
-            self._atomic_add(self.base + self.counters_off + 8 * int(d["counter"]), 1)
-        self._post(peer, ctx, int(d["dstOffset"]), payload, signal)
+            self._atomic_add(self.base + self.counters_off + 8 * counter, 1)
+        self._post(peer, ctx, dst, payload, signal)
 
     # ---- delivery ----
 
