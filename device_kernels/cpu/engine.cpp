@@ -56,7 +56,8 @@ struct Launch {
   const void* args;
   dim3 grid, block;
   std::atomic<int> failed{0};
-  std::atomic<unsigned> remaining{0};
+  std::atomic<unsigned> remaining{0};  // blocks still running on workers
+  std::atomic<unsigned> departed{0};   // workers done touching this Launch (it lives on the launcher's stack)
 };
 
 enum FiberState { kRunnable, kAtBarrier, kDone };
@@ -226,9 +227,11 @@ void workerLoop(Worker* w) {
       g_idle.push_back(w);
     }
     if (L->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) L->remaining.notify_all();
+    L->departed.fetch_add(1, std::memory_order_release);  // last touch of *L
   }
 }
 
+// An idle worker, or a new one; nullptr if no thread can be created.
 Worker* takeWorker() {
   {
     std::lock_guard<std::mutex> g(g_poolMu);
@@ -239,8 +242,18 @@ Worker* takeWorker() {
     }
   }
   Worker* w = new Worker();  // lives for the process
-  std::thread(workerLoop, w).detach();
+  try {
+    std::thread(workerLoop, w).detach();
+  } catch (...) {
+    delete w;
+    return nullptr;
+  }
   return w;
+}
+
+void returnWorker(Worker* w) {
+  std::lock_guard<std::mutex> g(g_poolMu);
+  g_idle.push_back(w);
 }
 
 void backoff(uint32_t spins) {
@@ -300,18 +313,29 @@ using namespace commref_cpu;
 
 // Runs kernel(args) over grid x block and returns when every block has finished.
 // Returns 0 on success, 1 if the kernel aborted (see the ErrorRecord it wrote),
-// 2 if the engine could not run it (bad dimensions, out of memory).
+// 2 if the engine could not run it (bad dimensions, no thread for a block, out of memory).
 extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*kernel)(const void*), const void* args,
                                                                         unsigned grid, unsigned block) {
-  if (grid < 1 || grid > 65535 || block < 1 || block > 1024) return 2;
+  if (grid < 1 || grid > 4096 || block < 1 || block > 1024) return 2;
   Launch L;
   L.kernel = kernel;
   L.args = args;
   L.grid = dim3{grid, 1, 1};
   L.block = dim3{block, 1, 1};
   L.remaining.store(grid - 1);
+  // Every block must run concurrently (blocks wait on blocks of other ranks): get all
+  // the workers before starting any, or run nothing.
+  std::vector<Worker*> workers;
   for (unsigned b = 1; b < grid; b++) {
     Worker* w = takeWorker();
+    if (!w) {
+      for (Worker* x : workers) returnWorker(x);
+      return 2;
+    }
+    workers.push_back(w);
+  }
+  for (unsigned b = 1; b < grid; b++) {
+    Worker* w = workers[b - 1];
     w->launch = &L;
     w->blockId = b;
     w->seq.fetch_add(1, std::memory_order_release);
@@ -324,6 +348,7 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*
     if (spins < 1000) sched_yield();
     else L.remaining.wait(left, std::memory_order_acquire);
   }
+  while (L.departed.load(std::memory_order_acquire) != grid - 1) sched_yield();  // brief: workers are leaving
   return L.failed.load();
 }
 
