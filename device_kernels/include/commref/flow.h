@@ -22,11 +22,6 @@
 #include "connection.h"
 #include "reduce.h"
 
-#ifdef COMMREF_CPU
-// Writes to user memory at least this large use streaming stores (see reduceCopy).
-static const uint64_t kStreamMinBytes = 16 * 1024;
-#endif
-
 // Copies this thread's share of n elements (the same share reduceInto computed).
 template <typename T>
 static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64_t n) {
@@ -54,30 +49,9 @@ static __device__ __forceinline__ void reduceInto(const T* const* in, T* out, ui
 }
 
 // out[k] = fold(in[0..nin)) for every k; divisor != 0 divides the result (avg).
-// userFirst: out[0] is the user's buffer (the others are FIFO slots, which the peer
-// reads soon and should stay in cache).
 template <typename T, typename Op>
 static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, T* const* out, int nout, uint64_t n,
-                                                   int divisor, bool userFirst) {
-#if defined(COMMREF_CPU) && !defined(COMMREF_NO_STREAMING_STORES)
-  // A large write to user memory goes last, with streaming stores, from a cache-resident
-  // copy (a send slot, or this thread's scratch): it then costs no read of the
-  // destination, which otherwise halves the bandwidth of memory-bound steps.
-  if (userFirst && n * sizeof(T) >= kStreamMinBytes) {
-    const ElemRange r = elemRange(n);
-    const uint64_t len = r.end - r.begin;
-    if (nin == 1 && divisor == 0) {
-      for (int k = 1; k < nout; k++) copyOwnShare(out[k], in[0], n);
-      if (out[0] != in[0]) commref_stream_copy(out[0] + r.begin, in[0] + r.begin, len * sizeof(T));
-      return;
-    }
-    T* stage = nout > 1 ? out[1] : (T*)commref_scratch(n * sizeof(T));
-    T* rest[3] = {stage, nout > 2 ? out[2] : nullptr, nullptr};
-    reduceCopy<T, Op>(in, nin, rest, nout > 1 ? nout - 1 : 1, n, divisor, false);
-    commref_stream_copy(out[0] + r.begin, stage + r.begin, len * sizeof(T));
-    return;
-  }
-#endif
+                                                   int divisor) {
   if (nin == 1 && divisor == 0) {
     for (int k = 0; k < nout; k++)
       if (out[k] != in[0]) copyOwnShare(out[k], in[0], n);
@@ -173,7 +147,7 @@ class Prims {
     for (int i = 0; i < nr; i++) in[nin++] = (const T*)connRecvData(rx[i], rxStep[i], a);
     if (dst) out[nout++] = dst;
     for (int i = 0; i < ns; i++) out[nout++] = (T*)connSendData(tx[i], txStep[i], a);
-    if (nin > 0 && nout > 0) reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0, dst != nullptr);
+    if (nin > 0 && nout > 0) reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0);
     __syncthreads();
     if (threadIdx.x == 0) {
       for (int i = 0; i < ns; i++) connPost(tx[i], txStep[i], n * sizeof(T), a, env);

@@ -74,11 +74,7 @@ static __device__ __forceinline__ void commref_memcpy(void* dst, const void* src
 
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 struct dim3 {
   unsigned x, y, z;
@@ -125,42 +121,6 @@ uint64_t now_ns();
 static inline uint64_t commref_now_ns() { return commref_cpu::now_ns(); }
 static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(spins); }
 [[noreturn]] static inline void commref_kernel_abort() { commref_cpu::kernel_abort(); }
-// Copies with streaming (non-temporal) stores where the CPU has them: the destination
-// is not read into the cache first, which is what a large copy into user memory wants.
-// Ends with a store fence, so later flag stores cannot pass these writes.
-static inline void commref_stream_copy(void* dst, const void* src, uint64_t bytes) {
-#if defined(__SSE2__)
-  char* d = (char*)dst;
-  const char* s = (const char*)src;
-  uint64_t head = (uint64_t)(-(uintptr_t)d) & 15;
-  if (head > bytes) head = bytes;
-  memcpy(d, s, head);
-  d += head, s += head, bytes -= head;
-  for (; bytes >= 64; d += 64, s += 64, bytes -= 64) {
-    __m128i a = _mm_loadu_si128((const __m128i*)s), b = _mm_loadu_si128((const __m128i*)(s + 16));
-    __m128i c = _mm_loadu_si128((const __m128i*)(s + 32)), e = _mm_loadu_si128((const __m128i*)(s + 48));
-    _mm_stream_si128((__m128i*)d, a);
-    _mm_stream_si128((__m128i*)(d + 16), b);
-    _mm_stream_si128((__m128i*)(d + 32), c);
-    _mm_stream_si128((__m128i*)(d + 48), e);
-  }
-  memcpy(d, s, bytes);
-  _mm_sfence();
-#else
-  memcpy(dst, src, bytes);
-#endif
-}
-// A per-thread buffer of at least `bytes`, reused (for staging a reduction).
-static inline void* commref_scratch(uint64_t bytes) {
-  static thread_local void* buf = nullptr;
-  static thread_local uint64_t size = 0;
-  if (bytes > size) {
-    free(buf);
-    size = bytes;
-    buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-  }
-  return buf;
-}
 static inline void commref_memcpy(void* dst, const void* src, uint64_t bytes) {
   // Thread t of the block copies its contiguous share.
   uint64_t nt = blockDim.x, t = threadIdx.x;
