@@ -232,7 +232,7 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, shared, lib):
                             del log[:]
                             _post_message(q, prog, 1, deadline, proxy)
                             def landed(proxy=proxy):
-                                return q.consumed() >= q.slot and not (1 in proxy.links and proxy.links[1].puts)
+                                return q.consumed() >= q.slot and not any(l.puts for (p, _), l in proxy.links.items() if p == 1)
 
                             _wait(landed, deadline, proxy, "every event to land")
                             if not model.transport.ordered:

@@ -59,6 +59,9 @@ class _Link:
     landed: set = field(default_factory=set)
     next_seq: dict = field(default_factory=dict)  # ctx -> seq
     after_flush: dict = field(default_factory=dict)  # ctx -> bool
+    rng: random.Random | None = None  # this link's own stream (doorbell mode)
+    doorbells: int = 0  # rung so far; > 0 switches the link to doorbell mode
+    ring: bool = False  # a doorbell is waiting to be served
 
 
 class GinProxy:
@@ -84,7 +87,9 @@ class GinProxy:
         self.signals_off = int(layout["ginSignalsOff"])
         self.counters_off = int(layout["ginCountersOff"])
         self.rng = random.Random(seed * 1_000_003 + self.rank)
-        self.links: dict[int, _Link] = {}
+        self.seed = seed
+        self.links: dict[tuple[int, int], _Link] = {}  # (peer, ctx) -> what is pending there
+        self.trace: dict | None = None  # (peer, ctx) -> landed (put seq, segment, copy), when enabled
         self.comm = mpi_comm
         self.error: BaseException | None = None
         self.stats = {"ops": 0, "events": 0}
@@ -98,6 +103,7 @@ class GinProxy:
         self._store_release = lib.commref_store_release_u64
         self._store_release.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
         self._consumed = 0
+        self._flushed_ctx: set[int] = set()
         self._stop = threading.Event()
         self._pending_sends: list = []
         self._get_reply: dict = {}
@@ -172,8 +178,18 @@ class GinProxy:
         peer, ctx = _int32(w[2] & 0xFFFFFFFF), _int32(w[2] >> 32)
         dst, src, nbytes, sig, sigval, counter = w[3], w[4], w[5], w[6], w[7], w[8] & 0xFFFFFFFF
         if op == abi.GIN_FLUSH:
-            for link in self.links.values():
-                link.after_flush[ctx] = True
+            for (_, c), link in self.links.items():
+                if c == ctx:
+                    link.after_flush[ctx] = True
+            self._flushed_ctx.add(ctx)
+            return
+        if op == abi.GIN_DOORBELL:
+            # Served right here, at its place in the posted sequence (not whenever the
+            # proxy next iterates): that is what makes the landing order reproducible.
+            link = self._link(peer, ctx)
+            link.doorbells += 1
+            link.ring = True
+            self._deliver_link(peer, link)
             return
         if not 0 <= peer < self.world.size:
             raise ProxyError(f"rank {self.rank}: GIN operation {op} names peer {peer} outside [0, {self.world.size})")
@@ -210,15 +226,26 @@ class GinProxy:
 
     # ---- delivery ----
 
+    def _link(self, peer: int, ctx: int) -> _Link:
+        link = self.links.get((peer, ctx))
+        if link is None:
+            link = self.links[(peer, ctx)] = _Link(rng=random.Random(f"{self.seed}:{self.rank}:{peer}:{ctx}"))
+            if ctx in self._flushed_ctx:
+                link.after_flush[ctx] = True
+        return link
+
     def _post(self, peer: int, ctx: int, offset: int, payload: np.ndarray, signal) -> None:
-        link = self.links.setdefault(peer, _Link())
+        link = self._link(peer, ctx)
         seq = link.next_seq.get(ctx, 0)
         link.next_seq[ctx] = seq + 1
+        self._flushed_ctx.discard(ctx)
         put = semantics.Put(ctx, seq, offset, int(payload.size), signal, link.after_flush.pop(ctx, False))
         if self.transport.ordered:  # FIFO: the only enabled event is always the head
             self._land_data(peer, offset, payload)
             if signal is not None:
                 self._land_signal(peer, signal)
+            if self.trace is not None:
+                self.trace.setdefault((peer, ctx), []).append((seq, "put+signal" if signal else "put"))
             self.stats["events"] += 1
             return
         link.puts.append(put)
@@ -226,30 +253,44 @@ class GinProxy:
         link.segs.append(semantics.segments(put, self.segment_bytes))
 
     def _deliver(self, idle: bool = False) -> int:
+        """Lands pending events of the unordered wire.
+
+        Links whose kernels ring doorbells (every commref connection does) are served at
+        doorbells only: all that is pending lands, in an order drawn from the link's own
+        random stream among the enabled events, so the order depends only on the seed
+        and the posted sequence. Other links (raw device API use) land at random while
+        the proxy iterates, holding some events back so that later ones can overtake."""
         landed = 0
-        for peer, link in self.links.items():
-            if not link.puts:
-                continue
-            plan = semantics.Plan(link.puts, link.segs)
-            while True:
-                choices = semantics.enabled(self.transport, plan, link.landed, self.backend.strong_always)
-                if not choices:
-                    break
-                ev = self.rng.choice(choices)
-                self._land(peer, link, ev)
-                link.landed.add(ev)
-                landed += 1
-                # Keep events back at random, so that later operations (a signal posted
-                # after a flush, the next step's puts) can overtake them. Every event
-                # still lands: the proxy keeps iterating while anything is pending.
-                if self.rng.random() < 0.5:
-                    break
-            self._prune(link)
+        for (peer, _), link in self.links.items():
+            if link.puts and not link.doorbells:
+                landed += self._deliver_link(peer, link)
+        return landed
+
+    def _deliver_link(self, peer: int, link: _Link) -> int:
+        landed = 0
+        plan = semantics.Plan(link.puts, link.segs)
+        while True:
+            choices = semantics.enabled(self.transport, plan, link.landed, self.backend.strong_always)
+            if not choices:
+                break
+            ev = (link.rng if link.doorbells else self.rng).choice(choices)
+            self._land(peer, link, ev)
+            link.landed.add(ev)
+            landed += 1
+            if link.doorbells:
+                if ev.is_signal:
+                    time.sleep(0)  # let a receiver in this process see the state right after a signal
+            elif self.rng.random() < 0.5:
+                break
+        link.ring = False
+        self._prune(link)
         self.stats["events"] += landed
         return landed
 
     def _land(self, peer: int, link: _Link, ev: semantics.Event) -> None:
         put = link.puts[ev.put]
+        if self.trace is not None:
+            self.trace.setdefault((peer, put.ctx), []).append((put.seq, ev.segment, ev.copy))
         if ev.is_signal:
             self._land_signal(peer, put.signal)
             return

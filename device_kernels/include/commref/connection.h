@@ -16,6 +16,8 @@
 //                     credit carries no data).
 // Ready signals are per slot: a cumulative per-link count would let signals of step
 // s + 1 stand in for a late put of step s (the sender may run nsteps ahead).
+// Each slot's operations end with a doorbell (gin.h), so an unordered wire reorders
+// within what a step posted, reproducibly for a given seed.
 // Only strong is safe on every wire; the others exist for the ordering experiments.
 // Signals: ready of slot s of inbound (c, k) at (c*4 + k)*nsteps + s of the receiver,
 // credit of outbound (c, j) at creditSignalBase + c*4 + j of the sender. Context = channel.
@@ -123,6 +125,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
   const uint64_t readySignal = s.readySignal + step % a.layout.nsteps;
   if (a.gin.protocol == kGinStrong) {
     g.put(s.channel, s.peer, dst, src, total, StrongSignalInc(readySignal));
+    g.doorbell(s.channel, s.peer);
     return;
   }
   const uint32_t n = a.gin.putsPerSlot;
@@ -137,6 +140,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
     g.flush(s.channel);
     g.signal(s.channel, s.peer, WeakSignalInc(readySignal));
   }
+  g.doorbell(s.channel, s.peer);
 }
 // Waits for step `step` and checks its header. Thread 0.
 static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, const KernelEnv& env) {
@@ -161,6 +165,7 @@ static __device__ __forceinline__ void connRelease(const RecvConnection& r, uint
     Gin g{a, env};
     // A credit publishes no data, so a weak signal suffices (and every backend has one).
     g.signal(r.channel, r.peer, WeakSignalInc(r.creditSignal));
+    g.doorbell(r.channel, r.peer);
   } else {
     store_release(r.credit, step + 1);
   }

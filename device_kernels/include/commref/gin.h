@@ -27,7 +27,12 @@
 #pragma once
 #include "wait.h"
 
-enum GinOp : uint32_t { kGinPut = 1, kGinPutValue = 2, kGinSignal = 3, kGinGet = 4, kGinFlush = 5 };
+// kGinDoorbell: "what I posted to this (peer, context) so far is a batch; deliver it".
+// A kernel rings it before it waits on anything those operations lead to. The proxy
+// decides landing orders at doorbells only, so on an unordered wire the order is a
+// function of the seed and of the posted sequence alone (reproducible), never of when
+// descriptors happened to reach the proxy.
+enum GinOp : uint32_t { kGinPut = 1, kGinPutValue = 2, kGinSignal = 3, kGinGet = 4, kGinFlush = 5, kGinDoorbell = 6 };
 enum GinFlags : uint32_t {
   kGinHasSignal = 1u << 0,
   kGinStrongSignal = 1u << 1,  // else weak
@@ -104,6 +109,7 @@ struct Gin {
   __device__ uint64_t get(int ctx, int peer, uint64_t dst, uint64_t src, uint64_t bytes) const {
     return post(kGinGet, 0, peer, ctx, dst, src, bytes, 0, 0, 0);
   }
+  __device__ void doorbell(int ctx, int peer) const { post(kGinDoorbell, 0, peer, ctx, 0, 0, 0, 0, 0, 0); }
   // Waits until every operation posted before it (on any context) is locally complete.
   __device__ void flush(int ctx) const {
     const uint64_t slot = post(kGinFlush, 0, -1, ctx, 0, 0, 0, 0, 0, 0);
