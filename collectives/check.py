@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import verify
-from .verify import COLLECTIVES, DTYPES, OPS, REDUCING
+from .verify import DTYPES, OPS, REDUCING
 
 DEFAULT_COUNTS = (0, 1, 7, 1001)
 SENTINEL = 0x5A  # byte pattern of buffers a collective must not touch

@@ -15,7 +15,6 @@ different call from its peer fails with CommMismatch instead of hanging.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 

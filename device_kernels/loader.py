@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-from . import abi
 
 # Kernels of different ranks spin on each other's flags. Lazy module loading (the CUDA
 # default since 12.2) may load a kernel while such kernels run and wait for them: load

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from collectives.communicator import Communicator
-from transports.errors import CommAborted, CommMismatch, CommTimeout
+from transports.errors import CommAborted, CommMismatch
 from transports.world import ThreadWorld
 
 KERNEL_TIMEOUT = 20.0  # communicator waits: a hang would take this long

@@ -16,7 +16,6 @@ from collectives import check, tuner, verify
 from collectives.communicator import Communicator, window_layout
 from collectives.verify import COLLECTIVES, OPS
 from device_kernels import abi
-from transports.errors import CommTimeout
 from transports.world import ThreadWorld
 
 DTYPES = ["float32", "bfloat16", "int8", "uint64", "float16"]

@@ -1,12 +1,11 @@
 """Property tests (hypothesis): structures and collectives over generated shapes."""
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collectives import check, topology
 from collectives.communicator import Communicator
-from collectives.verify import COLLECTIVES, DTYPES, OPS
+from collectives.verify import DTYPES, OPS
 from transports.gin import semantics
 from transports.world import ThreadWorld
 

@@ -8,8 +8,6 @@ the number of elements where ours and NCCL differ; exits non-zero on any mismatc
 
 import sys
 
-import numpy as np
-
 from collectives import verify
 from collectives.communicator import Communicator
 from transports.world import MPIWorld

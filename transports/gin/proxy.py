@@ -139,7 +139,7 @@ class GinProxy:
         try:
             while not self._stop.is_set():
                 took = self._drain(64)
-                landed = self._deliver(idle=took == 0)
+                landed = self._deliver()
                 if self.network == "mpi":
                     landed += self._receive()
                     self._reap_sends()
@@ -156,12 +156,11 @@ class GinProxy:
 
     def _drain(self, budget: int) -> int:
         took = 0
-        ring, cap = self.ring, self.capacity
         while took < budget:
             slot = self._consumed
             if self._load_acquire(self._desc_addr(slot)) != slot + 1:
                 break  # not published yet (the acquire orders the reads of its fields after)
-            self._execute(self.ring_words[slot % cap].tolist())
+            self._execute(self.ring_words[slot % self.capacity].tolist())
             self._consumed = slot + 1
             self._store_release(self.consumed_addr, slot + 1)
             took += 1
@@ -252,7 +251,7 @@ class GinProxy:
         link.payloads.append(payload)
         link.segs.append(semantics.segments(put, self.segment_bytes))
 
-    def _deliver(self, idle: bool = False) -> int:
+    def _deliver(self) -> int:
         """Lands pending events of the unordered wire.
 
         Links whose kernels ring doorbells (every commref connection does) are served at
@@ -375,7 +374,7 @@ class GinProxy:
         while peer not in self._get_reply:
             self._receive()
             self._reap_sends()
-            self._deliver(idle=False)
+            self._deliver()
             if time.monotonic() > deadline:
                 raise ProxyError(f"rank {self.rank}: GIN get from peer {peer} got no reply within "
                                  f"{self.world.timeout} s (expected {n} bytes, seen none)")
