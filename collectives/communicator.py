@@ -16,6 +16,7 @@ different call from its peer fails with CommMismatch instead of hanging.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -487,15 +488,18 @@ class Communicator:
 
     def _host_address(self, arr: np.ndarray) -> int:
         """arr's data address. Looking it up costs microseconds, a noticeable part of a
-        small collective, so the last few arrays seen are remembered (a numpy array's
-        buffer does not move while the array lives, and the cache holds it alive)."""
+        small collective, so the last few arrays seen are remembered (weakly: the cache
+        keeps no array alive; a numpy array's buffer does not move while it lives)."""
         hit = self._addresses.get(id(arr))
-        if hit is not None and hit[0] is arr and hit[2] == arr.nbytes:
+        if hit is not None and hit[0]() is arr and hit[2] == arr.nbytes:
             return hit[1]
         address = arr.__array_interface__["data"][0]
         if len(self._addresses) >= 16:
             self._addresses.pop(next(iter(self._addresses)))
-        self._addresses[id(arr)] = (arr, address, arr.nbytes)
+        try:
+            self._addresses[id(arr)] = (weakref.ref(arr), address, arr.nbytes)
+        except TypeError:  # an ndarray subclass without weak references: no caching
+            pass
         return address
 
     def _device_array(self, obj, name):
