@@ -2,7 +2,7 @@
 
   commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--count ...]
   commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py)
-  commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress]   (collectives/study.py)
+  commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress [--np 2] [--network shm|mpi]]   (collectives/study.py)
 
 With --np N outside an MPI job, commref relaunches itself under mpiexec with N ranks
 (one process each, `python -m mpi4py` so that an exception on one rank aborts the
@@ -89,6 +89,35 @@ def cmd_check(args, argv) -> int:
     return 0 if ok else 1
 
 
+def cmd_study(args, argv) -> int:
+    """`commref study`; with --np 2 (or under mpiexec -n 2) --stress runs the proxy and
+    the receiver as two processes (collectives/study_stress.py). Only rank 0 prints."""
+    import contextlib
+
+    from transports.world import MPIWorld
+
+    from . import study
+
+    if args.np is not None and args.np != 2:
+        raise SystemExit("commref study: --np must be 2 (a sender and a receiver)")
+    if args.np and not args.stress:
+        raise SystemExit("commref study: --np needs --stress (the explorer runs in one process)")
+    if not MPIWorld.launched_under_mpi():
+        if args.network == "mpi" and args.stress and not args.np:
+            raise SystemExit("commref study: --network mpi needs --np 2 (or mpiexec -n 2)")
+        if args.np:
+            return relaunch_under_mpi(args.np, _strip_np(argv))
+        return study.run(args)
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        rc = study.run(args)
+        sys.stdout.flush()
+        return rc
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        return study.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commref", description="Collective-communication kernels: reference and tests.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -120,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("study", help="ordering study: protocol x transport model x signal strength -> safe/unsafe "
                                       "(docs/ordering.md)")
     study.add_arguments(st)
+    st.add_argument("--np", type=int, default=None,
+                    help="with --stress: run the stress as 2 MPI processes (relaunches under mpiexec; 2 only)")
+    st.add_argument("--network", default="shm", choices=["shm", "mpi"],
+                    help="with --stress: the proxy's wire (mpi: MPI messages to the receiver's proxy; needs --np 2 "
+                         "or mpiexec)")
     sub.add_parser("bench", add_help=False,
                    help="nccl-tests-style sweep with baselines and a bound (commref bench -h for its flags)")
     return p
@@ -135,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         return cmd_check(args, argv)
     if args.command == "study":
-        from . import study
-
-        return study.run(args)
+        return cmd_study(args, argv)
     return 2
 
 

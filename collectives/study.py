@@ -751,7 +751,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", action="store_true", help="print every counterexample in full")
     p.add_argument("--json", action="store_true", help="JSON output")
     p.add_argument("--stress", action="store_true",
-                   help="also run every selected cell on the real GIN proxy (ThreadWorld, 2 ranks) across seeds and "
+                   help="also run every selected cell on the real GIN proxy (2 ranks: threads, or 2 MPI processes with --np 2 "
+                        "or under mpiexec) across seeds and "
                         "report corrupted messages per cell (messages of the bound's largest shape)")
     p.add_argument("--seeds", type=int, default=10, help="proxy seeds per cell for --stress (default %(default)s)")
     p.add_argument("--messages", type=int, default=5, help="messages per seed for --stress (default %(default)s)")
@@ -783,7 +784,8 @@ def run(args) -> int:
             raise SystemExit("commref study: --seeds and --messages must be at least 1")
         t1 = time.perf_counter()
         stress = study_stress.run_stress(protocols, models, args.strength, bound, args.seeds, args.messages,
-                                         {c.key(): c.verdict for c in cells})
+                                         {c.key(): c.verdict for c in cells},
+                                         network=getattr(args, "network", None))
         stress_seconds = time.perf_counter() - t1
     if args.json:
         out = {"bound": {"puts": bound[0], "units": bound[1]}, "seconds": round(elapsed, 3),

@@ -295,3 +295,43 @@ def test_stress_on_the_proxy_agrees_with_the_explorer():
             assert c.corrupted > 0 and c.example, c
     text = study_stress.format_stress(cells, 2, 4, st.DEFAULT_BOUND)
     assert "0 not allowed" in text and "disagreements (a safe cell corrupted, or an order the model forbids): none" in text
+
+
+@pytest.mark.parametrize("network", ["shm", "mpi"])
+def test_stress_under_mpirun_agrees_with_the_explorer(network, shm_leak_check):
+    """`commref study --stress` as 2 MPI processes (mpiexec -n 2): rank 0 posts through its
+    proxy over the shm wire (or sends MPI messages to rank 1's proxy), rank 1 polls its
+    own window with receive() in another process. Safe cells show no corruption,
+    last-put [weak] and ll-flag-8B on unordered are observed, and every delivery order is
+    one the model allows."""
+    from conftest import run_mpi
+
+    t0 = time.perf_counter()
+    r = run_mpi(2, ["collectives.cli", "study", "--stress", "--json", "--protocol", "last-put", "ll-flag-8B",
+                    "--transport", "ordered", "unordered", "--seeds", "2", "--messages", "4", "--network", network],
+                timeout=60, module=True)
+    elapsed = time.perf_counter() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout)  # rank 0 alone prints
+    by = {(c["protocol"], c["strength"] or "-", c["transport"]): c for c in out["stress"]["cells"]}
+    assert len(by) == 6
+    for key, c in by.items():
+        assert c["world"] == "mpi" and c["network"] == network and c["agrees"], c
+        assert c["verdict"] == EXPECTED[key], c
+        assert c["messages"] == 8 and c["polls"] >= 8 and c["orders_disallowed"] == 0, c
+        assert c["orders_checked"] == (8 if key[2] == "unordered" else 0), c
+        if c["verdict"] == "safe":
+            assert c["corrupted"] == 0, c
+    for key in [("last-put", "weak", "unordered"), ("ll-flag-8B", "-", "unordered")]:
+        assert by[key]["verdict"] == "unsafe" and by[key]["corrupted"] > 0 and by[key]["example"], by[key]
+    assert elapsed < 30, elapsed
+
+
+def test_stress_np_and_network_checks():
+    """--np is for --stress only, and 2 ranks only; the mpi wire needs MPI."""
+    with pytest.raises(SystemExit, match="--np needs --stress"):
+        cli_main(["study", "--np", "2", "--protocol", "last-put"])
+    with pytest.raises(SystemExit, match="--np must be 2"):
+        cli_main(["study", "--stress", "--np", "3"])
+    with pytest.raises(SystemExit, match="--network mpi needs --np 2"):
+        cli_main(["study", "--stress", "--network", "mpi", "--protocol", "last-put"])
