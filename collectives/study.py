@@ -301,6 +301,12 @@ class Protocol:
         for i in range(shape.puts):
             yield i, i * size, data_bytes(i * size, size)
 
+    def _read_once_signalled(self, prog: Program, mem: TargetMemory) -> Read | None:
+        """The receiver of a single-signal protocol: reads the whole message once
+        signal 0 has counted one."""
+        c = mem.signal(0)
+        return Read(self._whole(prog), f"signal[0] = {c} >= 1") if c >= 1 else None
+
     def _whole(self, prog: Program) -> tuple[tuple[int, int], ...]:
         return ((0, prog.window_bytes),)
 
@@ -337,8 +343,7 @@ class LastPut(Protocol):
         return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
 
     def receive(self, prog, mem):
-        c = mem.signal(0)
-        return Read(self._whole(prog), f"signal[0] = {c} >= 1") if c >= 1 else None
+        return self._read_once_signalled(prog, mem)
 
 
 class FlushSignal(Protocol):
@@ -358,8 +363,7 @@ class FlushSignal(Protocol):
         return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
 
     def receive(self, prog, mem):
-        c = mem.signal(0)
-        return Read(self._whole(prog), f"signal[0] = {c} >= 1") if c >= 1 else None
+        return self._read_once_signalled(prog, mem)
 
 
 class CountedWrites(Protocol):
@@ -715,8 +719,10 @@ def cell_json(cell: Cell) -> dict:
     return d
 
 
-def format_matrix(cells: list[Cell]) -> str:
-    models = [m for m in MODELS if any(c.model == m.name for c in cells)]
+def matrix_lines(cells, models, text, widths: list[int]) -> list[str]:
+    """The rows of a protocol x model table: a header of model names, then one line per
+    (protocol, strength) in first-seen order with text(cell) per model (cell is None
+    where there is none). Shared by the explorer's and the stress run's tables."""
     rows = []
     for c in cells:
         r = (c.protocol, c.strength or "-")
@@ -724,14 +730,19 @@ def format_matrix(cells: list[Cell]) -> str:
             rows.append(r)
     by = {c.key(): c for c in cells}
     w0 = max(len(f"{p} [{s}]") for p, s in rows) + 2
-    widths = [max(len(m.short), 6) + 2 for m in models]
     lines = ["".ljust(w0) + "".join(m.short.ljust(w) for m, w in zip(models, widths)).rstrip()]
     for p, s in rows:
         line = f"{p} [{s}]".ljust(w0)
         for m, w in zip(models, widths):
-            c = by.get((p, s, m.name))
-            line += ("-" if c is None else ("safe" if c.safe else "UNSAFE")).ljust(w)
+            line += text(by.get((p, s, m.name))).ljust(w)
         lines.append(line.rstrip())
+    return lines
+
+
+def format_matrix(cells: list[Cell]) -> str:
+    models = [m for m in MODELS if any(c.model == m.name for c in cells)]
+    widths = [max(len(m.short), 6) + 2 for m in models]
+    lines = matrix_lines(cells, models, lambda c: "-" if c is None else ("safe" if c.safe else "UNSAFE"), widths)
     lines.append("")
     lines += [f"  {m.short:<11} {m.name}: {m.doc}" for m in models]
     return "\n".join(lines)

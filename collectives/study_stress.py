@@ -434,31 +434,19 @@ def run_stress(protocols=None, models=None, strengths=None, bound=st.DEFAULT_BOU
 
 def format_stress(cells: list[StressCell], seeds: int, messages: int, bound) -> str:
     models = [m for m in st.MODELS if any(c.model == m.name for c in cells)]
-    rows = []
-    for c in cells:
-        r = (c.protocol, c.strength or "-")
-        if r not in rows:
-            rows.append(r)
-    by = {c.key(): c for c in cells}
-    w0 = max(len(f"{p} [{s}]") for p, s in rows) + 2
-    width = 13
     where = (("2 MPI processes" if cells and cells[0].world == "mpi" else "ThreadWorld") + ", "
              + (cells[0].network if cells else "shm") + " wire")
     title = (f"Corrupted messages per cell on the GIN proxy ({where}; {seeds} seeds x {messages} "
              f"messages of {bound[0]}x{bound[1]}): S/U = the explorer's verdict, then corrupted/messages.")
-    lines = [title, "".ljust(w0) + "".join(m.short.ljust(width) for m in models).rstrip()]
-    for p, s in rows:
-        line = f"{p} [{s}]".ljust(w0)
-        for m in models:
-            c = by.get((p, s, m.name))
-            if c is None:
-                txt = "-"
-            elif c.skipped:
-                txt = "n/a"
-            else:
-                txt = f"{c.verdict[0].upper()} {c.corrupted}/{c.messages}" + ("" if c.agrees else " !!")
-            line += txt.ljust(width)
-        lines.append(line.rstrip())
+
+    def text(c) -> str:
+        if c is None:
+            return "-"
+        if c.skipped:
+            return "n/a"
+        return f"{c.verdict[0].upper()} {c.corrupted}/{c.messages}" + ("" if c.agrees else " !!")
+
+    lines = [title] + st.matrix_lines(cells, models, text, [13] * len(models))
     bad = [c for c in cells if not c.agrees]
     unseen = [c for c in cells if not c.skipped and c.verdict == "unsafe" and c.corrupted == 0]
     orders = sum(c.orders_checked for c in cells)
