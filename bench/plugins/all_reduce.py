@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Buffers, Collective, Counts, device_copy, restorer, sentinel
+from .base import Buffers, Collective
 
 
 class AllReduce(Collective):
@@ -17,13 +17,6 @@ class AllReduce(Collective):
         # Reduce this rank's 1/n shard from the n inputs, then fetch the other shards.
         share = (nranks - 1) * size // nranks
         return share, share
-
-    def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
-        if in_place:
-            buf = device_copy(xp, x)
-            return Buffers(buf, buf, buf, restorer(xp, buf, x))
-        send, recv = device_copy(xp, x), sentinel(xp, counts.recv, x.dtype)
-        return Buffers(send, recv, recv)
 
     def run(self, comm, b: Buffers, op: str, root: int) -> None:
         comm.allreduce(b.send, b.recv, op)

@@ -66,7 +66,8 @@ class Buffers:
 
 class Collective:
     """Base of the plugins. Subclasses set the class attributes and implement
-    `counts`, `bus_factor`, `bound_bytes`, `buffers` and `run`."""
+    `bus_factor`, `bound_bytes` and `run`, and `counts` and `buffers` where the send and
+    recv layouts differ."""
 
     name: ClassVar[str]  # nccl-tests name: all_reduce
     coll: ClassVar[str]  # commref / nccl4py name: allreduce
@@ -102,7 +103,14 @@ class Collective:
         return verify.expected_output(self.coll, dtype, op, seed, rank, nranks, counts.param, root)
 
     def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
-        raise NotImplementedError
+        """Equal send and recv counts (allreduce, broadcast, reduce): in place, one
+        buffer restored from `x` before each checked call; out of place, a copy of `x`
+        and a sentinel-filled recvbuf. Collectives with other layouts override this."""
+        if in_place:
+            buf = device_copy(xp, x)
+            return Buffers(buf, buf, buf, restorer(xp, buf, x))
+        recv = sentinel(xp, counts.recv, x.dtype)
+        return Buffers(device_copy(xp, x), recv, recv)
 
     # ---- the call ----
 

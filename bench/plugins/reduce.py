@@ -3,7 +3,7 @@ recvbufs are not checked (NCCL ignores them)."""
 
 from __future__ import annotations
 
-from .base import Buffers, Collective, Counts, device_copy, restorer, sentinel
+from .base import Buffers, Collective
 
 
 class Reduce(Collective):
@@ -20,13 +20,6 @@ class Reduce(Collective):
         # gathers the other shards.
         share = (nranks - 1) * size // nranks
         return share, share
-
-    def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
-        if in_place:
-            buf = device_copy(xp, x)
-            return Buffers(buf, buf, buf, restorer(xp, buf, x))
-        recv = sentinel(xp, counts.recv, x.dtype)
-        return Buffers(device_copy(xp, x), recv, recv)
 
     def run(self, comm, b: Buffers, op: str, root: int) -> None:
         comm.reduce(b.send, b.recv, op, root)
