@@ -227,7 +227,8 @@ class Communicator:
             raise ValueError("puts_per_slot and gin_queue must be >= 1")
         if self.nranks > 64:
             raise CapabilityError("GIN connections address at most 64 ranks in this version")
-        team = set(lsa_team(world)) if path != "gin" else set()
+        local = set(lsa_team(world))  # collective: every rank asks once, whatever its path
+        team = local if path != "gin" else set()
         others = [r for r in range(self.nranks) if r != self.rank]
         gin_peers = [] if path == "lsa" else [r for r in others if r not in team]
         self.peer_mask = sum(1 << r for r in gin_peers)
@@ -237,7 +238,6 @@ class Communicator:
             return False
         if self.device == "cuda":
             raise CapabilityError("GIN connections run on the CPU engine in this version (device='cpu')")
-        local = set(lsa_team(world))
         if network == "auto":
             network = "shm" if all(r in local for r in gin_peers) else "mpi"
         if network == "shm" and not all(r in local for r in gin_peers):
