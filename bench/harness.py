@@ -56,7 +56,7 @@ from .baselines import BaselineUnavailable, make_baseline
 from .bound import BoundMeter, BoundTimes, bound_busbw
 from .environment import LINKS, environment
 
-SCHEMA = "commref-bench/1"
+SCHEMA = "commref-bench/2"
 # Communicator's path options (GIN: backend, wire ordering model, network under it, signal protocol).
 PATHS = ("lsa", "gin", "auto")
 BACKENDS = ("auto", "proxy", "gda", "rc")
@@ -139,6 +139,17 @@ def _list_of(choices: tuple[str, ...], what: str):
     return parse
 
 
+def _registrations(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        if part.strip() not in ("0", "2"):
+            raise argparse.ArgumentTypeError(
+                f"-R takes 0 (plain buffers) or 2 (symmetric), comma-separated; got {part.strip()!r}"
+                + (" (local registration, nccl-tests' 1, has no commref counterpart)" if part.strip() == "1" else ""))
+        out.append(int(part))
+    return list(dict.fromkeys(out))
+
+
 def _collective(text: str) -> str:
     try:
         return plugins.get(text).name
@@ -162,6 +173,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
     g.add_argument("-z", "--blocking", type=int, default=0, choices=[0, 1],
                    help="accepted for compatibility: CPU calls are synchronous, GPU calls synchronized per iteration")
+    g.add_argument("-R", "--local_register", type=_registrations, default=[0],
+                   help="buffer registration: 0 plain buffers, 2 symmetric (Communicator.alloc_symmetric; "
+                        "allreduce, reduce_scatter and allgather then run direct kernels); comma-separated "
+                        "values are measured side by side (default 0; nccl-tests' 1, local registration, "
+                        "has no commref counterpart)")
     g.add_argument("-t", "--nthreads", type=int, default=1, help="ranks as threads of this process (ThreadWorld; default 1)")
     c = p.add_argument_group("commref")
     c.add_argument("--np", type=int, default=None, help="MPI ranks (relaunches under mpiexec)")
@@ -175,7 +191,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="what carries GIN traffic: auto, shm, mpi (comma-separated)")
     c.add_argument("--gin-protocol", type=_list_of(PROTOCOLS, "GIN protocol"), default=None,
                    help="GIN signals: strong, weak (comma-separated)")
-    c.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree"])
+    c.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree", "direct"],
+                   help="auto picks direct for symmetric buffers (-R 2), else ring or tree (default auto)")
     c.add_argument("--seed", type=int, default=1, help="seed of the exact-checkable inputs and of GIN's unordered wire (default 1)")
     c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
@@ -210,13 +227,16 @@ class Series:
     wire: str | None = None
     network: str | None = None
     gin_protocol: str | None = None
+    register: int = 0  # -R: 0 plain buffers, 2 symmetric
 
     @property
     def label(self) -> str:
-        return "/".join(x for x in dataclasses.astuple(self) if x)
+        parts = [x for x in dataclasses.astuple(self)[:-1] if x]
+        return "/".join(parts + (["sym"] if self.register == 2 else []))
 
     def gin_options(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "path" and v is not None}
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("path", "register") and v is not None}
 
 
 GIN_FLAGS = {"backend": "--backend", "wire": "--wire", "network": "--network", "gin_protocol": "--gin-protocol"}
@@ -226,12 +246,13 @@ def series_of(args) -> list[Series]:
     """Every configuration the flags ask for. LSA takes no GIN options; gin and auto
     are crossed with every backend, wire, network and protocol given."""
     out = []
-    for path in args.path:
-        if path == "lsa":
-            out.append(Series("lsa"))
-            continue
-        for combo in itertools.product(*[getattr(args, k, None) or [None] for k in GIN_FLAGS]):
-            out.append(Series(path, *combo))
+    for register in getattr(args, "local_register", None) or [0]:
+        for path in args.path:
+            if path == "lsa":
+                out.append(Series("lsa", register=register))
+                continue
+            for combo in itertools.product(*[getattr(args, k, None) or [None] for k in GIN_FLAGS]):
+                out.append(Series(path, *combo, register=register))
     if any(getattr(args, k, None) for k in GIN_FLAGS) and all(s.path == "lsa" for s in out):
         raise NotAvailable(f"{', '.join(GIN_FLAGS.values())} choose GIN transports; add --path gin (or auto)")
     return list(dict.fromkeys(out))
@@ -245,7 +266,7 @@ def communicator_kwargs(args, series: Series) -> dict:
 
     kw: dict[str, Any] = {"algorithm": args.algorithm, "max_channels": args.channels,
                           "slot_bytes": args.slot_bytes, "threads": args.threads}
-    if series == Series("lsa"):
+    if series.path == "lsa":
         return kw
     wanted = {"path": series.path, **series.gin_options()}
     params = inspect.signature(Communicator).parameters
@@ -294,6 +315,13 @@ class Ctx:
     xp: Any
     corrupt: Callable | None = None  # test hook: corrupt(label, in_place, rank, out) after the last call
     link: str = "?"  # what carries the bytes (describe_link), for the path column
+    memory: dict = dataclasses.field(default_factory=dict)  # series label -> plugins.Memory of its buffers
+
+    def memory_of(self, label: str) -> plugins.Memory:
+        mem = self.memory.get(label) or self.memory.setdefault(None, plugins.Memory(self.xp))
+        if isinstance(mem, plugins.SymmetricMemory):
+            mem.reset()
+        return mem
 
     def to_host(self, a) -> np.ndarray:
         return a if self.xp is np else self.xp.asnumpy(a)
@@ -323,7 +351,7 @@ def time_calls(world, call: Callable[[], None], sync: Callable[[], None], iters:
 def measure(ctx: Ctx, runner, label: str, x, expected, counts, in_place: bool) -> dict:
     """One rank's times and wrong elements for one variant of one size."""
     args, plugin, w = ctx.args, ctx.plugin, ctx.world
-    b = plugin.buffers(ctx.xp, x, counts, w.rank, w.size, args.root, in_place)
+    b = plugin.buffers(ctx.memory_of(label), x, counts, w.rank, w.size, args.root, in_place)
     op = args.op if plugin.reducing else None
     check = bool(args.check)
     times = time_calls(w, lambda: plugin.run(runner, b, op, args.root), runner.synchronize, args.iters,
@@ -368,7 +396,7 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
             for in_place in (False, True):
                 mine[f"{s.label}|{int(in_place)}"] = measure(ctx, comm, s.label, x, expected, counts, in_place)
         if baseline is not None:
-            b = plugin.buffers(ctx.xp, x, counts, w.rank, n, args.root, False)
+            b = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, n, args.root, False)
             mine["baseline"] = time_calls(w, lambda: plugin.run(baseline, b, op, args.root), baseline.synchronize,
                                           args.iters, args.warmup_iters)
         if meter is not None:
@@ -660,6 +688,21 @@ def setup_communicators(world, args, device: str, device_id: int | None, plugin,
     return runners, skipped
 
 
+def symmetric_memory(args, plugin, dtype, nranks: int, xp, runners) -> dict:
+    """A SymmetricMemory for each -R 2 series, sized for the largest size's send and
+    recv buffers (collective: every rank allocates in the same order)."""
+    from collectives.symmetric import SymmetricArena
+
+    out = {}
+    largest = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)[-1]
+    c = plugin.counts(largest, dtype.itemsize, nranks)
+    capacity = (c.send + c.recv) * dtype.itemsize + 2 * SymmetricArena.ALIGN
+    for s, comm in runners:
+        if s.register == 2:
+            out[s.label] = plugins.SymmetricMemory(comm, xp, capacity)
+    return out
+
+
 def series_link(comm, link: str) -> str:
     """The path column's link for one series: the GIN network when GIN carries some
     peers, else what carries LSA traffic."""
@@ -677,6 +720,7 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
     device, device_id, xp, sync = setup_device(world, args.device)
     ctx = Ctx(world, args, plugin, dtype, device, xp, corrupt)
     runners, skipped = setup_communicators(world, args, device, device_id, plugin, op)
+    ctx.memory = symmetric_memory(args, plugin, dtype, world.size, xp, runners)
     baseline, baseline_error = (setup_baseline(world, device, device_id, plugin, dtype, op) if args.baseline
                                 else (None, "--no-baseline"))
     meter = BoundMeter(xp, dtype, sync) if args.bound else None

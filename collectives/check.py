@@ -9,14 +9,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import verify
+from .symmetric import SymmetricArena
+from .tuner import DIRECT_COLLECTIVES
 from .verify import DTYPES, OPS, REDUCING
 
 DEFAULT_COUNTS = (0, 1, 7, 1001)
 SENTINEL = 0x5A  # byte pattern of buffers a collective must not touch
 
 
-def algorithms_for(coll: str) -> tuple[str, ...]:
-    return ("ring", "tree") if coll == "allreduce" else ("ring",)
+def algorithms_for(coll: str, direct: bool = True) -> tuple[str, ...]:
+    """The algorithms implemented for `coll`; with `direct`, the direct kernels too
+    (their cases run on symmetric buffers)."""
+    algos = ("ring", "tree") if coll == "allreduce" else ("ring",)
+    return algos + ("direct",) if direct and coll in DIRECT_COLLECTIVES else algos
 
 
 @dataclass(frozen=True)
@@ -31,11 +36,13 @@ class Case:
     seed: int
 
 
-def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True)):
-    """Every case of the sweep, in a fixed order (all ranks enumerate the same list)."""
+def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True),
+          direct: bool = True):
+    """Every case of the sweep, in a fixed order (all ranks enumerate the same list).
+    `direct`: include the direct kernels (a communicator whose peers are all LSA)."""
     out = []
     for coll in collectives:
-        for algo in algorithms_for(coll):
+        for algo in algorithms_for(coll, direct):
             if algorithms and algo not in algorithms:
                 continue
             for di, dtype in enumerate(dtypes):
@@ -48,41 +55,63 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
     return out
 
 
-def run_case(comm, case: Case, stream=None) -> int:
+def run_case(comm, case: Case, stream=None, arena: SymmetricArena | None = None) -> int:
     """Runs one case on this rank; returns the number of wrong elements here. Buffers
-    live where the communicator runs (numpy on the CPU, CuPy on a GPU)."""
+    live where the communicator runs (numpy on the CPU, CuPy on a GPU); a direct
+    case's buffers come from `arena` (symmetric memory, reset here)."""
     n, r = comm.nranks, comm.rank
     dt = DTYPES[case.dtype]
     xp = _array_module(comm)
-    x = xp.asarray(verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count))
+    host = verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count)
     expected = verify.expected_output(case.coll, dt, case.op, case.seed, r, n, case.count, case.root)
+    if case.algorithm == "direct":
+        if arena is None:
+            raise ValueError("direct cases need a SymmetricArena (run_sweep makes one)")
+        arena.reset()
+
+        def sentinel(count):
+            buf = arena.take(count, dt)
+            buf.view(np.uint8).fill(SENTINEL)
+            return buf
+
+        def copy(a):
+            buf = arena.take(a.size, dt)
+            buf[...] = a
+            return buf
+    else:
+        def sentinel(count):
+            return xp.full(count * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
+
+        def copy(a):
+            return a.copy()
+    x = copy(xp.asarray(host))
     rc = verify.recv_count(case.coll, case.count, n)
     c = case.count
     kw = {"algorithm": case.algorithm, "stream": stream}
     if case.coll == "allreduce":
         if case.in_place:
-            out = x.copy()
+            out = copy(x)
             comm.allreduce(out, out, case.op, **kw)
         else:
-            out = _sentinel(xp, rc, dt)
+            out = sentinel(rc)
             comm.allreduce(x, out, case.op, **kw)
     elif case.coll == "reduce_scatter":
         if case.in_place:
-            buf = x.copy()
+            buf = copy(x)
             out = buf[r * c : (r + 1) * c]
             comm.reduce_scatter(buf, out, case.op, **kw)
         else:
-            out = _sentinel(xp, rc, dt)
+            out = sentinel(rc)
             comm.reduce_scatter(x, out, case.op, **kw)
     elif case.coll == "allgather":
-        out = _sentinel(xp, rc, dt)
+        out = sentinel(rc)
         if case.in_place:
             out[r * c : (r + 1) * c] = x
             comm.allgather(out[r * c : (r + 1) * c], out, **kw)
         else:
             comm.allgather(x, out, **kw)
     elif case.coll == "broadcast":
-        out = _sentinel(xp, rc, dt)
+        out = sentinel(rc)
         if r == case.root and case.in_place:
             out[:] = x
             comm.broadcast(out, out, case.root, **kw)
@@ -90,13 +119,13 @@ def run_case(comm, case: Case, stream=None) -> int:
             comm.broadcast(x, out, case.root, **kw)
     elif case.coll == "reduce":
         if case.in_place and r == case.root:
-            out = x.copy()
+            out = copy(x)
             comm.reduce(out, out, case.op, case.root, **kw)
         else:
-            out = _sentinel(xp, rc, dt)
+            out = sentinel(rc)
             comm.reduce(x, out, case.op, case.root, **kw)
         if expected is None:  # a non-root recvbuf must be left alone
-            expected = _sentinel(np, rc, dt)
+            expected = np.full(rc * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
     else:
         raise ValueError(case.coll)
     if xp is not np:
@@ -113,18 +142,24 @@ def _array_module(comm):
     return np
 
 
-def _sentinel(xp, n: int, dt: np.dtype):
-    return xp.full(n * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
+def _direct_bytes(case: Case, nranks: int) -> int:
+    """Symmetric bytes run_case takes for a direct case: at most three buffers of the
+    larger of the send and recv counts, each page-aligned."""
+    itemsize = DTYPES[case.dtype].itemsize
+    largest = max(case.count, verify.recv_count(case.coll, case.count, nranks), case.count * nranks)
+    return 3 * (largest * itemsize + SymmetricArena.ALIGN)
 
 
 def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
     """Runs the cases in order on every rank; returns wrong elements per case, summed
     over ranks (one allgather at the end)."""
     comm.prepare({comm.kernel_spec(c.coll, c.dtype, c.op) for c in case_list})
+    direct = [c for c in case_list if c.algorithm == "direct"]
+    arena = SymmetricArena(comm, max(_direct_bytes(c, comm.nranks) for c in direct)) if direct else None
     wrong = []
     for i, case in enumerate(case_list):
         with stream if stream is not None else contextlib.nullcontext():
-            wrong.append(run_case(comm, case, stream))
+            wrong.append(run_case(comm, case, stream, arena))
         if progress:
             progress(i + 1, len(case_list))
     per_rank = comm.world.allgather(wrong, what="check results")
@@ -144,10 +179,10 @@ def summary_rows(case_list, wrong):
 
 def format_table(rows, nranks: int, device: str) -> str:
     cols = list(OPS) + ["copy"]
-    head = f"{'collective':<15}{'algo':<6}{'dtype':<10}" + "".join(f"{c:>9}" for c in cols)
+    head = f"{'collective':<15}{'algo':<8}{'dtype':<10}" + "".join(f"{c:>9}" for c in cols)
     lines = [f"# commref check: {nranks} ranks, device {device}; wrong elements per collective x dtype x op",
              head, "-" * len(head)]
     for coll, algo, dtype, cells in rows:
         vals = "".join(f"{(str(cells[c][1]) if c in cells else '-'):>9}" for c in cols)
-        lines.append(f"{coll:<15}{algo:<6}{dtype:<10}{vals}")
+        lines.append(f"{coll:<15}{algo:<8}{dtype:<10}{vals}")
     return "\n".join(lines)

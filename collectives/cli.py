@@ -65,6 +65,8 @@ def cmd_check(args, argv) -> int:
 
     if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
         return relaunch_under_mpi(args.np, _strip_np(argv))
+    from device_kernels import abi
+
     from . import check
     from .communicator import Communicator
 
@@ -73,7 +75,9 @@ def cmd_check(args, argv) -> int:
                         threads=args.threads, path=args.path, backend=args.backend, wire=args.wire,
                         network=args.network, seed=args.seed, gin_protocol=args.gin_protocol)
     colls = args.collectives or list(COLLECTIVES)
-    case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed)
+    direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
+    case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
+                            direct=direct)
     t0 = time.perf_counter()
     wrong = check.run_sweep(comm, case_list)
     elapsed = time.perf_counter() - t0
@@ -127,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--np", type=int, default=None, help="number of ranks (relaunches under mpiexec)")
     c.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     c.add_argument("--op", nargs="+", default=list(OPS), choices=list(OPS))
-    c.add_argument("--algorithm", nargs="+", default=[], choices=["ring", "tree"],
+    c.add_argument("--algorithm", nargs="+", default=[], choices=["ring", "tree", "direct"],
                    help="algorithms (default: every one implemented for each collective)")
     c.add_argument("--count", nargs="+", type=int, default=[0, 1, 7, 1001], help="element counts")
     c.add_argument("--seed", type=int, default=1, help="seed of the inputs and of the unordered GIN wire")

@@ -30,7 +30,7 @@ from .verify import COLLECTIVES, DTYPE_CODES, DTYPES, OPS, REDUCING, dtype_name
 
 DTYPE_OF = {d: n for n, d in DTYPES.items()}
 
-ALGORITHMS = ("ring", "tree")
+ALGORITHMS = ("ring", "tree", "direct")
 COLL_CODES = {c: i for i, c in enumerate(COLLECTIVES)}
 FLAG_STRIDE = 64
 
@@ -40,9 +40,9 @@ def _align(x: int, a: int = 64) -> int:
 
 
 def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: int = 0,
-                  gin_counters: int = 0) -> tuple[np.ndarray, int]:
-    """The connection window layout for up to `nchannels` channels (args.h), and its
-    size. GIN regions are empty when gin_capacity is 0."""
+                  gin_counters: int = 0, nranks: int = 1) -> tuple[np.ndarray, int]:
+    """The connection window layout for up to `nchannels` channels and `nranks` ranks
+    (args.h), and its size. GIN regions are empty when gin_capacity is 0."""
     lay = np.zeros((), dtype=abi.WINDOW_LAYOUT)
     nin, nout = nchannels * abi.CONN_IN, nchannels * abi.CONN_OUT
     stride = slot_bytes + abi.SLOT_HEADER
@@ -61,6 +61,7 @@ def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: in
     region("ginQueueOff", gin_capacity * abi.GIN_DESCRIPTOR.itemsize + (128 if gin_capacity else 0))
     region("ginSignalsOff", abi.gin_signals(nchannels, nsteps)[1] * 8 if gin_capacity else 0)
     region("ginCountersOff", gin_counters * 8)
+    region("syncOff", nchannels * (nranks + 1) * FLAG_STRIDE)
     lay["slotBytes"] = slot_bytes
     lay["nsteps"] = nsteps
     lay["flagStride"] = FLAG_STRIDE
@@ -78,7 +79,7 @@ def unpack_call(desc: int) -> dict:
     inv_op = {v: k for k, v in OPS.items()}
     return {
         "collective": COLLECTIVES[desc & 0xF] if (desc & 0xF) < len(COLLECTIVES) else desc & 0xF,
-        "algorithm": ALGORITHMS[(desc >> 4) & 0xF] if ((desc >> 4) & 0xF) < 2 else (desc >> 4) & 0xF,
+        "algorithm": ALGORITHMS[(desc >> 4) & 0xF] if ((desc >> 4) & 0xF) < len(ALGORITHMS) else (desc >> 4) & 0xF,
         "dtype": inv_dtype.get((desc >> 8) & 0xFF, (desc >> 8) & 0xFF),
         "op": inv_op.get((desc >> 16) & 0xFF, (desc >> 16) & 0xFF),
         "root": (desc >> 24) & 0xFFFF,
@@ -104,7 +105,7 @@ class Buffer:
 class Communicator:
     """Collectives among the ranks of `world` on `device` ("auto", "cpu" or "cuda").
 
-    Options: `algorithm` default ("auto", "ring", "tree"); `max_channels` (blocks per
+    Options: `algorithm` default ("auto", "ring", "tree", "direct"); `max_channels` (blocks per
     launch, also sizes the window); `slot_bytes` and `nsteps` (FIFO geometry);
     `threads` per block; `timeout` seconds for every wait (default: world.timeout).
 
@@ -115,6 +116,12 @@ class Communicator:
     ("auto", "shm", "mpi"), `seed` of the unordered wire, `gin_protocol` ("strong",
     "weak-last", "signal-per-put", "flush-signal"; only "strong" is safe everywhere),
     `puts_per_slot`, `gin_queue` descriptors, `gin_counters`, `segment_bytes`.
+
+    Symmetric buffers: arrays from `alloc_symmetric` (NCCL's ncclMemAlloc plus a
+    symmetric window registration) can be read by every peer, so allreduce,
+    reduce_scatter and allgather on them run direct kernels (kernels/direct.cu) that
+    copy each byte once, peer buffer to own buffer, instead of twice through a FIFO.
+    "auto" takes them when every rank passes symmetric buffers on the LSA path.
     """
 
     def __init__(self, world, device: str = "auto", *, algorithm: str = "auto", max_channels: int | None = None,
@@ -127,7 +134,7 @@ class Communicator:
         self.rank, self.nranks = world.rank, world.size
         self.device = _resolve_device(device)
         if algorithm not in ("auto", *ALGORITHMS):
-            raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', not {algorithm!r}")
+            raise ValueError(f"algorithm must be 'auto', 'ring', 'tree' or 'direct', not {algorithm!r}")
         self.algorithm = algorithm
         defaults = tuner.defaults(self.device, world.local_size)
         self.max_channels = int(max_channels or defaults.max_channels)
@@ -160,7 +167,7 @@ class Communicator:
         gin = self._plan_gin(world, path, backend, wire, network, gin_protocol, puts_per_slot, gin_queue,
                              gin_counters, segment_bytes)
         layout, nbytes = window_layout(self.max_channels, self.slot_bytes, self.nsteps,
-                                       gin_queue if gin else 0, gin_counters)
+                                       gin_queue if gin else 0, gin_counters, self.nranks)
         self.window = register_window(world, nbytes, self.device, self.device_id or 0)
         missing = [r for r in range(self.nranks) if self.window.peer_addresses[r] == 0 and
                    not (self.peer_mask >> r) & 1]
@@ -203,6 +210,8 @@ class Communicator:
         self._off_i32 = f["root"][1] // 4
         assert [f[k][1] for k in ("root", "dtype", "op", "nchannels", "elemSize", "pad")] == \
             [f["root"][1] + 4 * i for i in range(6)]
+        self._off_sym = f["symSend"][1] // 8  # symSend.peerTable, .offset, symRecv.peerTable, .offset
+        self._symmetric: list = []  # windows from alloc_symmetric
         self._calls: dict = {}
         self._addresses: dict = {}
         world.barrier(what="communicator ready")
@@ -275,6 +284,36 @@ class Communicator:
             self._abort_address = abort.ctypes.data
         return error, abort
 
+    # ---- symmetric memory ----
+
+    def alloc_symmetric(self, count: int, dtype="float32"):
+        """Collective: a zeroed array of `count` elements of `dtype` in a new symmetric
+        window (NCCL's ncclMemAlloc + ncclCommWindowRegister with
+        NCCL_WIN_COLL_SYMMETRIC): every rank must call it with the same size, in the
+        same order, and every peer maps it. numpy on the CPU, CuPy on a GPU; it lives
+        as long as the array (and is unmapped from the peers at close()).
+
+        Collectives whose sendbuf and recvbuf are such arrays, at the same offsets on
+        every rank, can run the direct kernels."""
+        dt = np.dtype(dtype)
+        if not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"rank {self.rank}: count must be a non-negative integer, got {count!r}")
+        nbytes = int(count) * dt.itemsize
+        win = register_window(self.world, max(nbytes, 64), self.device, self.device_id or 0)
+        unmapped = [r for r in range(self.nranks) if self.window.peer_addresses[r] and not win.peer_addresses[r]]
+        if unmapped:
+            win.close()
+            raise CapabilityError(f"rank {self.rank}: ranks {unmapped} could not map a symmetric window")
+        self._symmetric.append(win)
+        return win.local[:nbytes].view(dt)
+
+    def _symmetric_of(self, b: Buffer):
+        """(peer table address, offset) of a buffer inside a symmetric window, or None."""
+        for win in self._symmetric:
+            if win.address <= b.address and b.address + b.nbytes <= win.address + win.nbytes:
+                return _address(win.peer_table), b.address - win.address
+        return None
+
     # ---- collectives (nccl4py names and argument order) ----
 
     def allreduce(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm: str | None = None) -> None:
@@ -339,11 +378,14 @@ class Communicator:
         if self._broken:
             raise CommAborted(f"rank {self.rank}: communicator unusable after an earlier failure: {self._broken}",
                               rank=self.rank, origin_rank=None, reason=self._broken)
-        key = (coll, algorithm or self.algorithm, s.nbytes, s.dtype, op, root)
+        sym = self._direct_buffers(coll, s, r) if self._symmetric else None
+        key = (coll, algorithm or self.algorithm, s.nbytes, s.dtype, op, root, sym is not None)
         call = self._calls.get(key)
         if call is None:
-            call = self._calls[key] = self._plan_call(coll, key[1], s, op, root)
+            call = self._calls[key] = self._plan_call(coll, key[1], s, op, root, sym is not None)
         name, nchannels, spec, fields32, desc = call
+        if sym is not None:
+            self._args_u64[self._off_sym : self._off_sym + 4] = sym
         # The record's per-call fields, through integer views (field access by name
         # costs microseconds; see _plan_call for the layout).
         self._args_u64[self._off_send] = s.address
@@ -358,7 +400,27 @@ class Communicator:
         if status:
             raise self._failure()
 
-    def _plan_call(self, coll, algorithm, s: Buffer, op, root):
+    def _direct_buffers(self, coll, s: Buffer, r: Buffer):
+        """symSend and symRecv (table, offset, table, offset) when a direct kernel can
+        run this call (every peer over LSA, few enough ranks, and symmetric buffers
+        where peers read them), else None. Peers read: allreduce, both buffers;
+        reduce_scatter, sendbuf; allgather, sendbuf, which in place is this rank's
+        slot of recvbuf and is described by recvbuf (its offset differs by rank; the
+        kernel adds the slot). A buffer no peer reads is described by the one they
+        do, so that the first barrier compares only offsets that must agree."""
+        if coll not in tuner.DIRECT_COLLECTIVES or self.peer_mask or self.nranks > abi.DIRECT_MAX_RANKS:
+            return None
+        if coll == "allgather" and s.address == r.address + self.rank * s.nbytes:
+            s = r
+        ss = self._symmetric_of(s)
+        if ss is None:
+            return None
+        if coll != "allreduce":
+            return (*ss, *ss)
+        rs = self._symmetric_of(r)
+        return None if rs is None else (*ss, *rs)
+
+    def _plan_call(self, coll, algorithm, s: Buffer, op, root, symmetric: bool = False):
         """Everything about a call that depends only on its signature (cached per
         signature): kernel, channels, specialization, the int32 fields (root, dtype,
         op, nchannels, elemSize, pad) and the call descriptor."""
@@ -371,7 +433,7 @@ class Communicator:
             op_code = OPS[op]
         try:
             plan = tuner.plan(coll, algorithm, s.nbytes if coll != "allgather" else s.nbytes * self.nranks,
-                              self.nranks, self.device, self.max_channels)
+                              self.nranks, self.device, self.max_channels, symmetric)
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {e}") from None
         name = loader.KERNELS[(coll, plan.algorithm)]
@@ -422,6 +484,8 @@ class Communicator:
         elif code == abi.ERR_MISMATCH:
             if int(e["what"]) == 4:
                 field, mine, theirs = "count", expected, seen
+            elif int(e["what"]) == 8:
+                field, mine, theirs = "symmetric buffer offset", expected, seen
             else:
                 m, t = unpack_call(expected), unpack_call(seen)
                 diffs = [k for k in m if m[k] != t[k]] or ["call"]
@@ -532,6 +596,8 @@ class Communicator:
             self.world.barrier(what="GIN proxies drained")
             self.proxy.stop()
             self.proxy = None
+        for win in getattr(self, "_symmetric", ()):
+            win.close()
         self.window.close()
 
     def __enter__(self):

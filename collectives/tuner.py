@@ -38,15 +38,28 @@ class Plan:
 
 # Below this many bytes per rank, a tree's log(n) latency beats a ring's n steps.
 TREE_MAX_BYTES = 64 * 1024
+# Collectives with a direct kernel (direct.cu), and the size from which "auto" takes
+# it when the buffers are symmetric.
+DIRECT_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+DIRECT_MIN_BYTES = 0
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024
 
 
-def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int) -> Plan:
+def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int,
+         symmetric: bool = False) -> Plan:
     """Algorithm and channel count for one call. `nbytes` is the size of the full
-    (per-rank, unsplit) buffer the collective reduces or gathers."""
+    (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
+    that the direct kernels can run (symmetric buffers, every peer over LSA)."""
     if algorithm == "tree" and coll != "allreduce":
         raise ValueError(f"algorithm 'tree' is implemented for allreduce only, not {coll}")
+    if algorithm == "direct" and coll not in DIRECT_COLLECTIVES:
+        raise ValueError(f"algorithm 'direct' is implemented for {', '.join(DIRECT_COLLECTIVES)}, not {coll}")
+    if algorithm == "direct" and not symmetric:
+        raise ValueError("algorithm 'direct' needs sendbuf and recvbuf from Communicator.alloc_symmetric "
+                         "and every peer over LSA")
+    if algorithm == "auto" and symmetric and coll in DIRECT_COLLECTIVES and nbytes >= DIRECT_MIN_BYTES:
+        algorithm = "direct"
     if algorithm == "auto":
         algorithm = "tree" if coll == "allreduce" and nranks > 2 and nbytes <= TREE_MAX_BYTES else "ring"
     if device == "cuda":

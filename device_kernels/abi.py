@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 MAX_CHANNELS = 16
+DIRECT_MAX_RANKS = 64  # COMMREF_DIRECT_MAX_RANKS
 CONN_IN = 4  # inbound FIFOs per channel
 CONN_OUT = 4  # outbound links per channel
 
@@ -27,6 +28,8 @@ WAIT_WHAT = {
     4: "element count",
     5: "a free GIN queue slot (the proxy is behind)",
     6: "the GIN proxy to complete earlier operations (flush)",
+    7: "the LSA barrier of a direct kernel",
+    8: "symmetric buffer offset",
 }
 
 # GinProtocol (args.h): how a GIN connection publishes a slot.
@@ -54,6 +57,7 @@ WINDOW_LAYOUT = np.dtype(
         ("ginQueueOff", "<u8"),
         ("ginSignalsOff", "<u8"),
         ("ginCountersOff", "<u8"),
+        ("syncOff", "<u8"),
         ("slotBytes", "<u8"),
         ("nsteps", "<u4"),
         ("flagStride", "<u4"),
@@ -113,6 +117,8 @@ GIN_DESCRIPTOR = np.dtype(
     align=True,
 )
 
+SYM_BUFFER = np.dtype([("peerTable", "<u8"), ("offset", "<u8")], align=True)
+
 COLL_ARGS = np.dtype(
     [
         ("sendbuf", "<u8"),
@@ -133,6 +139,8 @@ COLL_ARGS = np.dtype(
         ("elemSize", "<i4"),
         ("pad", "<i4"),
         ("gin", GIN_ARGS),
+        ("symSend", SYM_BUFFER),
+        ("symRecv", SYM_BUFFER),
         ("peers", CHANNEL_PEERS, (MAX_CHANNELS,)),
     ],
     align=True,
@@ -148,4 +156,5 @@ STRUCTS = {
     "CopyArgs": COPY_ARGS,
     "GinArgs": GIN_ARGS,
     "GinDescriptor": GIN_DESCRIPTOR,
+    "SymBuffer": SYM_BUFFER,
 }

@@ -50,6 +50,9 @@ KERNELS = {
     ("allgather", "ring"): "commref_ring_allgather",
     ("broadcast", "ring"): "commref_ring_broadcast",
     ("reduce", "ring"): "commref_ring_reduce",
+    ("allreduce", "direct"): "commref_direct_allreduce",
+    ("reduce_scatter", "direct"): "commref_direct_reduce_scatter",
+    ("allgather", "direct"): "commref_direct_allgather",
 }
 
 

@@ -124,6 +124,50 @@ def test_series_cross_gin_options() -> None:
         harness.series_of(args_for("all_reduce", "--backend", "proxy"))
 
 
+def test_registration_flag() -> None:
+    """-R as nccl-tests spells it: 0 plain buffers, 2 symmetric; comma lists measure
+    both side by side; 1 (local registration) has no commref counterpart."""
+    assert args_for("all_reduce").local_register == [0]
+    a = args_for("all_reduce", "-R", "0,2", "--path", "lsa,gin")
+    assert [s.label for s in harness.series_of(a)] == ["lsa", "gin", "lsa/sym", "gin/sym"]
+    for bad in ("1", "3", "0,x"):
+        with pytest.raises(SystemExit):
+            args_for("all_reduce", "-R", bad)
+
+
+@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
+def test_symmetric_series_checks_clean_and_runs_direct_kernels(coll: str) -> None:
+    """-R 2 allocates every rank's buffers from one symmetric window at equal offsets,
+    so allreduce, allgather and reduce_scatter run the direct kernels (a planted
+    error still counts: the check reads the symmetric buffers themselves)."""
+    kernels: list[str] = []
+
+    def corrupt(label, in_place, rank, out):
+        if label == "lsa/sym" and rank == 1 and not in_place:
+            out.view(np.uint8)[-1] ^= 0xFF
+
+    a = args_for(coll, "-b", "4K", "-e", "64K", "-f", "16", "-n", "2", "-w", "1", "--no-baseline", "--no-bound",
+                 "-R", "0,2")
+    from collectives.communicator import Communicator
+
+    launch = Communicator._launch
+
+    def spy(self, coll_, algorithm, s, r, *rest):
+        launch(self, coll_, algorithm, s, r, *rest)
+        kernels.extend(call[0] for call in self._calls.values())
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Communicator, "_launch", spy)
+        docs = ThreadWorld.run(3, run_rank, a, corrupt=corrupt, out=lambda s: None)
+    rows = docs[0]["rows"]
+    assert [r["series"] for r in rows] == ["lsa", "lsa/sym"] * 2
+    for r in rows:
+        assert r["in_place"]["wrong"] == 0
+        assert r["out_of_place"]["wrong"] == (1 if r["series"] == "lsa/sym" else 0)
+    direct = {k for k in kernels if "direct" in k}
+    assert bool(direct) == (coll != "broadcast"), direct
+
+
 def test_paths_the_communicator_lacks_say_not_available_yet(monkeypatch, capsys) -> None:
     """Paths are offered as soon as Communicator takes them; until then the flags fail
     with a clear message before any rank starts."""
@@ -170,7 +214,7 @@ def test_json_document_schema(tmp_path) -> None:
     harness.write_outputs(docs[0], a)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["schema"] == harness.SCHEMA and doc["collective"] == "all_reduce"
-    assert doc["series"] == [{"path": "lsa", "backend": None, "wire": None, "network": None, "gin_protocol": None,
+    assert doc["series"] == [{"path": "lsa", "backend": None, "wire": None, "network": None, "gin_protocol": None, "register": 0,
                               "label": "lsa", "link": "threads"}] and doc["skipped"] == []
     assert doc["params"]["minbytes"] == 8 and doc["params"]["iters"] == 3
     assert doc["bus_factor"] == pytest.approx(1.0)

@@ -67,9 +67,12 @@ def test_sweep(nranks, geometry, many_channels):
     results = ThreadWorld.run(nranks, _sweep, geometry, counts, timeout=WORLD_TIMEOUT)
     case_list, wrong = results[0]
     assert all(r[1] == wrong for r in results), "ranks disagree on the per-case totals"
-    # Every collective x algorithm x dtype x op x count x placement was run.
-    reducing = sum(1 for c in COLLECTIVES if c in verify.REDUCING) + 1  # allreduce has ring and tree
-    moving = len(COLLECTIVES) - (reducing - 1)
+    # Every collective x algorithm x dtype x op x count x placement was run: reducing
+    # (collective, algorithm) pairs are allreduce ring, tree and direct, reduce_scatter
+    # ring and direct, reduce ring; moving ones allgather ring and direct, broadcast ring.
+    assert {(c.coll, c.algorithm) for c in case_list} >= {("allreduce", "direct"), ("reduce_scatter", "direct"),
+                                                           ("allgather", "direct")}
+    reducing, moving = 6, 3
     assert len(case_list) == (reducing * len(OPS) + moving) * len(DTYPES) * len(counts) * 2
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:5]}"

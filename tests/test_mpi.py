@@ -38,18 +38,20 @@ def test_check_reduced(nranks, shm_leak_check):
     # processes on 2 cores stay fast (256-byte slots take 10-20 s there).
     proc = run_mpi(nranks, [*CHECK, *REDUCED, "--slot-bytes", "1024"], timeout=90, module=True)
     cases = _assert_clean(proc)
-    # (allreduce ring+tree, reduce_scatter, reduce) x 4 ops + (allgather, broadcast); x 4 dtypes x 5 counts x 2
-    assert cases == (4 * 4 + 2) * 4 * 5 * 2
+    # (allreduce ring+tree+direct, reduce_scatter ring+direct, reduce) x 4 ops
+    # + (allgather ring+direct, broadcast); x 4 dtypes x 5 counts x 2
+    assert cases == (6 * 4 + 3) * 4 * 5 * 2
     assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
 
 
 def test_check_full_default_sweep(shm_leak_check):
     proc = run_mpi(4, CHECK, timeout=120, module=True)
     cases = _assert_clean(proc)
-    # 10 dtypes x (4 reducing x 5 ops + 2 moving) x 4 counts x 2 placements
-    assert cases == 10 * (4 * 5 + 2) * 4 * 2
+    # 10 dtypes x (6 reducing (collective, algorithm) x 5 ops + 3 moving) x 4 counts x 2 placements
+    assert cases == 10 * (6 * 5 + 3) * 4 * 2
     for coll in ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"):
         assert coll in proc.stdout
+    assert re.search(r"^allgather +direct +uint8 ", proc.stdout, re.M)
 
 
 def test_check_multi_channel(shm_leak_check):

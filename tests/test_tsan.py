@@ -4,7 +4,8 @@ The same sources are built with loader.TSAN_FLAGS and run in a subprocess that
 preloads the compiler's libtsan (python itself is not instrumented; the preload
 provides the runtime that the instrumented library needs and intercepts pthreads,
 malloc and the like, so the GIL and Python's locks are seen as synchronization).
-The subprocess runs ring and tree allreduce and ring allgather on 2 and 3 ranks with
+The subprocess runs ring and tree allreduce, ring allgather and (over LSA) the direct
+allreduce, reduce_scatter and allgather on symmetric buffers, on 2 and 3 ranks with
 several channels (blocks on the engine's pooled worker threads), with one thread per
 block and with several (fibers, which the engine announces to TSan), over LSA
 connections and over GIN (the kernels' side of it: the proxy is Python), then
@@ -46,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from collectives import communicator, tuner, verify
+from collectives.symmetric import SymmetricArena
 from device_kernels import abi, loader
 from transports.world import ThreadWorld
 
@@ -58,6 +60,8 @@ loader.cpu_kernels = lambda defines=(): tsan_kernels
 # Small messages on several channels, so that blocks also run on the engine's workers.
 tuner.BYTES_PER_CHANNEL = 1024
 assert tuner.plan("allreduce", "ring", 3001 * 4, 3, "cpu", 3).nchannels == 3, "small messages are not split"
+
+arenas = {}
 
 def rank_main(world):
     n, r = world.size, world.rank
@@ -80,6 +84,19 @@ def rank_main(world):
             comm.allgather(x, out)
             exp = verify.expected_output("allgather", np.uint8, None, 3 + it, r, n, count)
             wrong[f"allgather/ring/{count}/{it}"] = verify.count_wrong(out, exp)
+        if path == "lsa":  # direct kernels: peers load this rank's symmetric buffers
+            arena = arenas.get(r) or arenas.setdefault(r, SymmetricArena(comm, 1 << 20))
+            for coll, dt, op, count in (("allreduce", np.int32, "sum", 3001), ("reduce_scatter", np.int32, "sum", 1001),
+                                        ("allgather", np.uint8, None, 7777)):
+                arena.reset()
+                x = verify.make_input(coll, dt, op, 21 + it, r, n, count)
+                send = arena.take(x.size, dt)
+                send[...] = x
+                out = arena.take(verify.recv_count(coll, count, n), dt)
+                getattr(comm, coll)(send, out, *([op] if op else []), algorithm="direct")
+                exp = verify.expected_output(coll, dt, op, 21 + it, r, n, count)
+                wrong[f"{coll}/direct/{count}/{it}"] = verify.count_wrong(out, exp)
+    arenas.pop(r, None)
     comm.close()  # with GIN: drains this rank's proxy (peers still wait for its last puts)
     return wrong
 
@@ -189,7 +206,9 @@ def test_tsan_clean_collectives(tsan_library, tmp_path, threads, path):
     assert result is not None, describe(proc)
     bad = {case: n for case, n in result["wrong"].items() if n}
     assert not bad and not result["errors"], f"wrong results under TSan: {bad} {result['errors']}"
-    assert len(result["wrong"]) == 2 * (2 + 3) * 6 + 1  # every case ran on every rank
+    per_iteration = 6 + (3 if path == "lsa" else 0)  # 4 allreduce + 2 allgather (+ 3 direct)
+    assert len(result["wrong"]) == 2 * (2 + 3) * per_iteration + 1  # every case ran on every rank
+    assert path != "lsa" or any("/direct/" in case for case in result["wrong"])
 
 
 @pytest.mark.parametrize("threads", [1, 5])

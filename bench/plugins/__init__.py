@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .all_gather import AllGather
 from .all_reduce import AllReduce
-from .base import Buffers, Collective, Counts
+from .base import Buffers, Collective, Counts, Memory, SymmetricMemory
 from .broadcast import Broadcast
 from .reduce import Reduce
 from .reduce_scatter import ReduceScatter
@@ -27,4 +27,4 @@ def get(name: str) -> Collective:
     return PLUGINS[key]
 
 
-__all__ = ["PLUGINS", "ALIASES", "get", "Collective", "Counts", "Buffers"]
+__all__ = ["PLUGINS", "ALIASES", "get", "Collective", "Counts", "Buffers", "Memory", "SymmetricMemory"]

@@ -3,7 +3,7 @@ order. In place, rank r's sendbuf is its own slot of recvbuf."""
 
 from __future__ import annotations
 
-from .base import Buffers, Collective, Counts, device_copy, restorer, sentinel
+from .base import Buffers, Collective, Counts, Memory, device_copy, restorer, sentinel
 
 
 class AllGather(Collective):
@@ -24,14 +24,14 @@ class AllGather(Collective):
         # Land the n - 1 other ranks' shards in this rank's recvbuf.
         return (nranks - 1) * size // nranks, 0
 
-    def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
+    def buffers(self, mem: Memory, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
         c = counts.param
-        recv = sentinel(xp, counts.recv, x.dtype)
+        recv = sentinel(mem, counts.recv, x.dtype)
         if in_place:
             mine = recv[rank * c : (rank + 1) * c]
-            mine[...] = xp.asarray(x)
-            return Buffers(mine, recv, recv, restorer(xp, mine, x))
-        return Buffers(device_copy(xp, x), recv, recv)
+            mine[...] = mem.asarray(x)
+            return Buffers(mine, recv, recv, restorer(mem, mine, x))
+        return Buffers(device_copy(mem, x), recv, recv)
 
     def run(self, comm, b: Buffers, op: str, root: int) -> None:
         comm.allgather(b.send, b.recv)

@@ -102,15 +102,15 @@ class Collective:
         rank (reduce on a non-root rank)."""
         return verify.expected_output(self.coll, dtype, op, seed, rank, nranks, counts.param, root)
 
-    def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
+    def buffers(self, mem: Memory, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
         """Equal send and recv counts (allreduce, broadcast, reduce): in place, one
         buffer restored from `x` before each checked call; out of place, a copy of `x`
         and a sentinel-filled recvbuf. Collectives with other layouts override this."""
         if in_place:
-            buf = device_copy(xp, x)
-            return Buffers(buf, buf, buf, restorer(xp, buf, x))
-        recv = sentinel(xp, counts.recv, x.dtype)
-        return Buffers(device_copy(xp, x), recv, recv)
+            buf = device_copy(mem, x)
+            return Buffers(buf, buf, buf, restorer(mem, buf, x))
+        recv = sentinel(mem, counts.recv, x.dtype)
+        return Buffers(device_copy(mem, x), recv, recv)
 
     # ---- the call ----
 
@@ -118,19 +118,62 @@ class Collective:
         raise NotImplementedError
 
 
-def sentinel(xp, n: int, dtype) -> Any:
-    """n elements of `dtype` filled with the SENTINEL byte pattern, on numpy or cupy."""
+class Memory:
+    """Where a plugin's buffers live: fresh numpy (CPU) or CuPy (GPU) arrays. The
+    harness hands one to `Collective.buffers` as `mem`."""
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def asarray(self, x: np.ndarray):
+        """Host array x as this memory's kind of array (numpy: x itself)."""
+        return x if self.xp is np else self.xp.asarray(x)
+
+    def full_bytes(self, nbytes: int, byte: int):
+        return self.xp.full(nbytes, byte, dtype=np.uint8)
+
+    def copy_of(self, x: np.ndarray):
+        return x.copy() if self.xp is np else self.xp.asarray(x)
+
+
+class SymmetricMemory(Memory):
+    """Buffers from a symmetric arena of a Communicator (nccl-tests' -R 2: buffers
+    registered symmetrically; see collectives/symmetric.py). The harness resets it
+    before each measurement."""
+
+    def __init__(self, comm, xp, capacity: int):
+        from collectives.symmetric import SymmetricArena
+
+        super().__init__(xp)
+        self.arena = SymmetricArena(comm, capacity)
+
+    def reset(self) -> None:
+        self.arena.reset()
+
+    def full_bytes(self, nbytes: int, byte: int):
+        buf = self.arena.take(nbytes, np.uint8)
+        buf.fill(byte)
+        return buf
+
+    def copy_of(self, x: np.ndarray):
+        buf = self.arena.take(x.size, x.dtype).reshape(x.shape)
+        buf[...] = self.asarray(x)
+        return buf
+
+
+def sentinel(mem: Memory, n: int, dtype) -> Any:
+    """n elements of `dtype` filled with the SENTINEL byte pattern, in `mem`."""
     dt = np.dtype(dtype)
-    return xp.full(n * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
+    return mem.full_bytes(n * dt.itemsize, SENTINEL).view(dt)
 
 
-def device_copy(xp, x: np.ndarray):
-    """A copy of host array x in xp's memory (numpy: a fresh array)."""
-    return x.copy() if xp is np else xp.asarray(x)
+def device_copy(mem: Memory, x: np.ndarray):
+    """A copy of host array x in `mem`."""
+    return mem.copy_of(x)
 
 
-def restorer(xp, dst, x: np.ndarray) -> Callable[[], None]:
-    """A function that copies host input x back into dst (numpy or cupy)."""
+def restorer(mem: Memory, dst, x: np.ndarray) -> Callable[[], None]:
+    """A function that copies host input x back into dst."""
     def restore() -> None:
-        dst[...] = x if xp is np else xp.asarray(x)
+        dst[...] = mem.asarray(x)
     return restore

@@ -3,7 +3,7 @@ In place, rank r's recvbuf is its own shard of sendbuf."""
 
 from __future__ import annotations
 
-from .base import Buffers, Collective, Counts, device_copy, restorer, sentinel
+from .base import Buffers, Collective, Counts, Memory, device_copy, restorer, sentinel
 
 
 class ReduceScatter(Collective):
@@ -25,14 +25,14 @@ class ReduceScatter(Collective):
         # Reduce this rank's 1/n shard from the n inputs.
         return 0, (nranks - 1) * size // nranks
 
-    def buffers(self, xp, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
+    def buffers(self, mem: Memory, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
         c = counts.param
         if in_place:
-            buf = device_copy(xp, x)
+            buf = device_copy(mem, x)
             mine = buf[rank * c : (rank + 1) * c]
-            return Buffers(buf, mine, mine, restorer(xp, buf, x))
-        recv = sentinel(xp, counts.recv, x.dtype)
-        return Buffers(device_copy(xp, x), recv, recv)
+            return Buffers(buf, mine, mine, restorer(mem, buf, x))
+        recv = sentinel(mem, counts.recv, x.dtype)
+        return Buffers(device_copy(mem, x), recv, recv)
 
     def run(self, comm, b: Buffers, op: str, root: int) -> None:
         comm.reduce_scatter(b.send, b.recv, op)

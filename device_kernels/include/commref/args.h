@@ -8,6 +8,7 @@
 #include "port.h"
 
 #define COMMREF_MAX_CHANNELS 16
+#define COMMREF_DIRECT_MAX_RANKS 64  // ranks a direct kernel reduces over (direct.cu)
 #define COMMREF_CONN_IN 4   // inbound FIFOs per channel: ring-from-prev, tree-from-child0/1, tree-from-parent
 #define COMMREF_CONN_OUT 4  // outbound links per channel: ring-to-next, tree-to-parent, tree-to-child0/1
 
@@ -26,11 +27,14 @@ enum ConnOut { kOutRing = 0, kOutTreeParent = 1, kOutTreeChild0 = 2, kOutTreeChi
 //   ginQueue          GIN: the descriptor ring, its claimed and consumed counters
 //   ginSignals        GIN: indexed signals (ready of slot s of (c, k) at (c*4+k)*nsteps+s,
 //                     credit of (c, j) at creditSignalBase + c*4+j), then ginCounters
+//   sync[c][j]        LSA barrier of channel c (lsa.h): the SyncSlot rank j last wrote
+//                     here, j < nranks; sync[c][nranks] holds this rank's epoch
 // Flag words are 64 bytes apart so that two writers never share a cache line.
 #define COMMREF_SLOT_HEADER 64
 struct WindowLayout {
   uint64_t fifoOff, readyOff, creditOff, stateOff, stagingOff;
   uint64_t ginQueueOff, ginSignalsOff, ginCountersOff;
+  uint64_t syncOff;
   uint64_t slotBytes;  // data bytes per slot; a slot occupies slotBytes + COMMREF_SLOT_HEADER
   uint32_t nsteps, flagStride;
 };
@@ -53,7 +57,9 @@ enum WaitWhat : uint32_t {
   kCallMismatch = 3,    // the peer's call descriptor (collective, algorithm, dtype, op, root) differs
   kCountMismatch = 4,   // the peer's element count differs
   kWaitGinQueue = 5,    // a free descriptor slot in the GIN queue (the proxy is behind)
-  kWaitGinFlush = 6     // the proxy to complete earlier operations (flush)
+  kWaitGinFlush = 6,    // the proxy to complete earlier operations (flush)
+  kWaitLsaBarrier = 7,  // the peer to reach the same LSA barrier (direct kernels)
+  kBufferMismatch = 8   // the peer's symmetric buffer offset differs (direct kernels)
 };
 struct ErrorRecord {
   uint32_t code, what;
@@ -78,6 +84,15 @@ struct GinArgs {
   uint32_t pad;
 };
 
+// A user buffer inside a symmetric window (direct kernels): rank j's copy of it is at
+// ((const uint64_t*)peerTable)[j] + offset in this address space. The offset is the
+// same on every rank when the ranks allocated their windows symmetrically; the direct
+// kernels check that at their first barrier.
+struct SymBuffer {
+  uint64_t peerTable;  // -> uint64_t[nranks]: each rank's window, mapped here; 0 if none
+  uint64_t offset;
+};
+
 struct CollArgs {
   uint64_t sendbuf, recvbuf;  // device addresses
   uint64_t count;             // elements (bytes for kernels that only move data), see each kernel
@@ -89,6 +104,7 @@ struct CollArgs {
   WindowLayout layout;
   int32_t rank, nranks, root, dtype, op, nchannels, elemSize, pad;
   GinArgs gin;
+  SymBuffer symSend, symRecv;  // direct kernels only
   ChannelPeers peers[COMMREF_MAX_CHANNELS];
 };
 

@@ -33,6 +33,44 @@ static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64
 #endif
 }
 
+// Like copyOwnShare, for a destination nothing reads soon (a direct kernel's output,
+// peer buffer to own buffer). On the CPU, copies of COMMREF_STREAM_MIN_BYTES and more
+// use non-temporal stores, which skip reading the destination into the cache first:
+// 1.2x to 1.7x the speed of memcpy for 8 MiB copies on the 2-core development host.
+#define COMMREF_STREAM_MIN_BYTES (1u << 20)
+#if defined(COMMREF_CPU) && defined(__x86_64__)
+#include <emmintrin.h>
+static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
+  uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+  if (head > bytes) head = bytes;
+  memcpy(dst, src, head);
+  dst += head, src += head, bytes -= head;
+  uint64_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128((const __m128i*)(src + i)), b = _mm_loadu_si128((const __m128i*)(src + i + 16));
+    const __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32)), d = _mm_loadu_si128((const __m128i*)(src + i + 48));
+    _mm_stream_si128((__m128i*)(dst + i), a);
+    _mm_stream_si128((__m128i*)(dst + i + 16), b);
+    _mm_stream_si128((__m128i*)(dst + i + 32), c);
+    _mm_stream_si128((__m128i*)(dst + i + 48), d);
+  }
+  memcpy(dst + i, src + i, bytes - i);
+  _mm_sfence();  // order the streamed stores before the flag that publishes them
+}
+#endif
+template <typename T>
+static __device__ __forceinline__ void streamOwnShare(T* dst, const T* src, uint64_t n) {
+#if defined(COMMREF_CPU) && defined(__x86_64__)
+  ElemRange r = elemRange(n);
+  const uint64_t bytes = (r.end - r.begin) * sizeof(T);
+  if (bytes >= COMMREF_STREAM_MIN_BYTES) {
+    streamBytes((char*)(dst + r.begin), (const char*)(src + r.begin), bytes);
+    return;
+  }
+#endif
+  copyOwnShare(dst, src, n);
+}
+
 template <typename T, typename Op, int NIN>
 static __device__ __forceinline__ void reduceInto(const T* const* in, T* out, uint64_t n) {
   typedef Arith<T> A;

@@ -36,3 +36,61 @@ static __device__ __forceinline__ uint64_t* readyWord(const CollArgs& a, int ran
 static __device__ __forceinline__ uint64_t* creditWord(const CollArgs& a, int rank, int c, int j) {
   return (uint64_t*)(windowOf(a, rank) + a.layout.creditOff + ((uint64_t)c * COMMREF_CONN_OUT + j) * a.layout.flagStride);
 }
+
+// ---- LSA barrier (NCCL's ncclLsaBarrierSession), for the direct kernels ----
+//
+// Channel c of every rank meets at a barrier through sync[c][*] (args.h): rank j
+// writes its SyncSlot in every peer's window, epoch last (release); each rank waits
+// until every peer's slot in its own window shows the epoch. Epochs persist in the
+// window like step counters.
+//
+// A kernel's first barrier (`check`) also compares what each peer wrote with this
+// rank's own call. That is safe only there: a peer may already be one barrier ahead
+// and rewriting its slot, which after a first barrier is a later barrier of the same
+// call (the same values), but after a call's last barrier is the next call's first.
+struct SyncSlot {
+  uint64_t epoch, callDesc, count, sendOffset, recvOffset, pad[3];
+};
+
+static __device__ __forceinline__ SyncSlot* syncSlot(const CollArgs& a, int rank, int c, int from) {
+  return (SyncSlot*)(windowOf(a, rank) + a.layout.syncOff +
+                     ((uint64_t)c * (a.nranks + 1) + from) * a.layout.flagStride);
+}
+
+// All threads of the block call it; thread 0 signals and waits. On return every peer's
+// channel c has reached this barrier, and every write the block made before it is
+// visible to the peers' blocks after theirs.
+static __device__ void lsaBarrier(const CollArgs& a, int c, const KernelEnv& env, bool check) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t* state = &syncSlot(a, a.rank, c, a.nranks)->epoch;
+    const uint64_t epoch = load_relaxed(state) + 1;
+    store_relaxed(state, epoch);
+    for (int k = 1; k < a.nranks; k++) {
+      SyncSlot* s = syncSlot(a, (a.rank + k) % a.nranks, c, a.rank);
+      store_relaxed(&s->callDesc, a.callDesc);
+      store_relaxed(&s->count, a.count);
+      store_relaxed(&s->sendOffset, a.symSend.offset);
+      store_relaxed(&s->recvOffset, a.symRecv.offset);
+      store_release(&s->epoch, epoch);
+    }
+    for (int k = 1; k < a.nranks; k++) {
+      const int peer = (a.rank + a.nranks - k) % a.nranks;
+      SyncSlot* s = syncSlot(a, a.rank, c, peer);
+      waitAtLeast(&s->epoch, epoch, env, kWaitLsaBarrier, peer, c);
+      if (!check) continue;
+      const uint64_t desc = load_relaxed(&s->callDesc), count = load_relaxed(&s->count);
+      if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, peer, c, a.callDesc, desc);
+      if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, peer, c, a.count, count);
+      const uint64_t so = load_relaxed(&s->sendOffset), ro = load_relaxed(&s->recvOffset);
+      if (so != a.symSend.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symSend.offset, so);
+      if (ro != a.symRecv.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symRecv.offset, ro);
+    }
+  }
+  __syncthreads();
+}
+
+// Rank `rank`'s copy of a symmetric buffer, in this address space.
+static __device__ __forceinline__ char* symPeer(const SymBuffer& b, int rank) {
+  return (char*)(((const uint64_t*)b.peerTable)[rank] + b.offset);
+}

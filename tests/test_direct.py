@@ -1,0 +1,170 @@
+"""Direct kernels on symmetric buffers (kernels/direct.cu, Communicator.alloc_symmetric).
+
+The verification sweeps (test_collectives_thread.py, test_mpi.py) run the direct
+cases of every dtype and op; this file covers what is particular to them: how "auto"
+chooses them, back-to-back calls whose first barriers follow the previous call's last
+one, and the errors: sizes, offsets or buffer kinds that differ across ranks end in
+CommMismatch or ValueError on every rank, never in a hang or a wrong result.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from collectives import check, tuner, verify
+from collectives.communicator import Communicator
+from collectives.symmetric import SymmetricArena
+from transports.errors import CommMismatch
+from transports.world import ThreadWorld
+
+TIMEOUT = 20.0
+
+
+def _comm(world, **kw) -> Communicator:
+    return Communicator(world, "cpu", timeout=TIMEOUT, **kw)
+
+
+def _kernel_of(comm, coll, buf) -> str:
+    """The kernel the cached plan of the last call on `buf`'s signature uses."""
+    names = [call[0] for key, call in comm._calls.items() if key[0] == coll and key[2] == buf.nbytes]
+    assert len(names) == 1, names
+    return names[0]
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_auto_takes_direct_for_symmetric_buffers_only(nranks):
+    def body(world):
+        comm = _comm(world)
+        r, n = world.rank, world.size
+        x = verify.make_input("allreduce", np.float32, "sum", 5, r, n, 4099)
+        exp = verify.expected_output("allreduce", np.float32, "sum", 5, r, n, 4099)
+        sym_in, sym_out = comm.alloc_symmetric(x.size, x.dtype), comm.alloc_symmetric(x.size, x.dtype)
+        sym_in[...] = x
+        comm.allreduce(sym_in, sym_out)
+        direct = _kernel_of(comm, "allreduce", sym_in)
+        plain_out = np.zeros(x.size * 2, np.float32)  # another signature: its own plan
+        comm.allreduce(np.concatenate([x, x]), plain_out)
+        ring = _kernel_of(comm, "allreduce", plain_out)
+        comm.close()
+        return direct, ring, verify.count_wrong(sym_out, exp), verify.count_wrong(plain_out[: x.size], exp)
+
+    for direct, ring, wrong_sym, wrong_plain in ThreadWorld.run(nranks, body, timeout=60):
+        assert direct == "commref_direct_allreduce"
+        assert ring in ("commref_ring_allreduce", "commref_tree_allreduce")  # tree: small, > 2 ranks
+        assert wrong_sym == 0 and wrong_plain == 0
+
+
+def test_back_to_back_direct_calls_with_changing_counts(monkeypatch):
+    """A rank may start call k+1 while a peer still leaves call k's last barrier; the
+    first barrier's call check must not read the next call's count as a mismatch
+    (it did, before checks moved to first barriers only)."""
+    monkeypatch.setattr(tuner, "BYTES_PER_CHANNEL", 256)  # several channels
+
+    def body(world):
+        comm = _comm(world, max_channels=3)
+        arena = SymmetricArena(comm, 1 << 20)
+        r, n = world.rank, world.size
+        wrong = 0
+        for it in range(60):
+            count = (7, 1001, 64)[it % 3]
+            coll = ("allreduce", "reduce_scatter", "allgather")[it % 3]
+            arena.reset()
+            dt = np.dtype(np.uint8 if coll == "allgather" else np.int32)
+            op = None if coll == "allgather" else "sum"
+            x = verify.make_input(coll, dt, op, it, r, n, count)
+            send = arena.take(x.size, dt)
+            send[...] = x
+            out = arena.take(verify.recv_count(coll, count, n), dt)
+            getattr(comm, coll)(send, out, *([op] if op else []), algorithm="direct")
+            wrong += verify.count_wrong(out, verify.expected_output(coll, dt, op, it, r, n, count))
+        comm.close()
+        return wrong
+
+    assert ThreadWorld.run(4, body, timeout=60) == [0] * 4
+
+
+def test_direct_on_plain_buffers_is_a_clear_error():
+    def body(world):
+        comm = _comm(world)
+        x = np.ones(16, np.float32)
+        with pytest.raises(ValueError, match="alloc_symmetric"):
+            comm.allreduce(x, np.zeros_like(x), algorithm="direct")
+        with pytest.raises(ValueError, match="direct.*not broadcast"):
+            comm.broadcast(x, np.zeros_like(x), 0, algorithm="direct")
+        comm.close()
+
+    ThreadWorld.run(2, body, timeout=30)
+
+
+def test_symmetric_sizes_must_agree():
+    def body(world):
+        comm = _comm(world)
+        with pytest.raises(ValueError, match="sizes differ"):
+            comm.alloc_symmetric(100 + world.rank, np.float32)
+        comm.close()
+
+    ThreadWorld.run(3, body, timeout=30)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_symmetric_on_some_ranks_only_is_a_mismatch(nranks):
+    """Rank 0 passes plain numpy buffers, so "auto" runs the ring kernel there and the
+    direct kernel elsewhere: the job must end promptly with CommMismatch naming the
+    algorithm (the direct kernel's ring handshake meets the ring kernel's first
+    step), not with a timeout."""
+    def body(world):
+        comm = _comm(world)
+        sym_in, sym_out = comm.alloc_symmetric(1000, np.float32), comm.alloc_symmetric(1000, np.float32)
+        if world.rank == 0:
+            sym_in, sym_out = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+        comm.allreduce(sym_in, sym_out)
+
+    t0 = time.monotonic()
+    with pytest.raises(CommMismatch, match="algorithm is '(direct|ring|tree)' here and '(ring|tree|direct)' there"):
+        ThreadWorld.run(nranks, body, timeout=30)
+    assert time.monotonic() - t0 < TIMEOUT / 2
+
+
+def test_offsets_that_differ_across_ranks_are_a_mismatch():
+    """Symmetric buffers at different offsets on two ranks would make each read the
+    wrong part of its peer's window: the first barrier reports it instead."""
+    def body(world):
+        comm = _comm(world)
+        arena = SymmetricArena(comm, 1 << 16)
+        arena.take(world.rank * 16, np.uint8)  # rank 1's buffers start a page later
+        send, out = arena.take(256, np.float32), arena.take(256, np.float32)
+        send[...] = 1
+        comm.allreduce(send, out, algorithm="direct")
+
+    with pytest.raises(CommMismatch, match="symmetric buffer offset is"):
+        ThreadWorld.run(2, body, timeout=30)
+
+
+def test_gin_peers_run_the_ring_kernel_on_symmetric_buffers():
+    """The direct kernels load from peers' windows: with GIN peers "auto" keeps the
+    ring kernels, and asking for direct is a clear error."""
+    def body(world):
+        comm = _comm(world, path="gin")
+        r, n = world.rank, world.size
+        x = verify.make_input("allreduce", np.int32, "sum", 9, r, n, 3000)
+        send, out = comm.alloc_symmetric(x.size, x.dtype), comm.alloc_symmetric(x.size, x.dtype)
+        send[...] = x
+        comm.allreduce(send, out)
+        kernel = _kernel_of(comm, "allreduce", send)
+        with pytest.raises(ValueError, match="every peer over LSA"):
+            comm.allreduce(send, out, algorithm="direct")
+        comm.close()
+        return kernel, verify.count_wrong(out, verify.expected_output("allreduce", np.int32, "sum", 9, r, n, 3000))
+
+    assert ThreadWorld.run(2, body, timeout=60) == [("commref_ring_allreduce", 0)] * 2
+
+
+def test_check_sweep_lists_direct_cases_only_where_they_can_run():
+    colls = ["allreduce", "reduce_scatter", "allgather", "broadcast"]
+    with_direct = check.cases(colls, ["float32"], ["sum"], [], [7], 2, 1)
+    without = check.cases(colls, ["float32"], ["sum"], [], [7], 2, 1, direct=False)
+    assert {c.coll for c in with_direct if c.algorithm == "direct"} == set(tuner.DIRECT_COLLECTIVES)
+    assert not any(c.algorithm == "direct" for c in without)
