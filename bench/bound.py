@@ -9,20 +9,24 @@ memory (LSA peers load and store each other's buffers directly):
 
 Each plugin states its share (plugins/*.py ``bound_bytes``), for n ranks:
 
-=============== =================== ===================
-collective      copy bytes          add bytes
-=============== =================== ===================
-all_reduce      (n - 1) / n * size  (n - 1) / n * size
-all_gather      (n - 1) / n * size  0
-reduce_scatter  0                   (n - 1) / n * size
-broadcast       size                0
-reduce          (n - 1) / n * size  (n - 1) / n * size
-=============== =================== ===================
+=============== ======================= ===================
+collective      copy bytes              add bytes
+=============== ======================= ===================
+all_reduce      (n - 1) / n * size      (n - 1) / n * size
+all_gather      size; in place          0
+                (n - 1) / n * size
+reduce_scatter  0                       (n - 1) / n * size
+broadcast       size                    0
+reduce          (n - 1) / n * size      (n - 1) / n * size
+=============== ======================= ===================
 
 all_reduce and reduce: reduce this rank's 1/n shard from the n inputs (n - 1 adds of
 size / n), then fetch the other n - 1 reduced shards. all_gather: land the other
-ranks' n - 1 shards. reduce_scatter: reduce this rank's shard. broadcast: a non-root
-rank lands all of the root's bytes.
+ranks' n - 1 shards and, out of place, copy this rank's own shard into recvbuf (in
+place it is already there). reduce_scatter: reduce this rank's shard. broadcast: a
+non-root rank lands all of the root's bytes. Only all_gather differs between the
+placements: the table's bound and %bound are out of place, and the %ip column
+compares the in-place busbw with the in-place bound.
 
 The speed of those bytes is measured in the same run, at the same size, on every
 rank at once (so the ranks contend for memory bandwidth as they do in the

@@ -401,8 +401,11 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
                                           args.iters, args.warmup_iters)
         if meter is not None:
             copy_b, add_b = plugin.bound_bytes(size_col, n)
+            copy_ip, add_ip = plugin.bound_bytes(size_col, n, in_place=True)
             w.barrier(what="bench: bound")
-            mine["bound"] = dataclasses.asdict(meter.measure(size_col, copy_b, add_b, args.iters))
+            bt = meter.measure(size_col, max(copy_b, copy_ip), max(add_b, add_ip), args.iters)
+            mine["bound"] = dataclasses.asdict(dataclasses.replace(bt, copy_bytes=copy_b, add_bytes=add_b))
+            mine["bound_ip"] = dataclasses.asdict(dataclasses.replace(bt, copy_bytes=copy_ip, add_bytes=add_ip))
         every = w.allgather(mine, what="bench: results of one size")
 
         base = None
@@ -413,10 +416,12 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
             bt = [BoundTimes(**r["bound"]) for r in every]
             t_bound, bw_bound = bound_busbw(nbytes * factor, bt)
             slowest = max(bt, key=BoundTimes.seconds)
+            t_ip, bw_ip = bound_busbw(nbytes * factor, [BoundTimes(**r["bound_ip"]) for r in every])
             bound = {"busbw": bw_bound, "time_us": t_bound * 1e6, "copy_bytes": slowest.copy_bytes,
                      "add_bytes": slowest.add_bytes,
                      "copy_GBps": slowest.measured_bytes / slowest.copy_s / 1e9 if slowest.copy_s else None,
-                     "add_GBps": slowest.measured_bytes / slowest.add_s / 1e9 if slowest.add_s else None}
+                     "add_GBps": slowest.measured_bytes / slowest.add_s / 1e9 if slowest.add_s else None,
+                     "in_place_busbw": bw_ip, "in_place_time_us": t_ip * 1e6}
         size_rows = []
         for s, comm in runners:
             res = {}
@@ -435,6 +440,8 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
                 "ratio": (oop["busbw"] / base["busbw"]) if base and base["busbw"] > 0 else None,
                 "bound": bound,
                 "pct_of_bound": (100 * oop["busbw"] / bound["busbw"]) if bound and bound["busbw"] > 0 else None,
+                "in_place_pct_of_bound": (100 * res["in_place"]["busbw"] / bound["in_place_busbw"])
+                if bound and bound["in_place_busbw"] > 0 else None,
             })
         rows.extend(size_rows)
         if emit is not None:
@@ -466,7 +473,7 @@ def _num(v, fmt="{:.2f}", none="-") -> str:
 _FIELDS = [("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("redop", "", 6), ("root", "", 6)]
 _BLOCK = [("time", "(us)", 7), ("algbw", "(GB/s)", 6), ("busbw", "(GB/s)", 6), ("#wrong", "", 6)]
 _EXTRA = [("time", "(us)", 7), ("busbw", "(GB/s)", 7), ("ratio", "(x)", 6), ("busbw", "(GB/s)", 7),
-          ("%bound", "(%)", 6)]
+          ("%bound", "(%)", 6), ("%ip", "(%)", 4)]
 _GROUP_WIDTHS = [sum(w + 2 for *_, w in _FIELDS) - 2] + [sum(w + 2 for *_, w in _BLOCK)] * 2 + [
     sum(w + 2 for *_, w in _EXTRA[:3]), sum(w + 2 for *_, w in _EXTRA[3:])]
 
@@ -492,7 +499,8 @@ def format_row(r: dict) -> str:
             f"  {_time_str(i['time_us']):>7}  {i['algbw']:6.2f}  {i['busbw']:6.2f}  {wrong(i.get('wrong')):>6}"
             f"  {_time_str(base['time_us']) if base else '-':>7}  {_num(base and base['busbw']):>7}"
             f"  {_num(r.get('ratio')):>6}"
-            f"  {_num(bound and bound['busbw']):>7}  {_num(r.get('pct_of_bound'), '{:.0f}'):>6}  {r['path']}")
+            f"  {_num(bound and bound['busbw']):>7}  {_num(r.get('pct_of_bound'), '{:.0f}'):>6}"
+            f"  {_num(r.get('in_place_pct_of_bound'), '{:.0f}'):>4}  {r['path']}")
 
 
 def summary(rows: list[dict]) -> dict:
@@ -545,7 +553,8 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
     elif env.get("baseline_unavailable"):
         lines.append(f"# Baseline: none ({env['baseline_unavailable']})")
     lines.append("# Bound: busbw the memory bandwidth allows (numpy copy and add over each size's buffers, scaled to "
-                 "each rank's share, measured in this run; bench/bound.py); %bound = our out-of-place busbw / bound")
+                 "each rank's share, measured in this run; bench/bound.py); %bound = our out-of-place busbw / bound, "
+                 "%ip = our in-place busbw / the in-place bound (higher than the bound for all_gather only)")
     lines.append("#")
     return lines
 

@@ -124,6 +124,16 @@ def test_series_cross_gin_options() -> None:
         harness.series_of(args_for("all_reduce", "--backend", "proxy"))
 
 
+def test_all_gather_bound_counts_the_own_shard_out_of_place() -> None:
+    """Out of place every rank lands all n shards (its own from sendbuf); in place the
+    other n - 1 only. The other collectives move the same bytes either way."""
+    ag = plugins.get("all_gather")
+    assert ag.bound_bytes(1200, 3) == (1200, 0) and ag.bound_bytes(1200, 3, in_place=True) == (800, 0)
+    for name in ("all_reduce", "reduce_scatter", "broadcast", "reduce"):
+        p = plugins.get(name)
+        assert p.bound_bytes(1200, 3) == p.bound_bytes(1200, 3, in_place=True)
+
+
 def test_registration_flag() -> None:
     """-R as nccl-tests spells it: 0 plain buffers, 2 symmetric; comma lists measure
     both side by side; 1 (local registration) has no commref counterpart."""
@@ -230,7 +240,7 @@ def test_json_document_schema(tmp_path) -> None:
     assert [r["size"] for r in doc["rows"]] == [8, 256, 8192]
     for r in doc["rows"]:
         assert set(r) >= {"series", "path", "size", "count", "type", "redop", "root", "out_of_place", "in_place",
-                          "baseline", "ratio", "bound", "pct_of_bound"}
+                          "baseline", "ratio", "bound", "pct_of_bound", "in_place_pct_of_bound"}
         assert (r["type"], r["redop"], r["root"], r["series"], r["path"]) == ("float", "sum", -1, "lsa",
                                                                              "lsa:threads")
         for k in ("out_of_place", "in_place"):
@@ -241,6 +251,8 @@ def test_json_document_schema(tmp_path) -> None:
             assert v["algbw"] == pytest.approx(r["size"] / (v["time_us"] * 1e-6) / 1e9)
         assert r["bound"]["busbw"] > 0 and r["bound"]["copy_bytes"] == r["size"] // 2
         assert r["pct_of_bound"] == pytest.approx(100 * r["out_of_place"]["busbw"] / r["bound"]["busbw"])
+        assert r["bound"]["in_place_busbw"] == pytest.approx(r["bound"]["busbw"])  # allreduce: the same bytes
+        assert r["in_place_pct_of_bound"] == pytest.approx(100 * r["in_place"]["busbw"] / r["bound"]["in_place_busbw"])
     assert doc["summary"]["lsa"]["out_of_bounds"] == 0
     # The printed table: nccl-tests' header, one row per size, its footer.
     assert any("out-of-place" in s and "in-place" in s for s in lines)

@@ -36,11 +36,13 @@ def _kernel_of(comm, coll, buf) -> str:
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
 def test_auto_takes_direct_for_symmetric_buffers_only(nranks):
+    """From tuner.DIRECT_MIN_BYTES on; below it the ring's few steps are faster."""
     def body(world):
         comm = _comm(world)
         r, n = world.rank, world.size
-        x = verify.make_input("allreduce", np.float32, "sum", 5, r, n, 4099)
-        exp = verify.expected_output("allreduce", np.float32, "sum", 5, r, n, 4099)
+        count = tuner.DIRECT_MIN_BYTES // 4 + 3
+        x = verify.make_input("allreduce", np.float32, "sum", 5, r, n, count)
+        exp = verify.expected_output("allreduce", np.float32, "sum", 5, r, n, count)
         sym_in, sym_out = comm.alloc_symmetric(x.size, x.dtype), comm.alloc_symmetric(x.size, x.dtype)
         sym_in[...] = x
         comm.allreduce(sym_in, sym_out)
@@ -117,9 +119,10 @@ def test_symmetric_on_some_ranks_only_is_a_mismatch(nranks):
     step), not with a timeout."""
     def body(world):
         comm = _comm(world)
-        sym_in, sym_out = comm.alloc_symmetric(1000, np.float32), comm.alloc_symmetric(1000, np.float32)
+        n = tuner.DIRECT_MIN_BYTES // 4 * 2  # large enough for "auto" to pick direct
+        sym_in, sym_out = comm.alloc_symmetric(n, np.float32), comm.alloc_symmetric(n, np.float32)
         if world.rank == 0:
-            sym_in, sym_out = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+            sym_in, sym_out = np.ones(n, np.float32), np.zeros(n, np.float32)
         comm.allreduce(sym_in, sym_out)
 
     t0 = time.monotonic()
@@ -149,7 +152,8 @@ def test_gin_peers_run_the_ring_kernel_on_symmetric_buffers():
     def body(world):
         comm = _comm(world, path="gin")
         r, n = world.rank, world.size
-        x = verify.make_input("allreduce", np.int32, "sum", 9, r, n, 3000)
+        count = tuner.DIRECT_MIN_BYTES // 4 * 2  # large enough for "auto" to pick direct on LSA
+        x = verify.make_input("allreduce", np.int32, "sum", 9, r, n, count)
         send, out = comm.alloc_symmetric(x.size, x.dtype), comm.alloc_symmetric(x.size, x.dtype)
         send[...] = x
         comm.allreduce(send, out)
@@ -157,7 +161,7 @@ def test_gin_peers_run_the_ring_kernel_on_symmetric_buffers():
         with pytest.raises(ValueError, match="every peer over LSA"):
             comm.allreduce(send, out, algorithm="direct")
         comm.close()
-        return kernel, verify.count_wrong(out, verify.expected_output("allreduce", np.int32, "sum", 9, r, n, 3000))
+        return kernel, verify.count_wrong(out, verify.expected_output("allreduce", np.int32, "sum", 9, r, n, count))
 
     assert ThreadWorld.run(2, body, timeout=60) == [("commref_ring_allreduce", 0)] * 2
 
@@ -168,3 +172,12 @@ def test_check_sweep_lists_direct_cases_only_where_they_can_run():
     without = check.cases(colls, ["float32"], ["sum"], [], [7], 2, 1, direct=False)
     assert {c.coll for c in with_direct if c.algorithm == "direct"} == set(tuner.DIRECT_COLLECTIVES)
     assert not any(c.algorithm == "direct" for c in without)
+
+
+def test_tuner_takes_direct_from_its_threshold():
+    big, small = tuner.DIRECT_MIN_BYTES, tuner.DIRECT_MIN_BYTES - 4
+    assert tuner.plan("allreduce", "auto", big, 2, "cpu", 1, symmetric=True).algorithm == "direct"
+    assert tuner.plan("allreduce", "auto", small, 2, "cpu", 1, symmetric=True).algorithm == "ring"
+    assert tuner.plan("allreduce", "auto", big, 2, "cpu", 1, symmetric=False).algorithm == "ring"
+    assert tuner.plan("broadcast", "auto", 1 << 20, 2, "cpu", 1, symmetric=True).algorithm == "ring"
+    assert tuner.plan("allgather", "direct", 8, 2, "cpu", 1, symmetric=True).algorithm == "direct"

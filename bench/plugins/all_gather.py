@@ -20,9 +20,10 @@ class AllGather(Collective):
     def bus_factor(self, nranks: int) -> float:
         return (nranks - 1) / nranks
 
-    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
-        # Land the n - 1 other ranks' shards in this rank's recvbuf.
-        return (nranks - 1) * size // nranks, 0
+    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
+        # Land the n - 1 other ranks' shards in this rank's recvbuf, and out of place
+        # this rank's own shard too.
+        return ((nranks - 1) * size // nranks if in_place else size), 0
 
     def buffers(self, mem: Memory, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
         c = counts.param

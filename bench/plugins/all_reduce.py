@@ -13,7 +13,7 @@ class AllReduce(Collective):
     def bus_factor(self, nranks: int) -> float:
         return 2 * (nranks - 1) / nranks
 
-    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
+    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
         # Reduce this rank's 1/n shard from the n inputs, then fetch the other shards.
         share = (nranks - 1) * size // nranks
         return share, share

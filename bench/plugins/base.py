@@ -86,9 +86,9 @@ class Collective:
     def bus_factor(self, nranks: int) -> float:
         raise NotImplementedError
 
-    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
+    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
         """(copy bytes, add bytes) one rank must at least move for a call of `size`
-        bytes (the size column); see bench/bound.py for the model."""
+        bytes (the size column), out of place or in place; see bench/bound.py."""
         raise NotImplementedError
 
     # ---- data ----

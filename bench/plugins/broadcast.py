@@ -13,7 +13,7 @@ class Broadcast(Collective):
     def bus_factor(self, nranks: int) -> float:
         return 1.0
 
-    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
+    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
         # A non-root rank lands all of the root's bytes.
         return size, 0
 

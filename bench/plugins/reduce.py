@@ -15,7 +15,7 @@ class Reduce(Collective):
     def bus_factor(self, nranks: int) -> float:
         return 1.0
 
-    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
+    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
         # Work spread evenly: reduce a 1/n shard from the n inputs, and the root
         # gathers the other shards.
         share = (nranks - 1) * size // nranks

@@ -21,7 +21,7 @@ class ReduceScatter(Collective):
     def bus_factor(self, nranks: int) -> float:
         return (nranks - 1) / nranks
 
-    def bound_bytes(self, size: int, nranks: int) -> tuple[int, int]:
+    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
         # Reduce this rank's 1/n shard from the n inputs.
         return 0, (nranks - 1) * size // nranks
 
