@@ -35,7 +35,7 @@ step "2 MPI ranks on one GPU through CUDA IPC" timeout 200 "$MPIEXEC" -n 2 $MPIF
 step "commref vs NCCL (nccl4py), 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py tests/gpu/nccl_compare.py
 if [ -f bench/harness.py ] && [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
   step "bench: ours vs NCCL, 2 ranks one GPU" timeout 100 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m collectives.cli bench \
-    all_reduce -b 8 -e 64M -f 8 --device cuda -n 5 -w 2
+    all_reduce -b 8 -e 64M -f 8 --device cuda -n 5 -w 2 -R 0,2
   step "bench: 4 ranks as threads on one GPU" timeout 80 "$PY" -m collectives.cli bench \
     all_reduce -b 8 -e 64M -f 8 -t 4 --device cuda -n 5 -w 2
 fi
