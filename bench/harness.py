@@ -193,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="GIN signals: strong, weak (comma-separated)")
     c.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree", "direct"],
                    help="auto picks direct for symmetric buffers (-R 2), else ring or tree (default auto)")
+    c.add_argument("--stream-stores", type=_list_of(("auto", "on", "off"), "stream-stores"), default=None,
+                   help="CPU: store what another core reads next past the cache: auto (measure both, the "
+                        "default), on, off; comma-separated values are measured side by side")
     c.add_argument("--seed", type=int, default=1, help="seed of the exact-checkable inputs and of GIN's unordered wire (default 1)")
     c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
@@ -228,15 +231,17 @@ class Series:
     network: str | None = None
     gin_protocol: str | None = None
     register: int = 0  # -R: 0 plain buffers, 2 symmetric
+    stores: str | None = None  # --stream-stores (None: Communicator's default, auto)
 
     @property
     def label(self) -> str:
-        parts = [x for x in dataclasses.astuple(self)[:-1] if x]
-        return "/".join(parts + (["sym"] if self.register == 2 else []))
+        parts = [x for x in dataclasses.astuple(self)[:-2] if x]
+        return "/".join(parts + (["sym"] if self.register == 2 else [])
+                        + ([f"stores-{self.stores}"] if self.stores else []))
 
     def gin_options(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("path", "register") and v is not None}
+                if k not in ("path", "register", "stores") and v is not None}
 
 
 GIN_FLAGS = {"backend": "--backend", "wire": "--wire", "network": "--network", "gin_protocol": "--gin-protocol"}
@@ -246,13 +251,14 @@ def series_of(args) -> list[Series]:
     """Every configuration the flags ask for. LSA takes no GIN options; gin and auto
     are crossed with every backend, wire, network and protocol given."""
     out = []
-    for register in getattr(args, "local_register", None) or [0]:
+    for register, stores in itertools.product(getattr(args, "local_register", None) or [0],
+                                              getattr(args, "stream_stores", None) or [None]):
         for path in args.path:
             if path == "lsa":
-                out.append(Series("lsa", register=register))
+                out.append(Series("lsa", register=register, stores=stores))
                 continue
             for combo in itertools.product(*[getattr(args, k, None) or [None] for k in GIN_FLAGS]):
-                out.append(Series(path, *combo, register=register))
+                out.append(Series(path, *combo, register=register, stores=stores))
     if any(getattr(args, k, None) for k in GIN_FLAGS) and all(s.path == "lsa" for s in out):
         raise NotAvailable(f"{', '.join(GIN_FLAGS.values())} choose GIN transports; add --path gin (or auto)")
     return list(dict.fromkeys(out))
@@ -266,6 +272,8 @@ def communicator_kwargs(args, series: Series) -> dict:
 
     kw: dict[str, Any] = {"algorithm": args.algorithm, "max_channels": args.channels,
                           "slot_bytes": args.slot_bytes, "threads": args.threads}
+    if series.stores:
+        kw["stream_stores"] = series.stores
     if series.path == "lsa":
         return kw
     wanted = {"path": series.path, **series.gin_options()}

@@ -116,6 +116,8 @@ class Communicator:
     ("auto", "shm", "mpi"), `seed` of the unordered wire, `gin_protocol` ("strong",
     "weak-last", "signal-per-put", "flush-signal"; only "strong" is safe everywhere),
     `puts_per_slot`, `gin_queue` descriptors, `gin_counters`, `segment_bytes`.
+    `stream_stores` ("auto", "on", "off"): on the CPU, whether what another core reads
+    next is stored past the cache; "auto" measures both (tuner.StoreChooser).
 
     Symmetric buffers: arrays from `alloc_symmetric` (NCCL's ncclMemAlloc plus a
     symmetric window registration) can be read by every peer, so allreduce,
@@ -129,7 +131,7 @@ class Communicator:
                  timeout: float | None = None, device_id: int | None = None, path: str = "lsa",
                  backend: str = "auto", wire: str = "ordered", network: str = "auto", seed: int = 0,
                  gin_protocol: str = "strong", puts_per_slot: int = 4, gin_queue: int = 256,
-                 gin_counters: int = 0, segment_bytes: int = 4096):
+                 gin_counters: int = 0, segment_bytes: int = 4096, stream_stores: str = "auto"):
         self.world = world
         self.rank, self.nranks = world.rank, world.size
         self.device = _resolve_device(device)
@@ -154,6 +156,7 @@ class Communicator:
         if not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._broken: str | None = None
+        self._stores = tuner.StoreChooser(stream_stores)
 
         if self.device == "cuda":
             import cupy
@@ -208,7 +211,7 @@ class Communicator:
         self._off_send, self._off_recv = f["sendbuf"][1] // 8, f["recvbuf"][1] // 8
         self._off_count, self._off_desc = f["count"][1] // 8, f["callDesc"][1] // 8
         self._off_i32 = f["root"][1] // 4
-        assert [f[k][1] for k in ("root", "dtype", "op", "nchannels", "elemSize", "pad")] == \
+        assert [f[k][1] for k in ("root", "dtype", "op", "nchannels", "elemSize", "streamStores")] == \
             [f["root"][1] + 4 * i for i in range(6)]
         self._off_sym = f["symSend"][1] // 8  # symSend.peerTable, .offset, symRecv.peerTable, .offset
         self._symmetric: list = []  # windows from alloc_symmetric
@@ -393,7 +396,15 @@ class Communicator:
         self._args_u64[self._off_count] = count
         self._args_u64[self._off_desc] = desc
         self._args_i32[self._off_i32 : self._off_i32 + 6] = fields32
-        status = self.kernels.launch(name, nchannels, self.threads, self._args, stream, spec, self._args_address)
+        if self.device == "cpu":
+            streamed, key = self._stores.choose(name, s.nbytes)
+            self._args_i32[self._off_i32 + 5] = streamed
+            t0 = time.perf_counter()
+            status = self.kernels.launch(name, nchannels, self.threads, self._args, stream, spec, self._args_address)
+            if key is not None and not status:
+                self._stores.record(key, streamed, time.perf_counter() - t0, s.nbytes)
+        else:
+            status = self.kernels.launch(name, nchannels, self.threads, self._args, stream, spec, self._args_address)
         if self.proxy is not None and self.proxy.error is not None:
             self._broken = f"GIN proxy failed: {self.proxy.error}"
             raise self.proxy.error
@@ -423,7 +434,7 @@ class Communicator:
     def _plan_call(self, coll, algorithm, s: Buffer, op, root, symmetric: bool = False):
         """Everything about a call that depends only on its signature (cached per
         signature): kernel, channels, specialization, the int32 fields (root, dtype,
-        op, nchannels, elemSize, pad) and the call descriptor."""
+        op, nchannels, elemSize, streamStores) and the call descriptor."""
         dname = dtype_name(s.dtype)
         if coll in ("allgather", "broadcast"):
             op_code = OPS["sum"]  # data movement: no reduction

@@ -25,7 +25,7 @@ def defaults(device: str, local_ranks: int = 1) -> Defaults:
         return Defaults(max_channels=8, slot_bytes=512 * 1024, nsteps=8, threads=512)
     # CPU engine: one block is one OS thread and copies run at memcpy speed, so few
     # channels; 256 KiB slots keep a step's data in the cache between the writer and
-    # the reader (measured best of 64 KiB..1 MiB at 16 MiB, 2 ranks, bench/README).
+    # the reader (measured best of 64 KiB..1 MiB at 16 MiB, 2 ranks).
     cores = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
     return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=256 * 1024, nsteps=4, threads=1)
 
@@ -71,3 +71,50 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     if algorithm == "tree" and max_channels >= 2:
         nchannels = max(2, nchannels)  # both trees of the double binary tree
     return Plan(algorithm, nchannels)
+
+
+# ---- streamed stores on the CPU (CollArgs.streamStores, include/commref/move.h) ----
+
+# Below this many bytes a call hardly streams (no thread's share reaches move.h's
+# thresholds): it is left on and not timed.
+STORE_CHOOSER_MIN_BYTES = 64 * 1024
+# The setting not in use is measured again every this many calls of a kind.
+STORE_EXPLORE_EVERY = 16
+
+
+class StoreChooser:
+    """Picks CollArgs.streamStores for each CPU call by measuring both settings.
+
+    Whether streaming what another core reads next pays depends on where the cores sit
+    (move.h), which a virtual machine may change under the program. So for each kind of
+    call (kernel, size class) the chooser keeps the last seconds per byte seen with
+    either setting, uses the faster one and tries the other again every
+    STORE_EXPLORE_EVERY calls, following a change within a few calls. Each rank chooses
+    alone: how a rank stores changes no result, only its speed. mode "on" or "off"
+    fixes the setting (for measurements and tests)."""
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"stream_stores must be 'auto', 'on' or 'off', not {mode!r}")
+        self.mode = mode
+        self._seconds_per_byte: dict = {}  # key -> [off, on] (None: not measured yet)
+        self._calls: dict = {}
+
+    def choose(self, kernel: str, nbytes: int) -> tuple[int, tuple | None]:
+        """(setting, key to record the call's time under, or None: do not time it)."""
+        if self.mode != "auto":
+            return int(self.mode == "on"), None
+        if nbytes < STORE_CHOOSER_MIN_BYTES:
+            return 1, None
+        key = (kernel, int(nbytes).bit_length())
+        rates = self._seconds_per_byte.setdefault(key, [None, None])
+        n = self._calls[key] = self._calls.get(key, 0) + 1
+        if rates[1] is None:
+            return 1, key
+        if rates[0] is None:
+            return 0, key
+        best = int(rates[1] <= rates[0])
+        return (1 - best if n % STORE_EXPLORE_EVERY == 0 else best), key
+
+    def record(self, key: tuple, setting: int, seconds: float, nbytes: int) -> None:
+        self._seconds_per_byte[key][setting] = seconds / max(1, nbytes)

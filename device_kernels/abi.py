@@ -137,7 +137,7 @@ COLL_ARGS = np.dtype(
         ("op", "<i4"),
         ("nchannels", "<i4"),
         ("elemSize", "<i4"),
-        ("pad", "<i4"),
+        ("streamStores", "<i4"),
         ("gin", GIN_ARGS),
         ("symSend", SYM_BUFFER),
         ("symRecv", SYM_BUFFER),

@@ -11,7 +11,7 @@
   X(CollArgs, sendbuf) X(CollArgs, recvbuf) X(CollArgs, count) X(CollArgs, peerWindows)    \
   X(CollArgs, errorRecord) X(CollArgs, abortFlag) X(CollArgs, callDesc) X(CollArgs, timeoutNs) \
   X(CollArgs, layout) X(CollArgs, rank) X(CollArgs, nranks) X(CollArgs, root) X(CollArgs, dtype) \
-  X(CollArgs, op) X(CollArgs, nchannels) X(CollArgs, elemSize) X(CollArgs, gin) X(CollArgs, symSend) X(CollArgs, symRecv) X(CollArgs, peers) \
+  X(CollArgs, op) X(CollArgs, nchannels) X(CollArgs, elemSize) X(CollArgs, streamStores) X(CollArgs, gin) X(CollArgs, symSend) X(CollArgs, symRecv) X(CollArgs, peers) \
   X(WindowLayout, fifoOff) X(WindowLayout, readyOff) X(WindowLayout, creditOff)            \
   X(WindowLayout, stateOff) X(WindowLayout, stagingOff) X(WindowLayout, ginQueueOff)       \
   X(WindowLayout, ginSignalsOff) X(WindowLayout, ginCountersOff) X(WindowLayout, syncOff) X(WindowLayout, slotBytes) \

@@ -29,75 +29,23 @@ static __device__ void directEnter(const CollArgs& a, const KernelEnv& env) {
   lsaBarrier(a, c, env, true);
 }
 
-#ifdef COMMREF_CPU
-// out[i] = fold of in[0..nin)[i] for i < n, by one thread, nin in 1..3, in one pass.
-template <typename T, typename Op, int NIN>
-static inline void foldSerialN(const T* const* in, T* out, uint64_t n, int divisor) {
-  typedef Arith<T> A;
-  const T* in0 = in[0];
-  const T* in1 = NIN > 1 ? in[1] : in0;
-  const T* in2 = NIN > 2 ? in[2] : in0;
-  for (uint64_t i = 0; i < n; i++) {
-    typename A::Compute v = A::load(in0[i]);
-    if (NIN > 1) v = Op::apply(v, A::load(in1[i]));
-    if (NIN > 2) v = Op::apply(v, A::load(in2[i]));
-    if (divisor != 0) v = divideBy(v, divisor);
-    out[i] = A::store(v);
-  }
-}
-template <typename T, typename Op>
-static inline void foldSerial(const T* const* in, int nin, T* out, uint64_t n, int divisor) {
-  if (nin == 1) foldSerialN<T, Op, 1>(in, out, n, divisor);
-  else if (nin == 2) foldSerialN<T, Op, 2>(in, out, n, divisor);
-  else foldSerialN<T, Op, 3>(in, out, n, divisor);
-}
-#endif
-
 // out[0, n) = fold over k of in[k][0, n), k < nin (nin >= 1); divisor != 0 divides
-// the result (avg). Folds at most three inputs per pass into `out`, over pieces small
-// enough to stay in cache between passes; each thread touches the same elements in
-// every pass, so the passes need no barrier.
-//
-// `toPeers`: the peers read `out` next (allreduce's reduced parts). On the CPU each
-// thread then folds its share a piece at a time in a buffer on its stack and streams
-// each piece out (non-temporal when the share is large, as streamOwnShare), so that
-// the peers read the result from memory rather than out of this core's cache, which
-// hands dirty lines to another core slowly. Measured on the 2-core host, 16 MiB
-// float32 allreduce, 2 ranks: 9.6-13.1 GB/s busbw against 4.9-7.7 folding into `out`.
-// Where nothing reads `out` soon (reduce_scatter) folding in place measured faster,
-// in place most of all (the output lines are the input lines, already in cache).
+// the result (avg). `streamMin` != ~0: the peers read `out` next (allreduce's reduced
+// parts) and stores are streamed (move.h), so on the CPU it is folded off the cache
+// (foldPieces; measured with the host in its slow placement, 16 MiB float32
+// allreduce, 2 ranks: 9.6-13.1 GB/s busbw against 4.9-7.7 folding into `out`).
+// Otherwise at most three inputs per pass fold into `out`, over pieces small enough to
+// stay in cache between passes. Where nothing reads `out` soon (reduce_scatter) that
+// measured faster in every placement, in place most of all (the output lines are the
+// input lines).
 template <typename T, typename Op>
-static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n, int divisor, bool toPeers) {
+static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n, int divisor, uint64_t streamMin) {
 #ifdef COMMREF_CPU
-  if (toPeers) {
-    const ElemRange r = elemRange(n);
-    const uint64_t kPiece = 8192 / sizeof(T);
-    T piece[kPiece];
-    const bool stream = (r.end - r.begin) * sizeof(T) >= COMMREF_STREAM_MIN_BYTES;
-    for (uint64_t base = r.begin; base < r.end; base += kPiece) {
-      const uint64_t len = minU(kPiece, r.end - base);
-      const T* src[3];
-      int k = 0;
-      for (; k < nin && k < 3; k++) src[k] = in[k] + base;
-      foldSerial<T, Op>(src, k, piece, len, k == nin ? divisor : 0);
-      while (k < nin) {  // fold up to two more into the piece
-        int m = 1;
-        src[0] = piece;
-        for (; m < 3 && k < nin; m++, k++) src[m] = in[k] + base;
-        foldSerial<T, Op>(src, m, piece, len, k == nin ? divisor : 0);
-      }
-#ifdef __x86_64__
-      if (stream) {
-        streamBytes((char*)(out + base), (const char*)piece, len * sizeof(T));
-        continue;
-      }
-#endif
-      memcpy(out + base, piece, len * sizeof(T));
-    }
+  if (streamMin != ~0ull) {
+    foldPieces<T, Op>(in, nin, &out, 1, n, divisor, streamMin);
     return;
   }
 #endif
-  (void)toPeers;
   const uint64_t piece = nin <= 3 ? (n ? n : 1) : 16384;
   for (uint64_t base = 0; base < n; base += piece) {
     const uint64_t len = minU(piece, n - base);
@@ -105,12 +53,12 @@ static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n,
     T* dst[1] = {out + base};
     int k = 0;
     for (; k < nin && k < 3; k++) src[k] = in[k] + base;
-    reduceCopy<T, Op>(src, k, dst, 1, len, k == nin ? divisor : 0);
+    reduceCopy<T, Op>(src, k, dst, 1, len, k == nin ? divisor : 0, 1, ~0ull);
     while (k < nin) {  // fold up to two more into out (the running result)
       int m = 1;
       src[0] = out + base;
       for (; m < 3 && k < nin; m++, k++) src[m] = in[k] + base;
-      reduceCopy<T, Op>(src, m, dst, 1, len, k == nin ? divisor : 0);
+      reduceCopy<T, Op>(src, m, dst, 1, len, k == nin ? divisor : 0, 1, ~0ull);
     }
   }
 }
@@ -119,10 +67,10 @@ static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n,
 // dst, completing the reduction (avg divides). Inputs in ring order from this rank,
 // so that the ranks start on different peers.
 template <typename T, typename Op>
-static __device__ void directReduceRange(const CollArgs& a, uint64_t shift, Share s, T* dst, bool toPeers) {
+static __device__ void directReduceRange(const CollArgs& a, uint64_t shift, Share s, T* dst, uint64_t streamMin) {
   const T* in[COMMREF_DIRECT_MAX_RANKS];
   for (int k = 0; k < a.nranks; k++) in[k] = (const T*)symPeer(a.symSend, (a.rank + k) % a.nranks) + shift + s.begin;
-  foldInto<T, Op>(in, a.nranks, dst + s.begin, s.end - s.begin, a.op == kAvg ? a.nranks : 0, toPeers);
+  foldInto<T, Op>(in, a.nranks, dst + s.begin, s.end - s.begin, a.op == kAvg ? a.nranks : 0, streamMin);
 }
 
 // ReduceScatter: count = elements each rank receives; rank r reduces block r of
@@ -133,7 +81,7 @@ static __device__ void directReduceScatter(const CollArgs& a) {
   const int c = blockIdx.x;
   const Share s = channelShare(a.count, c, a.nchannels);
   directEnter<T, Op>(a, env);
-  directReduceRange<T, Op>(a, (uint64_t)a.rank * a.count, s, (T*)a.recvbuf, false);
+  directReduceRange<T, Op>(a, (uint64_t)a.rank * a.count, s, (T*)a.recvbuf, ~0ull);
   lsaBarrier(a, c, env, false);
 }
 
@@ -152,7 +100,8 @@ static __device__ void directAllGather(const CollArgs& a) {
     if (j == r && inPlace) continue;
     const uint8_t* src = inPlace ? (const uint8_t*)symPeer(a.symRecv, j) + (uint64_t)j * B
                                  : (const uint8_t*)symPeer(a.symSend, j);
-    streamOwnShare(dst + (uint64_t)j * B + s.begin, src + s.begin, s.end - s.begin);
+    copyOwnShare(dst + (uint64_t)j * B + s.begin, src + s.begin, s.end - s.begin,
+                 a.streamStores ? COMMREF_STREAM_MIN_BYTES : ~0ull);
   }
   lsaBarrier(a, c, env, false);
 }
@@ -169,13 +118,14 @@ static __device__ void directAllReduce(const CollArgs& a) {
   directEnter<T, Op>(a, env);
   const uint64_t mine = a.count * r / n;
   const Share part = channelShare(a.count * (r + 1) / n - mine, c, a.nchannels);
-  directReduceRange<T, Op>(a, mine, part, dst + mine, true);
+  directReduceRange<T, Op>(a, mine, part, dst + mine, handoffStreamMin(a.streamStores));
   lsaBarrier(a, c, env, false);  // every part is reduced
   for (int k = 1; k < n; k++) {
     const int j = (r + k) % n;
     const uint64_t at = a.count * j / n;
     const Share s = channelShare(a.count * (j + 1) / n - at, c, a.nchannels);
-    streamOwnShare(dst + at + s.begin, (const T*)symPeer(a.symRecv, j) + at + s.begin, s.end - s.begin);
+    copyOwnShare(dst + at + s.begin, (const T*)symPeer(a.symRecv, j) + at + s.begin, s.end - s.begin,
+                 a.streamStores ? COMMREF_STREAM_MIN_BYTES : ~0ull);
   }
   lsaBarrier(a, c, env, false);
 }

@@ -102,7 +102,8 @@ struct CollArgs {
   uint64_t callDesc;          // packed (collective, algorithm, dtype, op, root); must match on all ranks
   int64_t timeoutNs;          // deadline of every wait
   WindowLayout layout;
-  int32_t rank, nranks, root, dtype, op, nchannels, elemSize, pad;
+  int32_t rank, nranks, root, dtype, op, nchannels, elemSize;
+  int32_t streamStores;       // CPU: 1 = stream what another agent reads next past the cache (move.h)
   GinArgs gin;
   SymBuffer symSend, symRecv;  // direct kernels only
   ChannelPeers peers[COMMREF_MAX_CHANNELS];

@@ -20,92 +20,7 @@
 // Every step happens on every rank even when n == 0, so step counters stay aligned.
 #pragma once
 #include "connection.h"
-#include "reduce.h"
-
-// Copies this thread's share of n elements (the same share reduceInto computed).
-template <typename T>
-static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64_t n) {
-  ElemRange r = elemRange(n);
-#ifdef COMMREF_CPU
-  if (r.end > r.begin) memcpy(dst + r.begin, src + r.begin, (r.end - r.begin) * sizeof(T));
-#else
-  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) dst[i] = src[i];
-#endif
-}
-
-// Like copyOwnShare, for a destination nothing reads soon (a direct kernel's output,
-// peer buffer to own buffer). On the CPU, copies of COMMREF_STREAM_MIN_BYTES and more
-// use non-temporal stores, which skip reading the destination into the cache first:
-// 1.2x to 1.7x the speed of memcpy for 8 MiB copies on the 2-core development host.
-#define COMMREF_STREAM_MIN_BYTES (1u << 20)
-#if defined(COMMREF_CPU) && defined(__x86_64__)
-#include <emmintrin.h>
-static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
-  uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-  if (head > bytes) head = bytes;
-  memcpy(dst, src, head);
-  dst += head, src += head, bytes -= head;
-  uint64_t i = 0;
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128((const __m128i*)(src + i)), b = _mm_loadu_si128((const __m128i*)(src + i + 16));
-    const __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32)), d = _mm_loadu_si128((const __m128i*)(src + i + 48));
-    _mm_stream_si128((__m128i*)(dst + i), a);
-    _mm_stream_si128((__m128i*)(dst + i + 16), b);
-    _mm_stream_si128((__m128i*)(dst + i + 32), c);
-    _mm_stream_si128((__m128i*)(dst + i + 48), d);
-  }
-  memcpy(dst + i, src + i, bytes - i);
-  _mm_sfence();  // order the streamed stores before the flag that publishes them
-}
-#endif
-template <typename T>
-static __device__ __forceinline__ void streamOwnShare(T* dst, const T* src, uint64_t n) {
-#if defined(COMMREF_CPU) && defined(__x86_64__)
-  ElemRange r = elemRange(n);
-  const uint64_t bytes = (r.end - r.begin) * sizeof(T);
-  if (bytes >= COMMREF_STREAM_MIN_BYTES) {
-    streamBytes((char*)(dst + r.begin), (const char*)(src + r.begin), bytes);
-    return;
-  }
-#endif
-  copyOwnShare(dst, src, n);
-}
-
-template <typename T, typename Op, int NIN>
-static __device__ __forceinline__ void reduceInto(const T* const* in, T* out, uint64_t n) {
-  typedef Arith<T> A;
-  const T* in0 = in[0];
-  const T* in1 = NIN > 1 ? in[1] : in0;
-  const T* in2 = NIN > 2 ? in[2] : in0;
-  ElemRange r = elemRange(n);
-  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
-    typename A::Compute v = A::load(in0[i]);
-    if (NIN > 1) v = Op::apply(v, A::load(in1[i]));
-    if (NIN > 2) v = Op::apply(v, A::load(in2[i]));
-    out[i] = A::store(v);
-  }
-}
-
-// out[k] = fold(in[0..nin)) for every k; divisor != 0 divides the result (avg).
-template <typename T, typename Op>
-static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, T* const* out, int nout, uint64_t n,
-                                                   int divisor) {
-  if (nin == 1 && divisor == 0) {
-    for (int k = 0; k < nout; k++)
-      if (out[k] != in[0]) copyOwnShare(out[k], in[0], n);
-    return;
-  }
-  T* out0 = out[0];
-  if (nin == 1) copyOwnShare(out0, in[0], n);
-  else if (nin == 2) reduceInto<T, Op, 2>(in, out0, n);
-  else reduceInto<T, Op, 3>(in, out0, n);
-  if (divisor != 0) {
-    typedef Arith<T> A;
-    ElemRange r = elemRange(n);
-    for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) out0[i] = A::store(divideBy(A::load(out0[i]), divisor));
-  }
-  for (int k = 1; k < nout; k++) copyOwnShare(out[k], (const T*)out0, n);
-}
+#include "move.h"
 
 template <typename T, typename Op>
 class Prims {
@@ -185,7 +100,10 @@ class Prims {
     for (int i = 0; i < nr; i++) in[nin++] = (const T*)connRecvData(rx[i], rxStep[i], a);
     if (dst) out[nout++] = dst;
     for (int i = 0; i < ns; i++) out[nout++] = (T*)connSendData(tx[i], txStep[i], a);
-    if (nin > 0 && nout > 0) reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0);
+    // Outputs after dst are FIFO slots or GIN staging, read next by a peer or the proxy.
+    if (nin > 0 && nout > 0)
+      reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0, dst ? 1 : 0,
+                        handoffStreamMin(a.streamStores));
     __syncthreads();
     if (threadIdx.x == 0) {
       for (int i = 0; i < ns; i++) connPost(tx[i], txStep[i], n * sizeof(T), a, env);

@@ -1,0 +1,173 @@
+// commref/move.h — how a block moves and reduces data: the element loops under every
+// flow primitive and direct kernel.
+//
+// Each thread handles its own share of the n elements (elemRange: a contiguous range
+// on the CPU, a stride on the GPU), the same share in every call with the same n, so
+// consecutive calls over the same elements need no barrier between them.
+//
+// Streamed stores (CPU, CollArgs.streamStores). Some outputs are read next by another
+// agent: a peer's FIFO slot, GIN staging (the proxy), a direct kernel's reduced part
+// (the peers). With streamStores they are written with non-temporal stores
+// (streamBytes) from COMMREF_HANDOFF_STREAM_MIN_BYTES per thread on, and copies into
+// user buffers from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination:
+// 8 MiB copies ran 1.2x to 1.7x memcpy's speed). Whether that pays depends on where the
+// cores sit: a core hands lines dirty in its cache to a core that shares its L3
+// quickly, and to one across the machine slowly. On the 2-core development host, whose
+// two vCPUs move between such placements every few minutes, a FIFO of 256 KiB slots
+// moved 14 GB/s memcpy'd and 12 streamed at some times, 4.5 and 19 at others. So the
+// host measures both and picks per call (tuner.StoreChooser).
+#pragma once
+#include "reduce.h"
+
+#define COMMREF_STREAM_MIN_BYTES (1u << 20)          // user buffers
+#define COMMREF_HANDOFF_STREAM_MIN_BYTES (16u << 10)  // outputs another agent reads next
+
+// ThreadSanitizer does not see non-temporal stores: its builds copy with memcpy.
+#if defined(COMMREF_CPU) && defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+#include <emmintrin.h>
+#define COMMREF_HAVE_STREAM 1
+// memcpy with non-temporal stores; ends with a store fence, so that the flag that
+// publishes the bytes is ordered after them.
+static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
+  uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+  if (head > bytes) head = bytes;
+  memcpy(dst, src, head);
+  dst += head, src += head, bytes -= head;
+  uint64_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128((const __m128i*)(src + i)), b = _mm_loadu_si128((const __m128i*)(src + i + 16));
+    const __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32)), d = _mm_loadu_si128((const __m128i*)(src + i + 48));
+    _mm_stream_si128((__m128i*)(dst + i), a);
+    _mm_stream_si128((__m128i*)(dst + i + 16), b);
+    _mm_stream_si128((__m128i*)(dst + i + 32), c);
+    _mm_stream_si128((__m128i*)(dst + i + 48), d);
+  }
+  memcpy(dst + i, src + i, bytes - i);
+  _mm_sfence();
+}
+#endif
+
+// Copies this thread's share of n elements; streamed (CPU) when the share is at least
+// `streamMin` bytes.
+template <typename T>
+static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64_t n, uint64_t streamMin = ~0ull) {
+  ElemRange r = elemRange(n);
+#ifdef COMMREF_CPU
+  const uint64_t bytes = (r.end - r.begin) * sizeof(T);
+#ifdef COMMREF_HAVE_STREAM
+  if (bytes >= streamMin) {
+    streamBytes((char*)(dst + r.begin), (const char*)(src + r.begin), bytes);
+    return;
+  }
+#endif
+  (void)streamMin;
+  if (bytes) memcpy(dst + r.begin, src + r.begin, bytes);
+#else
+  (void)streamMin;
+  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) dst[i] = src[i];
+#endif
+}
+
+template <typename T, typename Op, int NIN>
+static __device__ __forceinline__ void reduceInto(const T* const* in, T* out, uint64_t n) {
+  typedef Arith<T> A;
+  const T* in0 = in[0];
+  const T* in1 = NIN > 1 ? in[1] : in0;
+  const T* in2 = NIN > 2 ? in[2] : in0;
+  ElemRange r = elemRange(n);
+  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
+    typename A::Compute v = A::load(in0[i]);
+    if (NIN > 1) v = Op::apply(v, A::load(in1[i]));
+    if (NIN > 2) v = Op::apply(v, A::load(in2[i]));
+    out[i] = A::store(v);
+  }
+}
+
+#ifdef COMMREF_CPU
+// out[i] = fold of in[0..nin)[i] (divided when divisor != 0) for i < n: one thread,
+// nin in 1..3, one pass.
+template <typename T, typename Op, int NIN>
+static inline void foldSerialN(const T* const* in, T* out, uint64_t n, int divisor) {
+  typedef Arith<T> A;
+  const T* in0 = in[0];
+  const T* in1 = NIN > 1 ? in[1] : in0;
+  const T* in2 = NIN > 2 ? in[2] : in0;
+  for (uint64_t i = 0; i < n; i++) {
+    typename A::Compute v = A::load(in0[i]);
+    if (NIN > 1) v = Op::apply(v, A::load(in1[i]));
+    if (NIN > 2) v = Op::apply(v, A::load(in2[i]));
+    if (divisor != 0) v = divideBy(v, divisor);
+    out[i] = A::store(v);
+  }
+}
+
+// Every out[k] = fold over in[0..nin) of this thread's share (any nin >= 1), a piece
+// at a time in a buffer on the stack, each piece then written to every output
+// (streamed when the share is at least `streamMin` bytes): a result that only other
+// agents read never enters this core's cache.
+template <typename T, typename Op>
+static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uint64_t n, int divisor,
+                       uint64_t streamMin) {
+  const ElemRange r = elemRange(n);
+  const uint64_t kPiece = 8192 / sizeof(T);
+  T piece[kPiece];
+  const bool stream = (r.end - r.begin) * sizeof(T) >= streamMin;
+  for (uint64_t base = r.begin; base < r.end; base += kPiece) {
+    const uint64_t len = (r.end - base) < kPiece ? (r.end - base) : kPiece;
+    for (int k = 0; k < nin;) {  // up to three inputs per pass; later passes fold into the piece
+      const T* src[3];
+      int m = 0;
+      if (k > 0) src[m++] = piece;
+      while (m < 3 && k < nin) src[m++] = in[k++] + base;
+      const int div = k == nin ? divisor : 0;
+      if (m == 1) foldSerialN<T, Op, 1>(src, piece, len, div);
+      else if (m == 2) foldSerialN<T, Op, 2>(src, piece, len, div);
+      else foldSerialN<T, Op, 3>(src, piece, len, div);
+    }
+    for (int k = 0; k < nout; k++) {
+#ifdef COMMREF_HAVE_STREAM
+      if (stream) {
+        streamBytes((char*)(out[k] + base), (const char*)piece, len * sizeof(T));
+        continue;
+      }
+#endif
+      (void)stream;
+      memcpy(out[k] + base, piece, len * sizeof(T));
+    }
+  }
+}
+#endif
+
+// The share size from which outputs another agent reads next are streamed.
+static __device__ __forceinline__ uint64_t handoffStreamMin(bool streamStores) {
+  return streamStores ? COMMREF_HANDOFF_STREAM_MIN_BYTES : ~0ull;
+}
+
+// out[k] = fold(in[0..nin)) for every k, nin in 1..3; divisor != 0 divides the result
+// (avg). Outputs from index `handoff` on are read next by another agent and are
+// streamed from `streamMin` bytes per thread on (see above; ~0: never).
+template <typename T, typename Op>
+static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, T* const* out, int nout, uint64_t n,
+                                                   int divisor, int handoff, uint64_t streamMin) {
+  if (nin == 1 && divisor == 0) {
+    for (int k = 0; k < nout; k++)
+      if (out[k] != in[0]) copyOwnShare(out[k], in[0], n, k >= handoff ? streamMin : ~0ull);
+    return;
+  }
+#ifdef COMMREF_CPU
+  if (handoff == 0 && streamMin != ~0ull) {  // only other agents read the result: fold it off the cache
+    foldPieces<T, Op>(in, nin, out, nout, n, divisor, streamMin);
+    return;
+  }
+#endif
+  T* out0 = out[0];
+  if (nin == 1) copyOwnShare(out0, in[0], n);
+  else if (nin == 2) reduceInto<T, Op, 2>(in, out0, n);
+  else reduceInto<T, Op, 3>(in, out0, n);
+  if (divisor != 0) {
+    typedef Arith<T> A;
+    ElemRange r = elemRange(n);
+    for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) out0[i] = A::store(divideBy(A::load(out0[i]), divisor));
+  }
+  for (int k = 1; k < nout; k++) copyOwnShare(out[k], (const T*)out0, n, k >= handoff ? streamMin : ~0ull);
+}
