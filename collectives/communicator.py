@@ -397,7 +397,7 @@ class Communicator:
         self._args_u64[self._off_desc] = desc
         self._args_i32[self._off_i32 : self._off_i32 + 6] = fields32
         if self.device == "cpu":
-            streamed, key = self._stores.choose(name, s.nbytes)
+            streamed, key = self._stores.choose(name, s.nbytes, s.overlaps(r))
             self._args_i32[self._off_i32 + 5] = streamed
             t0 = time.perf_counter()
             status = self.kernels.launch(name, nchannels, self.threads, self._args, stream, spec, self._args_address)

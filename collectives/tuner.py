@@ -79,19 +79,22 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
 # thresholds): it is left on and not timed.
 STORE_CHOOSER_MIN_BYTES = 64 * 1024
 # The setting not in use is measured again every this many calls of a kind.
-STORE_EXPLORE_EVERY = 16
+STORE_EXPLORE_EVERY = 8
 
 
 class StoreChooser:
     """Picks CollArgs.streamStores for each CPU call by measuring both settings.
 
     Whether streaming what another core reads next pays depends on where the cores sit
-    (move.h), which a virtual machine may change under the program. So for each kind of
-    call (kernel, size class) the chooser keeps the last seconds per byte seen with
-    either setting, uses the faster one and tries the other again every
-    STORE_EXPLORE_EVERY calls, following a change within a few calls. Each rank chooses
-    alone: how a rank stores changes no result, only its speed. mode "on" or "off"
-    fixes the setting (for measurements and tests)."""
+    (move.h), which a virtual machine may change under the program, and on the call: an
+    in-place call rewrites lines it has just read. So for each kind of call (kernel,
+    size class, in place or not) the chooser keeps the last seconds per byte seen with
+    either setting (not timing a kind's first call, which pays for cold caches and
+    first touches), uses the faster one and tries the other again every
+    STORE_EXPLORE_EVERY calls. A placement change that slows the setting in use shows at
+    once (its time passes the other's); one that speeds the other up, at the next try.
+    Each rank chooses alone: how a rank stores changes no result, only its speed. Mode
+    "on" or "off" fixes the setting (for measurements and tests)."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in ("auto", "on", "off"):
@@ -100,15 +103,17 @@ class StoreChooser:
         self._seconds_per_byte: dict = {}  # key -> [off, on] (None: not measured yet)
         self._calls: dict = {}
 
-    def choose(self, kernel: str, nbytes: int) -> tuple[int, tuple | None]:
+    def choose(self, kernel: str, nbytes: int, in_place: bool = False) -> tuple[int, tuple | None]:
         """(setting, key to record the call's time under, or None: do not time it)."""
         if self.mode != "auto":
             return int(self.mode == "on"), None
         if nbytes < STORE_CHOOSER_MIN_BYTES:
             return 1, None
-        key = (kernel, int(nbytes).bit_length())
+        key = (kernel, int(nbytes).bit_length(), bool(in_place))
         rates = self._seconds_per_byte.setdefault(key, [None, None])
         n = self._calls[key] = self._calls.get(key, 0) + 1
+        if n == 1:
+            return 1, None
         if rates[1] is None:
             return 1, key
         if rates[0] is None:

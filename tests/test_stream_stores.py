@@ -74,8 +74,8 @@ def test_chooser_measures_both_then_keeps_the_faster_and_follows_a_change():
     clock = _Clock(tuner.StoreChooser("auto"))
     for _ in range(2 * tuner.STORE_EXPLORE_EVERY):
         clock.call()
-    assert clock.used[:2] == [1, 0]  # each setting measured once first
-    steady = clock.used[2:]
+    assert clock.used[:3] == [1, 1, 0]  # a first call not timed, then each setting measured once
+    steady = clock.used[3:]
     assert steady.count(1) >= len(steady) - 3 and 0 in steady  # on wins, off is still tried now and then
     clock.fast, clock.used = 0, []  # the placement changes
     for _ in range(2 * tuner.STORE_EXPLORE_EVERY):
@@ -88,9 +88,10 @@ def test_chooser_fixed_modes_small_calls_and_separate_kinds():
     assert tuner.StoreChooser("off").choose("k", 1 << 24) == (0, None)
     auto = tuner.StoreChooser()
     assert auto.choose("k", tuner.STORE_CHOOSER_MIN_BYTES - 1) == (1, None)  # not timed
-    _, a = auto.choose("ring", 1 << 20)
-    _, b = auto.choose("ring", 1 << 24)
-    _, c = auto.choose("direct", 1 << 20)
-    assert len({a, b, c}) == 3
+    keys = set()
+    for kind in (("ring", 1 << 20), ("ring", 1 << 24), ("direct", 1 << 20), ("direct", 1 << 20, True)):
+        assert auto.choose(*kind) == (1, None)  # a kind's first call is not timed
+        keys.add(auto.choose(*kind)[1])
+    assert len(keys) == 4 and None not in keys
     with pytest.raises(ValueError, match="stream_stores"):
         tuner.StoreChooser("sometimes")
