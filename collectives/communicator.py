@@ -29,6 +29,7 @@ from . import topology, tuner
 from .verify import COLLECTIVES, DTYPE_CODES, DTYPES, OPS, REDUCING, dtype_name
 
 DTYPE_OF = {d: n for n, d in DTYPES.items()}
+_DIRECT_KERNELS = frozenset(name for (coll, algo), name in loader.KERNELS.items() if algo == "direct")
 
 ALGORITHMS = ("ring", "tree", "direct")
 COLL_CODES = {c: i for i, c in enumerate(COLLECTIVES)}
@@ -215,6 +216,7 @@ class Communicator:
             [f["root"][1] + 4 * i for i in range(6)]
         self._off_sym = f["symSend"][1] // 8  # symSend.peerTable, .offset, symRecv.peerTable, .offset
         self._symmetric: list = []  # windows from alloc_symmetric
+        self._sym_cache: dict = {}  # (collective, buffer addresses and sizes) -> _direct_buffers()
         self._calls: dict = {}
         self._addresses: dict = {}
         world.barrier(what="communicator ready")
@@ -308,6 +310,7 @@ class Communicator:
             win.close()
             raise CapabilityError(f"rank {self.rank}: ranks {unmapped} could not map a symmetric window")
         self._symmetric.append(win)
+        self._sym_cache.clear()
         return win.local[:nbytes].view(dt)
 
     def _symmetric_of(self, b: Buffer):
@@ -381,13 +384,20 @@ class Communicator:
         if self._broken:
             raise CommAborted(f"rank {self.rank}: communicator unusable after an earlier failure: {self._broken}",
                               rank=self.rank, origin_rank=None, reason=self._broken)
-        sym = self._direct_buffers(coll, s, r) if self._symmetric else None
+        sym = None
+        if self._symmetric:
+            where = (coll, s.address, s.nbytes, r.address, r.nbytes)
+            sym = self._sym_cache.get(where, False)
+            if sym is False:
+                if len(self._sym_cache) >= 64:
+                    self._sym_cache.clear()
+                sym = self._sym_cache[where] = self._direct_buffers(coll, s, r)
         key = (coll, algorithm or self.algorithm, s.nbytes, s.dtype, op, root, sym is not None)
         call = self._calls.get(key)
         if call is None:
             call = self._calls[key] = self._plan_call(coll, key[1], s, op, root, sym is not None)
         name, nchannels, spec, fields32, desc = call
-        if sym is not None:
+        if sym is not None and name in _DIRECT_KERNELS:
             self._args_u64[self._off_sym : self._off_sym + 4] = sym
         # The record's per-call fields, through integer views (field access by name
         # costs microseconds; see _plan_call for the layout).
@@ -397,7 +407,8 @@ class Communicator:
         self._args_u64[self._off_desc] = desc
         self._args_i32[self._off_i32 : self._off_i32 + 6] = fields32
         if self.device == "cpu":
-            streamed, key = self._stores.choose(name, s.nbytes, s.overlaps(r))
+            big = s.nbytes >= tuner.STORE_CHOOSER_MIN_BYTES  # small calls skip the placement test
+            streamed, key = self._stores.choose(name, s.nbytes, big and s.overlaps(r))
             self._args_i32[self._off_i32 + 5] = streamed
             t0 = time.perf_counter()
             status = self.kernels.launch(name, nchannels, self.threads, self._args, stream, spec, self._args_address)
