@@ -49,15 +49,12 @@ static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n,
   const uint64_t piece = nin <= 3 ? (n ? n : 1) : 16384;
   for (uint64_t base = 0; base < n; base += piece) {
     const uint64_t len = minU(piece, n - base);
-    const T* src[3];
     T* dst[1] = {out + base};
-    int k = 0;
-    for (; k < nin && k < 3; k++) src[k] = in[k] + base;
-    reduceCopy<T, Op>(src, k, dst, 1, len, k == nin ? divisor : 0, 1, ~0ull);
-    while (k < nin) {  // fold up to two more into out (the running result)
-      int m = 1;
-      src[0] = out + base;
-      for (; m < 3 && k < nin; m++, k++) src[m] = in[k] + base;
+    for (int k = 0; k < nin;) {  // up to three inputs per pass; later passes fold into out
+      const T* src[3];
+      int m = 0;
+      if (k > 0) src[m++] = out + base;
+      while (m < 3 && k < nin) src[m++] = in[k++] + base;
       reduceCopy<T, Op>(src, m, dst, 1, len, k == nin ? divisor : 0, 1, ~0ull);
     }
   }
@@ -101,7 +98,7 @@ static __device__ void directAllGather(const CollArgs& a) {
     const uint8_t* src = inPlace ? (const uint8_t*)symPeer(a.symRecv, j) + (uint64_t)j * B
                                  : (const uint8_t*)symPeer(a.symSend, j);
     copyOwnShare(dst + (uint64_t)j * B + s.begin, src + s.begin, s.end - s.begin,
-                 a.streamStores ? COMMREF_STREAM_MIN_BYTES : ~0ull);
+                 userStreamMin(a.streamStores));
   }
   lsaBarrier(a, c, env, false);
 }
@@ -125,7 +122,7 @@ static __device__ void directAllReduce(const CollArgs& a) {
     const uint64_t at = a.count * j / n;
     const Share s = channelShare(a.count * (j + 1) / n - at, c, a.nchannels);
     copyOwnShare(dst + at + s.begin, (const T*)symPeer(a.symRecv, j) + at + s.begin, s.end - s.begin,
-                 a.streamStores ? COMMREF_STREAM_MIN_BYTES : ~0ull);
+                 userStreamMin(a.streamStores));
   }
   lsaBarrier(a, c, env, false);
 }

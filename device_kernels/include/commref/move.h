@@ -68,31 +68,16 @@ static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64
 #endif
 }
 
+// out[i] = fold of in[0..NIN)[i], divided when divisor != 0, for i from `begin` to
+// `end` by `step`: the one element loop of every reduction here.
 template <typename T, typename Op, int NIN>
-static __device__ __forceinline__ void reduceInto(const T* const* in, T* out, uint64_t n) {
+static __device__ __forceinline__ void foldRange(const T* const* in, T* out, uint64_t begin, uint64_t end,
+                                                 uint64_t step, int divisor) {
   typedef Arith<T> A;
   const T* in0 = in[0];
   const T* in1 = NIN > 1 ? in[1] : in0;
   const T* in2 = NIN > 2 ? in[2] : in0;
-  ElemRange r = elemRange(n);
-  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
-    typename A::Compute v = A::load(in0[i]);
-    if (NIN > 1) v = Op::apply(v, A::load(in1[i]));
-    if (NIN > 2) v = Op::apply(v, A::load(in2[i]));
-    out[i] = A::store(v);
-  }
-}
-
-#ifdef COMMREF_CPU
-// out[i] = fold of in[0..nin)[i] (divided when divisor != 0) for i < n: one thread,
-// nin in 1..3, one pass.
-template <typename T, typename Op, int NIN>
-static inline void foldSerialN(const T* const* in, T* out, uint64_t n, int divisor) {
-  typedef Arith<T> A;
-  const T* in0 = in[0];
-  const T* in1 = NIN > 1 ? in[1] : in0;
-  const T* in2 = NIN > 2 ? in[2] : in0;
-  for (uint64_t i = 0; i < n; i++) {
+  for (uint64_t i = begin; i < end; i += step) {
     typename A::Compute v = A::load(in0[i]);
     if (NIN > 1) v = Op::apply(v, A::load(in1[i]));
     if (NIN > 2) v = Op::apply(v, A::load(in2[i]));
@@ -101,6 +86,14 @@ static inline void foldSerialN(const T* const* in, T* out, uint64_t n, int divis
   }
 }
 
+// This thread's share of out = fold of in[0..NIN).
+template <typename T, typename Op, int NIN>
+static __device__ __forceinline__ void reduceInto(const T* const* in, T* out, uint64_t n) {
+  ElemRange r = elemRange(n);
+  foldRange<T, Op, NIN>(in, out, r.begin, r.end, COMMREF_ELEM_STRIDE, 0);
+}
+
+#ifdef COMMREF_CPU
 // Every out[k] = fold over in[0..nin) of this thread's share (any nin >= 1), a piece
 // at a time in a buffer on the stack, each piece then written to every output
 // (streamed when the share is at least `streamMin` bytes): a result that only other
@@ -120,9 +113,9 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
       if (k > 0) src[m++] = piece;
       while (m < 3 && k < nin) src[m++] = in[k++] + base;
       const int div = k == nin ? divisor : 0;
-      if (m == 1) foldSerialN<T, Op, 1>(src, piece, len, div);
-      else if (m == 2) foldSerialN<T, Op, 2>(src, piece, len, div);
-      else foldSerialN<T, Op, 3>(src, piece, len, div);
+      if (m == 1) foldRange<T, Op, 1>(src, piece, 0, len, 1, div);
+      else if (m == 2) foldRange<T, Op, 2>(src, piece, 0, len, 1, div);
+      else foldRange<T, Op, 3>(src, piece, 0, len, 1, div);
     }
     for (int k = 0; k < nout; k++) {
 #ifdef COMMREF_HAVE_STREAM
@@ -138,9 +131,13 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
 }
 #endif
 
-// The share size from which outputs another agent reads next are streamed.
+// The share sizes from which outputs another agent reads next, and copies into user
+// buffers, are streamed (~0: never).
 static __device__ __forceinline__ uint64_t handoffStreamMin(bool streamStores) {
   return streamStores ? COMMREF_HANDOFF_STREAM_MIN_BYTES : ~0ull;
+}
+static __device__ __forceinline__ uint64_t userStreamMin(bool streamStores) {
+  return streamStores ? COMMREF_STREAM_MIN_BYTES : ~0ull;
 }
 
 // out[k] = fold(in[0..nin)) for every k, nin in 1..3; divisor != 0 divides the result
@@ -164,10 +161,10 @@ static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, 
   if (nin == 1) copyOwnShare(out0, in[0], n);
   else if (nin == 2) reduceInto<T, Op, 2>(in, out0, n);
   else reduceInto<T, Op, 3>(in, out0, n);
-  if (divisor != 0) {
-    typedef Arith<T> A;
+  if (divisor != 0) {  // a second pass: the sum is stored as T, then divided (reduce.h)
+    const T* sum[1] = {out0};
     ElemRange r = elemRange(n);
-    for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) out0[i] = A::store(divideBy(A::load(out0[i]), divisor));
+    foldRange<T, Op, 1>(sum, out0, r.begin, r.end, COMMREF_ELEM_STRIDE, divisor);
   }
   for (int k = 1; k < nout; k++) copyOwnShare(out[k], (const T*)out0, n, k >= handoff ? streamMin : ~0ull);
 }
