@@ -297,9 +297,14 @@ class Protocol:
         return Signal(strong=strength == "strong")
 
     def _data_puts(self, shape: Shape):
+        """(index, offset, bytes) of each put of `shape`: `units` segments each."""
         size = shape.units * self.segment_bytes
         for i in range(shape.puts):
             yield i, i * size, data_bytes(i * size, size)
+
+    def _program(self, s: "_Sender", shape: Shape) -> Program:
+        """What `s` posted, over the window that _data_puts' puts fill."""
+        return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
 
     def _read_once_signalled(self, prog: Program, mem: TargetMemory) -> Read | None:
         """The receiver of a single-signal protocol: reads the whole message once
@@ -320,7 +325,7 @@ class SignalPerPut(Protocol):
         s = _Sender()
         for _, off, data in self._data_puts(shape):
             s.put_signal(off, data, self._sig(strength), split_ctx)
-        return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
+        return self._program(s, shape)
 
     def receive(self, prog, mem):
         n = sum(1 for p in prog.puts if p.nbytes)
@@ -340,7 +345,7 @@ class LastPut(Protocol):
                 s.put_signal(off, data, self._sig(strength), split_ctx)
             else:
                 s.put(0, off, data)
-        return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
+        return self._program(s, shape)
 
     def receive(self, prog, mem):
         return self._read_once_signalled(prog, mem)
@@ -360,7 +365,7 @@ class FlushSignal(Protocol):
         # On another context the flush of context 0 marks nothing: semantics models the
         # flush assumption per context (a put after a flush of its own context).
         s.signal(1 if split_ctx else 0, self._sig(strength))
-        return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
+        return self._program(s, shape)
 
     def receive(self, prog, mem):
         return self._read_once_signalled(prog, mem)
@@ -377,7 +382,7 @@ class CountedWrites(Protocol):
         s = _Sender()
         for i, off, data in self._data_puts(shape):
             s.put(1 if split_ctx and i == shape.puts - 1 else 0, off, data)
-        return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
+        return self._program(s, shape)
 
     def receive(self, prog, mem):
         total = prog.window_bytes
@@ -399,7 +404,7 @@ class Headers(Protocol):
             size = len(data)
             header = bytes([HEADER_MAGIC, i + 1, size & 0xFF or 1, (size >> 8) + 1, 0x11, 0x22, 0x33, 0x44])
             s.put_signal(off, header + data[8:], self._sig(strength), split_ctx)
-        return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
+        return self._program(s, shape)
 
     def _slots(self, prog):
         return [(p.offset, p.nbytes) for p in prog.puts if p.nbytes]
@@ -458,7 +463,7 @@ class PollLastByte(Protocol):
         s = _Sender()
         for i, off, data in self._data_puts(shape):
             s.put(1 if split_ctx and i == shape.puts - 1 else 0, off, data)
-        return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
+        return self._program(s, shape)
 
     def receive(self, prog, mem):
         last = prog.window_bytes - 1
