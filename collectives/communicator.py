@@ -121,10 +121,12 @@ class Communicator:
     next is stored past the cache; "auto" measures both (tuner.StoreChooser).
 
     Symmetric buffers: arrays from `alloc_symmetric` (NCCL's ncclMemAlloc plus a
-    symmetric window registration) can be read by every peer, so allreduce,
-    reduce_scatter and allgather on them run direct kernels (kernels/direct.cu) that
-    copy each byte once, peer buffer to own buffer, instead of twice through a FIFO.
-    "auto" takes them when every rank passes symmetric buffers on the LSA path.
+    symmetric window registration) can be loaded from and stored to by every peer, so
+    allreduce, reduce_scatter and allgather on them run direct kernels
+    (kernels/direct.cu) that read each byte once where its owner left it and store it
+    where it must land, instead of copying it twice through a FIFO. "auto" takes them
+    when every rank passes symmetric buffers on the LSA path (allgather: recvbuf only;
+    the other two: what peers access, see _direct_buffers).
     """
 
     def __init__(self, world, device: str = "auto", *, algorithm: str = "auto", max_channels: int | None = None,
@@ -425,22 +427,18 @@ class Communicator:
     def _direct_buffers(self, coll, s: Buffer, r: Buffer):
         """symSend and symRecv (table, offset, table, offset) when a direct kernel can
         run this call (every peer over LSA, few enough ranks, and symmetric buffers
-        where peers read them), else None. Peers read: allreduce, both buffers;
-        reduce_scatter, sendbuf; allgather, sendbuf, which in place is this rank's
-        slot of recvbuf and is described by recvbuf (its offset differs by rank; the
-        kernel adds the slot). A buffer no peer reads is described by the one they
-        do, so that the first barrier compares only offsets that must agree."""
+        where peers access them), else None. Peers access: allreduce, both buffers
+        (they load sendbuf, store recvbuf); reduce_scatter, sendbuf (loads);
+        allgather, recvbuf (stores; sendbuf may be any buffer). A buffer no peer
+        accesses is described by the one they do, so that the first barrier compares
+        only offsets that must agree."""
         if coll not in tuner.DIRECT_COLLECTIVES or self.peer_mask or self.nranks > abi.DIRECT_MAX_RANKS:
             return None
-        if coll == "allgather" and s.address == r.address + self.rank * s.nbytes:
-            s = r
-        ss = self._symmetric_of(s)
-        if ss is None:
+        shared = {"allreduce": (s, r), "reduce_scatter": (s,), "allgather": (r,)}[coll]
+        described = [self._symmetric_of(b) for b in shared]
+        if None in described:
             return None
-        if coll != "allreduce":
-            return (*ss, *ss)
-        rs = self._symmetric_of(r)
-        return None if rs is None else (*ss, *rs)
+        return (*described[0], *described[-1])
 
     def _plan_call(self, coll, algorithm, s: Buffer, op, root, symmetric: bool = False):
         """Everything about a call that depends only on its signature (cached per

@@ -58,8 +58,8 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     if algorithm == "direct" and coll not in DIRECT_COLLECTIVES:
         raise ValueError(f"algorithm 'direct' is implemented for {', '.join(DIRECT_COLLECTIVES)}, not {coll}")
     if algorithm == "direct" and not symmetric:
-        raise ValueError("algorithm 'direct' needs sendbuf and recvbuf from Communicator.alloc_symmetric "
-                         "and every peer over LSA")
+        raise ValueError("algorithm 'direct' needs buffers from Communicator.alloc_symmetric (allreduce: "
+                         "sendbuf and recvbuf; reduce_scatter: sendbuf; allgather: recvbuf) and every peer over LSA")
     if algorithm == "auto" and symmetric and coll in DIRECT_COLLECTIVES and nbytes >= DIRECT_MIN_BYTES:
         algorithm = "direct"
     if algorithm == "auto":

@@ -59,6 +59,42 @@ def test_auto_takes_direct_for_symmetric_buffers_only(nranks):
         assert wrong_sym == 0 and wrong_plain == 0
 
 
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_which_buffers_must_be_symmetric(nranks):
+    """Only the buffers peers access must be symmetric: allgather stores into peers'
+    recvbufs (any sendbuf), reduce_scatter loads peers' sendbufs (any recvbuf),
+    allreduce does both. Each call runs the direct kernel where it can and gives the
+    reference's result either way."""
+    def body(world):
+        comm = _comm(world)
+        r, n = world.rank, world.size
+        per = tuner.DIRECT_MIN_BYTES // 4 + 5  # elements per rank, "auto" picks direct
+        results = {}
+        for coll, send_sym, recv_sym in [("allgather", False, True), ("allgather", True, False),
+                                         ("reduce_scatter", True, False), ("reduce_scatter", False, True),
+                                         ("allreduce", True, False)]:
+            count = per if coll != "reduce_scatter" else per * n
+            x = verify.make_input(coll, np.int32, "sum", 3, r, n, count)
+            exp = verify.expected_output(coll, np.int32, "sum", 3, r, n, count)
+            send = comm.alloc_symmetric(x.size, x.dtype) if send_sym else np.empty_like(x)
+            send[...] = x
+            out = comm.alloc_symmetric(exp.size, exp.dtype) if recv_sym else np.zeros_like(exp)
+            op = () if coll == "allgather" else ("sum",)
+            getattr(comm, coll)(send, out, *op)
+            results[(coll, send_sym, recv_sym)] = (_kernel_of(comm, coll, send).split("_")[1],
+                                                   verify.count_wrong(out, exp))
+            comm._calls.clear()  # the next case has the same signature: plan it afresh
+        comm.close()
+        return results
+
+    for results in ThreadWorld.run(nranks, body, timeout=60):
+        assert {case: wrong for case, (_, wrong) in results.items()} == dict.fromkeys(results, 0)
+        kernels = {case: kernel for case, (kernel, _) in results.items()}
+        assert kernels.pop(("allreduce", True, False)) in ("ring", "tree")  # tree: small, > 2 ranks
+        assert kernels == {("allgather", False, True): "direct", ("allgather", True, False): "ring",
+                           ("reduce_scatter", True, False): "direct", ("reduce_scatter", False, True): "ring"}
+
+
 def test_back_to_back_direct_calls_with_changing_counts(monkeypatch):
     """A rank may start call k+1 while a peer still leaves call k's last barrier; the
     first barrier's call check must not read the next call's count as a mismatch

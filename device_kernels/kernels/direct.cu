@@ -1,19 +1,29 @@
-// Direct collectives: every rank loads its peers' symmetric buffers and stores into
-// its own (NCCL's symmetric kernels, over LSA). No FIFO carries data, so each byte is
-// copied once, from where its owner left it, instead of twice through a slot.
+// Direct collectives: ranks load from and store to each other's symmetric buffers
+// (NCCL's symmetric kernels, over LSA). No FIFO carries data, so each byte is read
+// once from where its owner left it and stored once where it must land, instead of
+// being copied twice through a slot:
+//   AllGather      each rank stores its shard into its slot of every rank's recvbuf
+//                  (NCCL's AllGather_ST);
+//   ReduceScatter  each rank loads its part of every rank's sendbuf and reduces it
+//                  into its own recvbuf (ReduceScatter_LD);
+//   AllReduce      each rank loads its part of every sendbuf, reduces it, and stores
+//                  the result into that part of every rank's recvbuf (RSxLD_AGxST).
 //
-// Preconditions (the host checks them, the first barrier re-checks the offsets):
-// sendbuf and recvbuf lie in symmetric windows (Communicator.alloc_symmetric) at the
-// same offsets on every rank, every rank maps every other rank's windows, and there
-// are at most COMMREF_DIRECT_MAX_RANKS ranks.
+// Preconditions (the host checks them, the first barrier re-checks the offsets): the
+// buffers peers access (AllGather: recvbuf; ReduceScatter: sendbuf; AllReduce: both)
+// lie in symmetric windows (Communicator.alloc_symmetric) at the same offsets on every
+// rank, every rank maps every other rank's windows, and there are at most
+// COMMREF_DIRECT_MAX_RANKS ranks.
 //
 // Each channel (block) takes the same share of every rank's part, so channel c only
-// ever reads what channel c of a peer wrote, and per-channel barriers order it:
+// ever touches what channel c of a peer touches, and per-channel barriers order it:
 //   handshake      the ring link's call check (a rank running a ring kernel instead
 //                  shows up as CommMismatch, not as a timeout)
-//   lsaBarrier     every peer has launched: its buffers hold this call's input
-//   ...phases, separated by lsaBarrier where one reads what another phase wrote
-//   lsaBarrier     no peer still reads this rank's buffers: the call may return
+//   lsaBarrier     every peer has launched: its sendbuf holds this call's input and
+//                  its recvbuf may be written
+//   ...loads and stores
+//   lsaBarrier     every peer is done: nobody reads this rank's sendbuf or writes its
+//                  recvbuf any more, and what they stored is visible here
 #pragma once
 #include "ring.cu"
 
@@ -30,22 +40,12 @@ static __device__ void directEnter(const CollArgs& a, const KernelEnv& env) {
 }
 
 // out[0, n) = fold over k of in[k][0, n), k < nin (nin >= 1); divisor != 0 divides
-// the result (avg). `streamMin` != ~0: the peers read `out` next (allreduce's reduced
-// parts) and stores are streamed (move.h), so on the CPU it is folded off the cache
-// (foldPieces; measured with the host in its slow placement, 16 MiB float32
-// allreduce, 2 ranks: 9.6-13.1 GB/s busbw against 4.9-7.7 folding into `out`).
-// Otherwise at most three inputs per pass fold into `out`, over pieces small enough to
-// stay in cache between passes. Where nothing reads `out` soon (reduce_scatter) that
-// measured faster in every placement, in place most of all (the output lines are the
-// input lines).
+// the result (avg). At most three inputs per pass fold into `out`, over pieces small
+// enough to stay in cache between passes (nothing reads `out` soon, so it is folded
+// in place rather than off the cache: that measured faster in every placement of the
+// development host, in place most of all, where the output lines are the input lines).
 template <typename T, typename Op>
-static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n, int divisor, uint64_t streamMin) {
-#ifdef COMMREF_CPU
-  if (streamMin != ~0ull) {
-    foldPieces<T, Op>(in, nin, &out, 1, n, divisor, streamMin);
-    return;
-  }
-#endif
+static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n, int divisor) {
   const uint64_t piece = nin <= 3 ? (n ? n : 1) : 16384;
   for (uint64_t base = 0; base < n; base += piece) {
     const uint64_t len = minU(piece, n - base);
@@ -60,70 +60,57 @@ static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n,
   }
 }
 
-// Reduces elements [begin, end) of every rank's sendbuf (from element `shift`) into
-// dst, completing the reduction (avg divides). Inputs in ring order from this rank,
-// so that the ranks start on different peers.
-template <typename T, typename Op>
-static __device__ void directReduceRange(const CollArgs& a, uint64_t shift, Share s, T* dst, uint64_t streamMin) {
-  const T* in[COMMREF_DIRECT_MAX_RANKS];
-  for (int k = 0; k < a.nranks; k++) in[k] = (const T*)symPeer(a.symSend, (a.rank + k) % a.nranks) + shift + s.begin;
-  foldInto<T, Op>(in, a.nranks, dst + s.begin, s.end - s.begin, a.op == kAvg ? a.nranks : 0, streamMin);
-}
-
 // ReduceScatter: count = elements each rank receives; rank r reduces block r of
-// every rank's sendbuf straight into its recvbuf.
+// every rank's sendbuf straight into its recvbuf. Inputs in ring order from this rank,
+// so that the ranks start on different peers.
 template <typename T, typename Op>
 static __device__ void directReduceScatter(const CollArgs& a) {
   const KernelEnv env = kernelEnv(a);
-  const int c = blockIdx.x;
+  const int c = blockIdx.x, n = a.nranks, r = a.rank;
   const Share s = channelShare(a.count, c, a.nchannels);
   directEnter<T, Op>(a, env);
-  directReduceRange<T, Op>(a, (uint64_t)a.rank * a.count, s, (T*)a.recvbuf, ~0ull);
+  const T* in[COMMREF_DIRECT_MAX_RANKS];
+  for (int k = 0; k < n; k++) in[k] = (const T*)symPeer(a.symSend, (r + k) % n) + (uint64_t)r * a.count + s.begin;
+  foldInto<T, Op>(in, n, (T*)a.recvbuf + s.begin, s.end - s.begin, a.op == kAvg ? n : 0);
   lsaBarrier(a, c, env, false);
 }
 
-// AllGather (count = bytes per rank): rank r copies each peer's sendbuf into its slot
-// of recvbuf. In place, a peer's sendbuf is its slot of its own recvbuf.
+// AllGather (count = bytes per rank): rank r stores its sendbuf into slot r of every
+// rank's recvbuf, its own first, reading each piece once (copyToAll). Only recvbufs
+// are shared: the sendbuf may be any buffer. In place (sendbuf is slot r of this
+// rank's recvbuf) the bytes are already in this rank's slot.
 static __device__ void directAllGather(const CollArgs& a) {
   const KernelEnv env = kernelEnv(a);
   const int c = blockIdx.x, n = a.nranks, r = a.rank;
   const uint64_t B = a.count;
   const Share s = channelShare(B, c, a.nchannels);
-  const bool inPlace = a.sendbuf == a.recvbuf + (uint64_t)r * B;
-  uint8_t* dst = (uint8_t*)a.recvbuf;
   directEnter<uint8_t, OpSum>(a, env);
-  for (int k = 0; k < n; k++) {
-    const int j = (r + k) % n;
-    if (j == r && inPlace) continue;
-    const uint8_t* src = inPlace ? (const uint8_t*)symPeer(a.symRecv, j) + (uint64_t)j * B
-                                 : (const uint8_t*)symPeer(a.symSend, j);
-    copyOwnShare(dst + (uint64_t)j * B + s.begin, src + s.begin, s.end - s.begin,
-                 userStreamMin(a.streamStores));
-  }
+  uint8_t* out[COMMREF_DIRECT_MAX_RANKS];
+  for (int k = 0; k < n; k++) out[k] = (uint8_t*)symPeer(a.symRecv, (r + k) % n) + (uint64_t)r * B + s.begin;
+  copyToAll((const uint8_t*)a.sendbuf + s.begin, out, n, s.end - s.begin, userStreamMin(a.streamStores));
   lsaBarrier(a, c, env, false);
 }
 
-// AllReduce: rank r reduces its part of every rank's sendbuf into its own recvbuf
-// (part j = [count*j/n, count*(j+1)/n)), then, once every rank has, copies the other
-// parts from their owners' recvbufs. In place is safe: in the first phase only rank r
-// reads or writes part r of rank r's buffer.
+// AllReduce: rank r reduces its part of every rank's sendbuf (part j = [count*j/n,
+// count*(j+1)/n)) and stores the result into that part of every rank's recvbuf, one
+// pass, no barrier in between. In place is safe: only rank r reads or writes part r
+// of any buffer, and foldToAll reads every input element before it writes that
+// element anywhere.
 template <typename T, typename Op>
 static __device__ void directAllReduce(const CollArgs& a) {
   const KernelEnv env = kernelEnv(a);
   const int c = blockIdx.x, n = a.nranks, r = a.rank;
-  T* dst = (T*)a.recvbuf;
   directEnter<T, Op>(a, env);
   const uint64_t mine = a.count * r / n;
-  const Share part = channelShare(a.count * (r + 1) / n - mine, c, a.nchannels);
-  directReduceRange<T, Op>(a, mine, part, dst + mine, handoffStreamMin(a.streamStores));
-  lsaBarrier(a, c, env, false);  // every part is reduced
-  for (int k = 1; k < n; k++) {
+  const Share s = channelShare(a.count * (r + 1) / n - mine, c, a.nchannels);
+  const T* in[COMMREF_DIRECT_MAX_RANKS];
+  T* out[COMMREF_DIRECT_MAX_RANKS];
+  for (int k = 0; k < n; k++) {
     const int j = (r + k) % n;
-    const uint64_t at = a.count * j / n;
-    const Share s = channelShare(a.count * (j + 1) / n - at, c, a.nchannels);
-    copyOwnShare(dst + at + s.begin, (const T*)symPeer(a.symRecv, j) + at + s.begin, s.end - s.begin,
-                 userStreamMin(a.streamStores));
+    in[k] = (const T*)symPeer(a.symSend, j) + mine + s.begin;
+    out[k] = (T*)symPeer(a.symRecv, j) + mine + s.begin;
   }
+  foldToAll<T, Op>(in, n, out, n, s.end - s.begin, a.op == kAvg ? n : 0, userStreamMin(a.streamStores));
   lsaBarrier(a, c, env, false);
 }
 

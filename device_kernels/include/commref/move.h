@@ -6,10 +6,10 @@
 // consecutive calls over the same elements need no barrier between them.
 //
 // Streamed stores (CPU, CollArgs.streamStores). Some outputs are read next by another
-// agent: a peer's FIFO slot, GIN staging (the proxy), a direct kernel's reduced part
-// (the peers). With streamStores they are written with non-temporal stores
-// (streamBytes) from COMMREF_HANDOFF_STREAM_MIN_BYTES per thread on, and copies into
-// user buffers from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination:
+// agent: a peer's FIFO slot, GIN staging (the proxy). With streamStores they are
+// written with non-temporal stores (streamBytes) from COMMREF_HANDOFF_STREAM_MIN_BYTES
+// per thread on, and stores into user buffers (this rank's or, in the direct kernels,
+// a peer's) from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination:
 // 8 MiB copies ran 1.2x to 1.7x memcpy's speed). Whether that pays depends on where the
 // cores sit: a core hands lines dirty in its cache to a core that shares its L3
 // quickly, and to one across the machine slowly. On the 2-core development host, whose
@@ -130,6 +130,65 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
   }
 }
 #endif
+
+// out[k] = in for every k < nout (outputs equal to `in` are skipped), reading `in`
+// once: on the CPU a piece at a time, each piece copied to every output while it sits
+// in this core's L2 (streamed when the share is at least `streamMin` bytes; 256 KiB
+// pieces ran as fast as 16 KiB ones or faster); on the GPU each element is loaded
+// once and stored nout times.
+template <typename T>
+static __device__ COMMREF_NOINLINE void copyToAll(const T* in, T* const* out, int nout, uint64_t n,
+                                                  uint64_t streamMin) {
+  const ElemRange r = elemRange(n);
+#ifdef COMMREF_CPU
+  const uint64_t kPiece = 262144 / sizeof(T);
+  const bool stream = (r.end - r.begin) * sizeof(T) >= streamMin;
+  for (uint64_t base = r.begin; base < r.end; base += kPiece) {
+    const uint64_t bytes = ((r.end - base) < kPiece ? (r.end - base) : kPiece) * sizeof(T);
+    for (int k = 0; k < nout; k++) {
+      if (out[k] == in) continue;
+#ifdef COMMREF_HAVE_STREAM
+      if (stream) {
+        streamBytes((char*)(out[k] + base), (const char*)(in + base), bytes);
+        continue;
+      }
+#endif
+      (void)stream;
+      memcpy(out[k] + base, in + base, bytes);
+    }
+  }
+#else
+  (void)streamMin;
+  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
+    const T v = in[i];
+    for (int k = 0; k < nout; k++)
+      if (out[k] != in) out[k][i] = v;
+  }
+#endif
+}
+
+// out[k] = fold over in[0..nin) for every k < nout (any nin >= 1), divided when
+// divisor != 0 (avg). Every input element is read before any output element at the
+// same index is written, so outputs may be the inputs (in place). CPU: foldPieces
+// (streamed from `streamMin` bytes per thread); GPU: one element at a time, in registers.
+template <typename T, typename Op>
+static __device__ COMMREF_NOINLINE void foldToAll(const T* const* in, int nin, T* const* out, int nout, uint64_t n,
+                                                  int divisor, uint64_t streamMin) {
+#ifdef COMMREF_CPU
+  foldPieces<T, Op>(in, nin, out, nout, n, divisor, streamMin);
+#else
+  (void)streamMin;
+  typedef Arith<T> A;
+  const ElemRange r = elemRange(n);
+  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
+    typename A::Compute v = A::load(in[0][i]);
+    for (int k = 1; k < nin; k++) v = Op::apply(v, A::load(in[k][i]));
+    if (divisor != 0) v = divideBy(v, divisor);
+    const T t = A::store(v);
+    for (int k = 0; k < nout; k++) out[k][i] = t;
+  }
+#endif
+}
 
 // The share sizes from which outputs another agent reads next, and copies into user
 // buffers, are streamed (~0: never).
