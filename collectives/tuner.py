@@ -78,8 +78,25 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
 # Below this many bytes a call hardly streams (no thread's share reaches move.h's
 # thresholds): it is left on and not timed.
 STORE_CHOOSER_MIN_BYTES = 64 * 1024
-# The setting not in use is measured again every this many calls of a kind.
-STORE_EXPLORE_EVERY = 8
+# The setting not in use is tried again after this many calls of a kind at first; each
+# try that confirms the setting in use doubles the wait, up to STORE_TRY_MAX_EVERY.
+STORE_TRY_EVERY = 8
+STORE_TRY_MAX_EVERY = 128
+# The setting in use is left at once when a call of it is this much slower than the
+# other setting's last time (a placement change); less is taken for noise.
+STORE_SWITCH_MARGIN = 1.15
+
+
+@dataclass
+class _StoreKind:
+    """The chooser's state for one kind of call."""
+
+    seconds_per_byte: list  # [off, on]: the last warm time of each (None: not yet)
+    current: int = 1  # the setting in use
+    last: int | None = None  # the setting of this kind's previous call (None: no call yet)
+    trial: int = 0  # calls left in a try of the other setting
+    wait: int = STORE_TRY_EVERY  # calls between tries
+    countdown: int = 0  # calls until the next try
 
 
 class StoreChooser:
@@ -88,20 +105,24 @@ class StoreChooser:
     Whether streaming what another core reads next pays depends on where the cores sit
     (move.h), which a virtual machine may change under the program, and on the call: an
     in-place call rewrites lines it has just read. So for each kind of call (kernel,
-    size class, in place or not) the chooser keeps the last seconds per byte seen with
-    either setting (not timing a kind's first call, which pays for cold caches and
-    first touches), uses the faster one and tries the other again every
-    STORE_EXPLORE_EVERY calls. A placement change that slows the setting in use shows at
-    once (its time passes the other's); one that speeds the other up, at the next try.
-    Each rank chooses alone: how a rank stores changes no result, only its speed. Mode
-    "on" or "off" fixes the setting (for measurements and tests)."""
+    size class, in place or not) the chooser uses the setting with the lower seconds
+    per byte and keeps the last time of each. Only warm calls are timed: a call whose
+    previous call of its kind used the other setting pays for the other's cache state
+    (streamed stores leave the output out of the cache, plain ones in it), and a kind's
+    first call for first touches. So the other setting is tried for two calls, the
+    second timed, right away and then after STORE_TRY_EVERY calls, a wait that doubles
+    up to STORE_TRY_MAX_EVERY while tries confirm the setting in use, and starts again
+    when one does not. A placement change that slows the setting in use shows at once
+    (its time passes the other's by STORE_SWITCH_MARGIN); one that speeds the other
+    up, at the next try. Each rank chooses alone (how a rank stores changes no result,
+    only its speed); ranks that see the same times try in the same calls. Mode "on"
+    or "off" fixes the setting (for measurements and tests)."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"stream_stores must be 'auto', 'on' or 'off', not {mode!r}")
         self.mode = mode
-        self._seconds_per_byte: dict = {}  # key -> [off, on] (None: not measured yet)
-        self._calls: dict = {}
+        self._kinds: dict[tuple, _StoreKind] = {}
 
     def choose(self, kernel: str, nbytes: int, in_place: bool = False) -> tuple[int, tuple | None]:
         """(setting, key to record the call's time under, or None: do not time it)."""
@@ -110,16 +131,34 @@ class StoreChooser:
         if nbytes < STORE_CHOOSER_MIN_BYTES:
             return 1, None
         key = (kernel, int(nbytes).bit_length(), bool(in_place))
-        rates = self._seconds_per_byte.setdefault(key, [None, None])
-        n = self._calls[key] = self._calls.get(key, 0) + 1
-        if n == 1:
-            return 1, None
-        if rates[1] is None:
-            return 1, key
-        if rates[0] is None:
-            return 0, key
-        best = int(rates[1] <= rates[0])
-        return (1 - best if n % STORE_EXPLORE_EVERY == 0 else best), key
+        k = self._kinds.get(key)
+        if k is None:
+            k = self._kinds[key] = _StoreKind([None, None])
+        if not k.trial and k.seconds_per_byte[1 - k.current] is None and k.seconds_per_byte[k.current] is not None:
+            k.trial = 2  # the other setting has never been timed
+        elif not k.trial and k.countdown <= 0 and None not in k.seconds_per_byte:
+            k.trial = 2
+        setting = 1 - k.current if k.trial else k.current
+        warm, k.last = k.last == setting, setting
+        if k.trial:
+            k.trial -= 1
+        else:
+            k.countdown -= 1
+        return setting, (key if warm else None)
 
     def record(self, key: tuple, setting: int, seconds: float, nbytes: int) -> None:
-        self._seconds_per_byte[key][setting] = seconds / max(1, nbytes)
+        """The time of a warm call that choose() returned `key` for."""
+        k = self._kinds[key]
+        rates = k.seconds_per_byte
+        rates[setting] = seconds / max(1, nbytes)
+        other = rates[1 - setting]
+        if other is None:
+            return
+        if setting != k.current:  # a try ends: keep the faster
+            if rates[setting] < rates[k.current]:
+                k.current, k.wait = setting, STORE_TRY_EVERY
+            else:
+                k.wait = min(2 * k.wait, STORE_TRY_MAX_EVERY)
+            k.countdown = k.wait
+        elif rates[setting] > other * STORE_SWITCH_MARGIN:  # the setting in use slowed down
+            k.current, k.wait, k.countdown = 1 - setting, STORE_TRY_EVERY, STORE_TRY_EVERY

@@ -56,31 +56,59 @@ def test_every_collective_is_exact_with_and_without_streamed_stores(stores, nran
 
 
 class _Clock:
-    """Feeds the chooser seconds per byte as if the host were in a placement where
-    `fast` (0 off, 1 on) is the faster setting."""
+    """Feeds the chooser seconds per byte as if the host were in a placement where the
+    settings (0 off, 1 on) take `seconds[setting]` per 1e10 bytes."""
 
-    def __init__(self, chooser):
-        self.chooser, self.fast, self.used = chooser, 1, []
+    def __init__(self, chooser, seconds):
+        self.chooser, self.seconds, self.used, self.timed = chooser, seconds, [], []
 
     def call(self, kernel="k", nbytes=1 << 24):
         setting, key = self.chooser.choose(kernel, nbytes)
         self.used.append(setting)
+        self.timed.append(key is not None)
         if key is not None:
-            self.chooser.record(key, setting, (1.0 if setting == self.fast else 3.0) * nbytes * 1e-10, nbytes)
+            self.chooser.record(key, setting, self.seconds[setting] * nbytes * 1e-10, nbytes)
         return setting
 
 
 def test_chooser_measures_both_then_keeps_the_faster_and_follows_a_change():
-    clock = _Clock(tuner.StoreChooser("auto"))
-    for _ in range(2 * tuner.STORE_EXPLORE_EVERY):
+    clock = _Clock(tuner.StoreChooser("auto"), {0: 2.0, 1: 1.0})
+    for _ in range(300):
         clock.call()
-    assert clock.used[:3] == [1, 1, 0]  # a first call not timed, then each setting measured once
-    steady = clock.used[3:]
-    assert steady.count(1) >= len(steady) - 3 and 0 in steady  # on wins, off is still tried now and then
-    clock.fast, clock.used = 0, []  # the placement changes
-    for _ in range(2 * tuner.STORE_EXPLORE_EVERY):
+    # A first call not timed; on timed warm; a try of off: one call to warm up, one timed.
+    assert clock.used[:4] == [1, 1, 0, 0] and clock.timed[:4] == [False, True, False, True]
+    steady = clock.used[4:]
+    tries = steady.count(0) // 2
+    # On wins, and off is tried again, less often while it keeps losing: after 16, 32,
+    # 64, 128, 128 calls (plus the two of each try).
+    assert steady.count(0) == 2 * tries and tries == 4, clock.used
+    # Not timed: each try's first call, and the first call back on after each try.
+    assert clock.timed[4:].count(False) == 2 * tries + 1
+    # The placement changes and on slows down past off's last time: the next call of on
+    # shows it, and off stays, with its wait between tries back at the start.
+    clock.seconds, clock.used = {0: 1.0, 1: 3.0}, []
+    for _ in range(20):
         clock.call()
-    assert clock.used[-tuner.STORE_EXPLORE_EVERY + 1:].count(0) >= tuner.STORE_EXPLORE_EVERY - 2
+    assert clock.used[:11] == [1] + [0] * tuner.STORE_TRY_EVERY + [1, 1], clock.used
+    # The placement changes back and on speeds up: found at on's next try.
+    clock.seconds, clock.used = {0: 2.0, 1: 1.0}, []
+    for _ in range(40):
+        clock.call()
+    assert clock.used[-20:].count(0) <= 4, clock.used  # on, but for tries of off
+
+
+def test_chooser_leaves_a_setting_only_when_clearly_slower():
+    """Noise smaller than STORE_SWITCH_MARGIN does not make the chooser switch."""
+    chooser = tuner.StoreChooser()
+    rates = {1: 1.0, 0: 1.1}
+    used = []
+    for i in range(100):
+        setting, key = chooser.choose("k", 1 << 24)
+        used.append(setting)
+        if key is not None:
+            jitter = 1.1 if (i % 3 == 0 and setting == 1) else 1.0  # on now and then 10% slower
+            chooser.record(key, setting, rates[setting] * jitter, 1)
+    assert used[4:].count(0) <= 8, used  # only its tries
 
 
 def test_chooser_fixed_modes_small_calls_and_separate_kinds():
