@@ -162,6 +162,8 @@ def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
             wrong.append(run_case(comm, case, stream, arena))
         if progress:
             progress(i + 1, len(case_list))
+    if arena is not None:
+        arena.free()
     per_rank = comm.world.allgather(wrong, what="check results")
     return [int(sum(w[i] for w in per_rank)) for i in range(len(case_list))]
 

@@ -297,8 +297,8 @@ class Communicator:
         """Collective: a zeroed array of `count` elements of `dtype` in a new symmetric
         window (NCCL's ncclMemAlloc + ncclCommWindowRegister with
         NCCL_WIN_COLL_SYMMETRIC): every rank must call it with the same size, in the
-        same order, and every peer maps it. numpy on the CPU, CuPy on a GPU; it lives
-        as long as the array (and is unmapped from the peers at close()).
+        same order, and every peer maps it. numpy on the CPU, CuPy on a GPU; peers map
+        it until free_symmetric() or close().
 
         Collectives whose sendbuf and recvbuf are such arrays, at the same offsets on
         every rank, can run the direct kernels."""
@@ -314,6 +314,24 @@ class Communicator:
         self._symmetric.append(win)
         self._sym_cache.clear()
         return win.local[:nbytes].view(dt)
+
+    def free_symmetric(self, array) -> None:
+        """Collective: releases a window from alloc_symmetric (NCCL's
+        ncclCommWindowDeregister + ncclMemFree). Every rank must free the same window
+        (the n-th allocation on every rank), after every collective on it has completed;
+        a mismatch raises ValueError on every rank. Peers no longer map it, so the
+        array no longer counts as symmetric. On the CPU the array stays valid memory
+        for as long as it is referenced; on a GPU the memory is freed and the array must
+        not be used again."""
+        address = self._buffer(array, "array").address
+        mine = next((i for i, w in enumerate(self._symmetric) if w.address == address), None)
+        self.synchronize()
+        every = self.world.allgather(mine, what="free_symmetric")
+        if mine is None or len(set(every)) != 1:
+            raise ValueError(f"rank {self.rank}: free_symmetric needs the same array from alloc_symmetric on every "
+                             f"rank; allocation indices by rank (None: not such an array): {every}")
+        self._symmetric.pop(mine).close()
+        self._sym_cache.clear()
 
     def _symmetric_of(self, b: Buffer):
         """(peer table address, offset) of a buffer inside a symmetric window, or None."""

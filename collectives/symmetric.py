@@ -17,8 +17,14 @@ class SymmetricArena:
 
     def __init__(self, comm, nbytes: int):
         """Collective: one window of `nbytes` from comm.alloc_symmetric."""
+        self.comm = comm
         self.window = comm.alloc_symmetric(int(nbytes), np.uint8)
         self.used = 0
+
+    def free(self) -> None:
+        """Collective: releases the window (Communicator.free_symmetric); buffers taken
+        from it no longer count as symmetric."""
+        self.comm.free_symmetric(self.window)
 
     def reset(self) -> None:
         self.used = 0

@@ -137,6 +137,44 @@ def test_direct_on_plain_buffers_is_a_clear_error():
     ThreadWorld.run(2, body, timeout=30)
 
 
+def test_free_symmetric_releases_the_window():
+    """After free_symmetric the array is plain memory to the communicator (the ring
+    runs on it) and later windows work; freeing an array that is not a window, or
+    different windows on different ranks, is a ValueError on every rank."""
+    def body(world):
+        comm = _comm(world)
+        r, n = world.rank, world.size
+        count = tuner.DIRECT_MIN_BYTES // 4 * 2
+        x = verify.make_input("allreduce", np.int32, "sum", 4, r, n, count)
+        exp = verify.expected_output("allreduce", np.int32, "sum", 4, r, n, count)
+        a, b = comm.alloc_symmetric(count, np.int32), comm.alloc_symmetric(count, np.int32)
+        a[...] = x
+        comm.allreduce(a, b)
+        kernels = [_kernel_of(comm, "allreduce", a)]
+        windows = len(comm._symmetric)
+        comm.free_symmetric(b)
+        comm._calls.clear()
+        b2 = np.zeros_like(b)
+        comm.allreduce(a, b2)  # a is symmetric, b2 not: the ring
+        kernels.append(_kernel_of(comm, "allreduce", a))
+        c = comm.alloc_symmetric(count, np.int32)
+        comm._calls.clear()
+        comm.allreduce(a, c)
+        kernels.append(_kernel_of(comm, "allreduce", a))
+        with pytest.raises(ValueError, match="free_symmetric needs the same array"):
+            comm.free_symmetric(np.zeros(4, np.int32))
+        with pytest.raises(ValueError, match="free_symmetric needs the same array"):
+            comm.free_symmetric(a if r == 0 else c)
+        left = len(comm._symmetric)
+        comm.close()
+        return kernels, windows, left, [verify.count_wrong(out, exp) for out in (b, b2, c)]
+
+    for kernels, windows, left, wrong in ThreadWorld.run(3, body, timeout=60):
+        assert kernels[0] == kernels[2] == "commref_direct_allreduce"
+        assert kernels[1] in ("commref_ring_allreduce", "commref_tree_allreduce")  # tree: small, 3 ranks
+        assert (windows, left) == (2, 2) and wrong == [0, 0, 0]
+
+
 def test_symmetric_sizes_must_agree():
     def body(world):
         comm = _comm(world)
