@@ -235,13 +235,13 @@ class Series:
 
     @property
     def label(self) -> str:
-        parts = [x for x in dataclasses.astuple(self)[:-2] if x]
+        parts = [self.path] + [v for v in self.gin_options().values()]
         return "/".join(parts + (["sym"] if self.register == 2 else [])
                         + ([f"stores-{self.stores}"] if self.stores else []))
 
     def gin_options(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("path", "register", "stores") and v is not None}
+        """The GIN fields that are set, in declaration order (GIN_FLAGS' names)."""
+        return {k: getattr(self, k) for k in GIN_FLAGS if getattr(self, k) is not None}
 
 
 GIN_FLAGS = {"backend": "--backend", "wire": "--wire", "network": "--network", "gin_protocol": "--gin-protocol"}
