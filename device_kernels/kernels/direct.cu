@@ -87,7 +87,7 @@ static __device__ void directAllGather(const CollArgs& a) {
   directEnter<uint8_t, OpSum>(a, env);
   uint8_t* out[COMMREF_DIRECT_MAX_RANKS];
   for (int k = 0; k < n; k++) out[k] = (uint8_t*)symPeer(a.symRecv, (r + k) % n) + (uint64_t)r * B + s.begin;
-  copyToAll((const uint8_t*)a.sendbuf + s.begin, out, n, s.end - s.begin, userStreamMin(a.streamStores));
+  copyToAll((const uint8_t*)a.sendbuf + s.begin, out, n, s.end - s.begin, 0, userStreamMin(a.streamStores));
   lsaBarrier(a, c, env, false);
 }
 

@@ -47,6 +47,20 @@ static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
 }
 #endif
 
+#ifdef COMMREF_CPU
+// One thread's copy of `bytes` bytes: streamed (where this build can) or memcpy'd.
+static inline void moveBytes(void* dst, const void* src, uint64_t bytes, bool stream) {
+#ifdef COMMREF_HAVE_STREAM
+  if (stream) {
+    streamBytes((char*)dst, (const char*)src, bytes);
+    return;
+  }
+#endif
+  (void)stream;
+  memcpy(dst, src, bytes);
+}
+#endif
+
 // Copies this thread's share of n elements; streamed (CPU) when the share is at least
 // `streamMin` bytes.
 template <typename T>
@@ -54,14 +68,7 @@ static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64
   ElemRange r = elemRange(n);
 #ifdef COMMREF_CPU
   const uint64_t bytes = (r.end - r.begin) * sizeof(T);
-#ifdef COMMREF_HAVE_STREAM
-  if (bytes >= streamMin) {
-    streamBytes((char*)(dst + r.begin), (const char*)(src + r.begin), bytes);
-    return;
-  }
-#endif
-  (void)streamMin;
-  if (bytes) memcpy(dst + r.begin, src + r.begin, bytes);
+  if (bytes) moveBytes(dst + r.begin, src + r.begin, bytes, bytes >= streamMin);
 #else
   (void)streamMin;
   for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) dst[i] = src[i];
@@ -117,48 +124,30 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
       else if (m == 2) foldRange<T, Op, 2>(src, piece, 0, len, 1, div);
       else foldRange<T, Op, 3>(src, piece, 0, len, 1, div);
     }
-    for (int k = 0; k < nout; k++) {
-#ifdef COMMREF_HAVE_STREAM
-      if (stream) {
-        streamBytes((char*)(out[k] + base), (const char*)piece, len * sizeof(T));
-        continue;
-      }
-#endif
-      (void)stream;
-      memcpy(out[k] + base, piece, len * sizeof(T));
-    }
+    for (int k = 0; k < nout; k++) moveBytes(out[k] + base, piece, len * sizeof(T), stream);
   }
 }
 #endif
 
 // out[k] = in for every k < nout (outputs equal to `in` are skipped), reading `in`
 // once: on the CPU a piece at a time, each piece copied to every output while it sits
-// in this core's L2 (streamed when the share is at least `streamMin` bytes; 256 KiB
-// pieces ran as fast as 16 KiB ones or faster); on the GPU each element is loaded
-// once and stored nout times.
+// in this core's L2 (256 KiB pieces ran as fast as 16 KiB ones or faster); on the GPU
+// each element is loaded once and stored nout times. Outputs from index `handoff` on
+// are streamed (CPU) when this thread's share is at least `streamMin` bytes.
 template <typename T>
-static __device__ COMMREF_NOINLINE void copyToAll(const T* in, T* const* out, int nout, uint64_t n,
+static __device__ COMMREF_NOINLINE void copyToAll(const T* in, T* const* out, int nout, uint64_t n, int handoff,
                                                   uint64_t streamMin) {
   const ElemRange r = elemRange(n);
 #ifdef COMMREF_CPU
   const uint64_t kPiece = 262144 / sizeof(T);
-  const bool stream = (r.end - r.begin) * sizeof(T) >= streamMin;
+  const bool big = (r.end - r.begin) * sizeof(T) >= streamMin;
   for (uint64_t base = r.begin; base < r.end; base += kPiece) {
     const uint64_t bytes = ((r.end - base) < kPiece ? (r.end - base) : kPiece) * sizeof(T);
-    for (int k = 0; k < nout; k++) {
-      if (out[k] == in) continue;
-#ifdef COMMREF_HAVE_STREAM
-      if (stream) {
-        streamBytes((char*)(out[k] + base), (const char*)(in + base), bytes);
-        continue;
-      }
-#endif
-      (void)stream;
-      memcpy(out[k] + base, in + base, bytes);
-    }
+    for (int k = 0; k < nout; k++)
+      if (out[k] != in) moveBytes(out[k] + base, in + base, bytes, big && k >= handoff);
   }
 #else
-  (void)streamMin;
+  (void)handoff, (void)streamMin;
   for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
     const T v = in[i];
     for (int k = 0; k < nout; k++)
@@ -206,8 +195,7 @@ template <typename T, typename Op>
 static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, T* const* out, int nout, uint64_t n,
                                                    int divisor, int handoff, uint64_t streamMin) {
   if (nin == 1 && divisor == 0) {
-    for (int k = 0; k < nout; k++)
-      if (out[k] != in[0]) copyOwnShare(out[k], in[0], n, k >= handoff ? streamMin : ~0ull);
+    copyToAll(in[0], out, nout, n, handoff, streamMin);
     return;
   }
 #ifdef COMMREF_CPU
@@ -225,5 +213,5 @@ static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, 
     ElemRange r = elemRange(n);
     foldRange<T, Op, 1>(sum, out0, r.begin, r.end, COMMREF_ELEM_STRIDE, divisor);
   }
-  for (int k = 1; k < nout; k++) copyOwnShare(out[k], (const T*)out0, n, k >= handoff ? streamMin : ~0ull);
+  copyToAll((const T*)out0, out + 1, nout - 1, n, handoff - 1, streamMin);
 }
