@@ -235,7 +235,7 @@ class Series:
 
     @property
     def label(self) -> str:
-        parts = [self.path] + [v for v in self.gin_options().values()]
+        parts = [self.path, *self.gin_options().values()]
         return "/".join(parts + (["sym"] if self.register == 2 else [])
                         + ([f"stores-{self.stores}"] if self.stores else []))
 

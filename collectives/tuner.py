@@ -134,10 +134,9 @@ class StoreChooser:
         k = self._kinds.get(key)
         if k is None:
             k = self._kinds[key] = _StoreKind([None, None])
-        if not k.trial and k.seconds_per_byte[1 - k.current] is None and k.seconds_per_byte[k.current] is not None:
-            k.trial = 2  # the other setting has never been timed
-        elif not k.trial and k.countdown <= 0 and None not in k.seconds_per_byte:
-            k.trial = 2
+        rates = k.seconds_per_byte
+        if not k.trial and rates[k.current] is not None and (rates[1 - k.current] is None or k.countdown <= 0):
+            k.trial = 2  # the other setting was never timed, or its wait is over
         setting = 1 - k.current if k.trial else k.current
         warm, k.last = k.last == setting, setting
         if k.trial:
