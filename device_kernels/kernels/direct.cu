@@ -30,13 +30,8 @@
 // Checks the call with the ring neighbours, then meets every peer at the entry barrier.
 template <typename T, typename Op>
 static __device__ void directEnter(const CollArgs& a, const KernelEnv& env) {
-  const int c = blockIdx.x;
-  Prims<T, Op> p(a, c);
-  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
-  p.handshake();
-  p.finish();
-  lsaBarrier(a, c, env, true);
+  ringHandshake<T, Op>(a, blockIdx.x);
+  lsaBarrier(a, blockIdx.x, env, true);
 }
 
 // out[0, n) = fold over k of in[k][0, n), k < nin (nin >= 1); divisor != 0 divides

@@ -18,6 +18,38 @@ static __device__ __forceinline__ Share channelShare(uint64_t n, int c, int ncha
   return s;
 }
 
+// Connects p to channel c's ring: inbound from ringPrev, outbound to ringNext.
+template <typename T, typename Op>
+static __device__ void connectRing(Prims<T, Op>& p, const CollArgs& a, int c) {
+  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+}
+
+// Connects p to channel c's ring and returns true; with a single rank there is no ring:
+// it copies this channel's share of src to dst (`last`: the copy completes a reduction)
+// and returns false.
+template <typename T, typename Op>
+static __device__ bool joinRing(Prims<T, Op>& p, const CollArgs& a, int c, const T* src, T* dst, const Share& share,
+                                bool last) {
+  if (a.nranks == 1) {
+    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, last);
+    return false;
+  }
+  connectRing(p, a, c);
+  return true;
+}
+
+// Checks the call with channel c's ring neighbours and moves no data (Prims::handshake):
+// kernels that are not ring kernels start with it, so that a rank running another
+// collective or algorithm shows up as CommMismatch, not as a timeout.
+template <typename T, typename Op>
+static __device__ void ringHandshake(const CollArgs& a, int c) {
+  Prims<T, Op> p(a, c);
+  connectRing(p, a, c);
+  p.handshake();
+  p.finish();
+}
+
 // Pieces of at most `piece` items covering [begin, end); there is always at least one
 // piece (possibly empty) so that every call makes at least one checked step.
 #define FOR_EACH_PIECE(base, len, share, piece)                                         \
@@ -34,12 +66,7 @@ static __device__ void ringAllReduce(const CollArgs& a) {
   T* dst = (T*)a.recvbuf;
   const Share share = channelShare(a.count, c, a.nchannels);
   Prims<T, Op> p(a, c);
-  if (n == 1) {
-    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
-    return;
-  }
-  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  if (!joinRing(p, a, c, src, dst, share, true)) return;
   const uint64_t loop = p.slotElems() * n;
   FOR_EACH_PIECE(base, ls, share, loop) {
     const uint64_t cs = (ls + n - 1) / n;  // chunk size, at most one slot
@@ -63,12 +90,7 @@ static __device__ void ringReduceScatter(const CollArgs& a) {
   T* dst = (T*)a.recvbuf;
   const Share share = channelShare(R, c, a.nchannels);
   Prims<T, Op> p(a, c);
-  if (n == 1) {
-    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
-    return;
-  }
-  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  if (!joinRing(p, a, c, src, dst, share, true)) return;
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     p.send(src + (uint64_t)ringMod(r - 1, n) * R + base, len);
     for (int k = 1; k < n - 1; k++) p.recvReduceSend(src + (uint64_t)ringMod(r - k - 1, n) * R + base, len);
@@ -86,12 +108,7 @@ static __device__ void ringReduce(const CollArgs& a) {
   T* dst = (T*)a.recvbuf;
   const Share share = channelShare(a.count, c, a.nchannels);
   Prims<T, Op> p(a, c);
-  if (n == 1) {
-    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
-    return;
-  }
-  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  if (!joinRing(p, a, c, src, dst, share, true)) return;
   p.handshake();  // the root's inbound link carries no data: check the call first
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     if (q == 0) p.send(src + base, len);
@@ -110,12 +127,7 @@ static __device__ void ringAllGather(const CollArgs& a) {
   uint8_t* dst = (uint8_t*)a.recvbuf;
   const Share share = channelShare(B, c, a.nchannels);
   Prims<uint8_t, OpSum> p(a, c);
-  if (n == 1) {
-    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, false);
-    return;
-  }
-  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  if (!joinRing(p, a, c, src, dst, share, false)) return;
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     p.copySend(src + base, dst + (uint64_t)r * B + base, len);
     for (int k = 1; k < n - 1; k++) p.recvCopySend(dst + (uint64_t)ringMod(r - k, n) * B + base, len);
@@ -132,12 +144,7 @@ static __device__ void ringBroadcast(const CollArgs& a) {
   uint8_t* dst = (uint8_t*)a.recvbuf;
   const Share share = channelShare(a.count, c, a.nchannels);
   Prims<uint8_t, OpSum> p(a, c);
-  if (n == 1) {
-    p.copy(src + share.begin, dst + share.begin, share.end - share.begin, false);
-    return;
-  }
-  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+  if (!joinRing(p, a, c, src, dst, share, false)) return;
   p.handshake();  // two ranks that both think they are the root must not both send
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     if (pos == 0) p.copySend(src + base, dst + base, len);

@@ -24,14 +24,7 @@ static __device__ void treeAllReduce(const CollArgs& a) {
     up.copy(src + share.begin, dst + share.begin, share.end - share.begin, true);
     return;
   }
-  {  // check the call over the ring links first: a rank running a different
-     // algorithm or collective shows up there as a mismatch, not a timeout
-    Prims<T, Op> ring(a, c);
-    ring.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-    ring.addSend(kOutRing, a.peers[c].ringNext, kInRing);
-    ring.handshake();
-    ring.finish();
-  }
+  ringHandshake<T, Op>(a, c);  // a rank running another algorithm: CommMismatch, not a timeout
   FOR_EACH_PIECE(base, len, share, up.slotElems()) {
     if (!hasChildren) up.send(src + base, len);
     else if (hasParent) up.recvReduceSend(src + base, len);
