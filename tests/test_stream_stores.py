@@ -55,6 +55,50 @@ def test_every_collective_is_exact_with_and_without_streamed_stores(stores, nran
         assert per_rank and not any(per_rank.values()), per_rank
 
 
+# Large enough that the ring's receive steps stream into the recvbuf as well
+# (COMMREF_RECEIVED_STREAM_MIN_BYTES, 4 MiB received per thread): 8.8 MB of float32.
+RECEIVED_COUNT = 2_200_001
+
+
+def _run_ring_receives(world, stores, path):
+    comm = Communicator(world, "cpu", timeout=60, stream_stores=stores, path=path)
+    r, n = world.rank, world.size
+    dt = np.dtype(np.float32)
+    wrong = {}
+    for coll, op, count in (("allreduce", "sum", RECEIVED_COUNT), ("allgather", None, RECEIVED_COUNT // n),
+                            ("broadcast", None, RECEIVED_COUNT)):
+        x = verify.make_input(coll, dt, op, 5, r, n, count)
+        exp = verify.expected_output(coll, dt, op, 5, r, n, count, 0)
+        rc = verify.recv_count(coll, count, n)
+        out = np.zeros(rc, dt)
+        args = ([op] if op else []) + ([0] if coll == "broadcast" else [])
+        getattr(comm, coll)(x, out, *args, algorithm="ring")
+        wrong[coll] = verify.count_wrong(out, exp)
+        # In place: all_reduce's receive steps land on lines it has read (not streamed),
+        # all_gather's on other ranks' slots (streamed).
+        if coll == "allreduce":
+            buf = x.copy()
+            comm.allreduce(buf, buf, op, algorithm="ring")
+            wrong["allreduce in place"] = verify.count_wrong(buf, exp)
+        elif coll == "allgather":
+            buf = np.zeros(rc, dt)
+            buf[r * count:(r + 1) * count] = x
+            comm.allgather(buf[r * count:(r + 1) * count], buf, algorithm="ring")
+            wrong["allgather in place"] = verify.count_wrong(buf, exp)
+    comm.close()
+    return wrong
+
+
+@pytest.mark.parametrize("stores", ["on", "off"])
+@pytest.mark.parametrize("nranks, path", [(2, "lsa"), (3, "lsa"), (2, "gin")])
+def test_ring_receive_steps_streamed_into_a_large_recvbuf_are_exact(stores, nranks, path):
+    """Receive steps (recv, recvCopySend) stream their stores into the recvbuf from
+    4 MiB received per thread (Prims::streamReceived); 3 ranks take recvCopySend."""
+    for per_rank in ThreadWorld.run(nranks, _run_ring_receives, stores, path, timeout=120):
+        assert set(per_rank) == {"allreduce", "allreduce in place", "allgather", "allgather in place",
+                                 "broadcast"} and not any(per_rank.values()), per_rank
+
+
 class _Clock:
     """Feeds the chooser seconds per byte as if the host were in a placement where the
     settings (0 off, 1 on) take `seconds[setting]` per 1e10 bytes."""

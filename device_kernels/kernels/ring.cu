@@ -67,6 +67,7 @@ static __device__ void ringAllReduce(const CollArgs& a) {
   const Share share = channelShare(a.count, c, a.nchannels);
   Prims<T, Op> p(a, c);
   if (!joinRing(p, a, c, src, dst, share, true)) return;
+  if (src != dst) p.streamReceived((share.end - share.begin) * sizeof(T) / n * (n - 1));
   const uint64_t loop = p.slotElems() * n;
   FOR_EACH_PIECE(base, ls, share, loop) {
     const uint64_t cs = (ls + n - 1) / n;  // chunk size, at most one slot
@@ -128,6 +129,7 @@ static __device__ void ringAllGather(const CollArgs& a) {
   const Share share = channelShare(B, c, a.nchannels);
   Prims<uint8_t, OpSum> p(a, c);
   if (!joinRing(p, a, c, src, dst, share, false)) return;
+  p.streamReceived((share.end - share.begin) * (n - 1));
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     p.copySend(src + base, dst + (uint64_t)r * B + base, len);
     for (int k = 1; k < n - 1; k++) p.recvCopySend(dst + (uint64_t)ringMod(r - k, n) * B + base, len);
@@ -145,6 +147,7 @@ static __device__ void ringBroadcast(const CollArgs& a) {
   const Share share = channelShare(a.count, c, a.nchannels);
   Prims<uint8_t, OpSum> p(a, c);
   if (!joinRing(p, a, c, src, dst, share, false)) return;
+  p.streamReceived(share.end - share.begin);
   p.handshake();  // two ranks that both think they are the root must not both send
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     if (pos == 0) p.copySend(src + base, dst + base, len);

@@ -14,6 +14,11 @@
 //   copy(src, dst, n, last)             src            -> dst (single-rank case)
 //   handshake()                         no data: only the call descriptors are checked
 //
+// Outputs after dst (FIFO slots, GIN staging) are read next by a peer or the proxy and
+// are streamed past the cache under CollArgs.streamStores (move.h). dst is streamed
+// only in receive steps (recv, recvCopySend), and only when streamReceived() has said
+// that the call receives many bytes: nothing in the call reads them again.
+//
 // `last` marks the step that completes a reduction: avg divides there, once.
 // All threads of the block call the same primitives in the same order; thread 0 does
 // the waits and the posts, the block moves the data between two __syncthreads().
@@ -26,7 +31,18 @@ template <typename T, typename Op>
 class Prims {
  public:
   __device__ Prims(const CollArgs& args, int channel)
-      : a(args), env(kernelEnv(args)), channel_(channel), nrecv(0), nsend(0) {}
+      : a(args), env(kernelEnv(args)), channel_(channel), nrecv(0), nsend(0), streamReceived_(false) {}
+
+  // `bytes`: what this channel's receive steps store into the recvbuf over the whole
+  // call, on lines the call has not read itself (not in place). With streamStores, from
+  // COMMREF_RECEIVED_STREAM_MIN_BYTES per thread on, the receive steps stream those
+  // stores. On the development host (2 ranks, stores on, interleaved A/B) that took
+  // 8-31% off out-of-place all_reduce and all_gather from 8 MiB in both placements,
+  // did nothing at 4 MiB, and cost all_gather 7-9% at 2 MiB (its result still fits in
+  // the cache), hence the threshold.
+  __device__ void streamReceived(uint64_t bytes) {
+    streamReceived_ = a.streamStores && bytes / blockDim.x >= COMMREF_RECEIVED_STREAM_MIN_BYTES;
+  }
 
   __device__ uint64_t slotElems() const { return a.layout.slotBytes / sizeof(T); }
 
@@ -100,9 +116,10 @@ class Prims {
     for (int i = 0; i < nr; i++) in[nin++] = (const T*)connRecvData(rx[i], rxStep[i], a);
     if (dst) out[nout++] = dst;
     for (int i = 0; i < ns; i++) out[nout++] = (T*)connSendData(tx[i], txStep[i], a);
-    // Outputs after dst are FIFO slots or GIN staging, read next by a peer or the proxy.
+    // Outputs from `handoff` on are streamed (see the top of this file).
+    const int handoff = dst && !(streamReceived_ && !src) ? 1 : 0;
     if (nin > 0 && nout > 0)
-      reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0, dst ? 1 : 0,
+      reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0, handoff,
                         handoffStreamMin(a.streamStores));
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -120,4 +137,5 @@ class Prims {
   RecvConnection rx[2];
   SendConnection tx[2];
   uint64_t rxStep[2], txStep[2];
+  bool streamReceived_;
 };

@@ -8,19 +8,22 @@
 // Streamed stores (CPU, CollArgs.streamStores). Some outputs are read next by another
 // agent: a peer's FIFO slot, GIN staging (the proxy). With streamStores they are
 // written with non-temporal stores (streamBytes) from COMMREF_HANDOFF_STREAM_MIN_BYTES
-// per thread on, and stores into user buffers (this rank's or, in the direct kernels,
-// a peer's) from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination:
-// 8 MiB copies ran 1.2x to 1.7x memcpy's speed). Whether that pays depends on where the
-// cores sit: a core hands lines dirty in its cache to a core that shares its L3
-// quickly, and to one across the machine slowly. On the 2-core development host, whose
-// two vCPUs move between such placements every few minutes, a FIFO of 256 KiB slots
-// moved 14 GB/s memcpy'd and 12 streamed at some times, 4.5 and 19 at others. So the
-// host measures both and picks per call (tuner.StoreChooser).
+// per thread on, and stores into user buffers (this rank's or, in the direct kernels, a
+// peer's) from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination: 8 MiB
+// copies ran 1.2x to 1.7x memcpy's speed); a ring's receive steps, which store into the
+// recvbuf a step at a time, go by the call's received bytes per thread instead, from
+// COMMREF_RECEIVED_STREAM_MIN_BYTES on (Prims::streamReceived). Whether that pays
+// depends on where the cores sit: a core hands lines dirty in its cache to a core that
+// shares its L3 quickly, and to one across the machine slowly. On the 2-core
+// development host, whose two vCPUs move between such placements every few minutes, a
+// FIFO of 256 KiB slots moved 14 GB/s memcpy'd and 12 streamed at some times, 4.5 and
+// 19 at others. So the host measures both and picks per call (tuner.StoreChooser).
 #pragma once
 #include "reduce.h"
 
 #define COMMREF_STREAM_MIN_BYTES (1u << 20)          // user buffers
 #define COMMREF_HANDOFF_STREAM_MIN_BYTES (16u << 10)  // outputs another agent reads next
+#define COMMREF_RECEIVED_STREAM_MIN_BYTES (4u << 20)  // a ring's received bytes (flow.h)
 
 // ThreadSanitizer does not see non-temporal stores: its builds copy with memcpy.
 #if defined(COMMREF_CPU) && defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
