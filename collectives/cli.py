@@ -74,7 +74,7 @@ def cmd_check(args, argv) -> int:
     comm = Communicator(world, args.device, max_channels=args.channels, slot_bytes=args.slot_bytes,
                         threads=args.threads, path=args.path, backend=args.backend, wire=args.wire,
                         network=args.network, seed=args.seed, gin_protocol=args.gin_protocol)
-    colls = args.collectives or list(COLLECTIVES)
+    colls = list(dict.fromkeys(args.collectives)) or list(COLLECTIVES)
     direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
     case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
                             direct=direct)
@@ -122,12 +122,22 @@ def cmd_study(args, argv) -> int:
         return study.run(args)
 
 
+def _collective(name: str) -> str:
+    """A collective of `commref check`: nccl4py's name (allreduce) or nccl-tests' (all_reduce)."""
+    by_key = {c.replace("_", ""): c for c in COLLECTIVES}
+    key = name.lower().replace("_", "")
+    if key not in by_key:
+        raise argparse.ArgumentTypeError(f"unknown collective {name!r}; choose from {', '.join(COLLECTIVES)}")
+    return by_key[key]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commref", description="Collective-communication kernels: reference and tests.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="run the verification sweep and report wrong elements per case")
-    c.add_argument("collectives", nargs="*", choices=[[], *COLLECTIVES], metavar="collective",
-                   help=f"collectives to check (default: all of {', '.join(COLLECTIVES)})")
+    c.add_argument("collectives", nargs="*", type=_collective, metavar="collective",
+                   help=f"collectives to check (default: all of {', '.join(COLLECTIVES)}; "
+                        "nccl-tests' names such as all_reduce work too)")
     c.add_argument("--np", type=int, default=None, help="number of ranks (relaunches under mpiexec)")
     c.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     c.add_argument("--op", nargs="+", default=list(OPS), choices=list(OPS))

@@ -336,6 +336,20 @@ def test_cli_dispatches_bench(capsys) -> None:
     assert "bench" in cli.build_parser().format_help()
 
 
+def test_check_takes_nccl4py_or_nccl_tests_names(capsys) -> None:
+    from collectives import cli
+
+    args = cli.build_parser().parse_args(["check", "all_gather", "Reduce_Scatter", "allreduce"])
+    assert args.collectives == ["allgather", "reduce_scatter", "allreduce"]
+    assert cli.build_parser().parse_args(["check"]).collectives == []
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["check", "all_to_all"])
+    assert "unknown collective 'all_to_all'; choose from allreduce, allgather" in capsys.readouterr().err
+    # A collective named twice is checked once.
+    assert cli.main(["check", "broadcast", "broadcast", "--dtype", "int8", "--count", "5"]) == 0
+    assert "# 2 cases, counts [5]" in capsys.readouterr().out
+
+
 @pytest.mark.mpi
 def test_bench_under_mpiexec(tmp_path) -> None:
     exe = shutil.which("commref", path=os.path.dirname(sys.executable))
