@@ -4,7 +4,8 @@
 - ``run_mpi(n, args, timeout)``: ``mpiexec -n N python -m mpi4py <script | -m module> ...``
   with captured output and a bounded timeout (``python -m mpi4py`` turns an uncaught
   exception on one rank into MPI_Abort, so a failing rank ends the job).
-- ``shm_leak_check``: fixture asserting that no ``/dev/shm/commref-*`` file is left behind.
+- ``shm_leak_check``: fixture asserting that no ``/dev/shm/commref-*`` file is left behind
+  (and removing what MPICH leaves there when a test aborts a job on purpose).
 - ``clean_env()``: the environment without MPI launcher variables (so a child process does
   not think it already runs under mpiexec), with ``COMMREF_TIMEOUT`` set.
 """
@@ -85,16 +86,45 @@ def run_cmd(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = No
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def shm_files() -> set[str]:
-    return set(glob.glob("/dev/shm/commref-*"))
+def shm_files(pattern: str = "commref-*") -> set[str]:
+    return set(glob.glob(f"/dev/shm/{pattern}"))
+
+
+def _mapped_files() -> set[str]:
+    """Paths of the files some live process maps."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line)
+        except (OSError, IndexError):
+            pass
+    return mapped
 
 
 @pytest.fixture
 def shm_leak_check():
     """Fails the test if it leaves /dev/shm/commref-* files behind. Files that appear
-    and vanish within a moment (another job running concurrently) are not leaks."""
-    before = shm_files()
+    and vanish within a moment (another job running concurrently) are not leaks.
+
+    MPICH leaves its own segments (/dev/shm/mpich_shm_*) behind when a job is aborted,
+    as the deadline and setup-failure tests do on purpose: about 3 MB each, which
+    would pile up run after run. Those that appeared during the test and that no live
+    process maps are removed."""
+    before, before_mpich = shm_files(), shm_files("mpich_shm_*")
     yield
+    orphans = shm_files("mpich_shm_*") - before_mpich
+    deadline = time.monotonic() + 3.0  # an aborted job's processes may still be exiting
+    while orphans:
+        for path in orphans - _mapped_files():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        orphans &= shm_files("mpich_shm_*")
+        if not orphans or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     new = shm_files() - before
     if new:
         time.sleep(1.0)
