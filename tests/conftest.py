@@ -108,7 +108,7 @@ def shm_leak_check():
     and vanish within a moment (another job running concurrently) are not leaks.
 
     MPICH leaves its own segments (/dev/shm/mpich_shm_*) behind when a job is aborted,
-    as the deadline and setup-failure tests do on purpose: about 3 MB each, which
+    as the deadline, abort and setup-failure tests do on purpose: about 3 MB each, which
     would pile up run after run. Those that appeared during the test and that no live
     process maps are removed."""
     before, before_mpich = shm_files(), shm_files("mpich_shm_*")

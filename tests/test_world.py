@@ -339,14 +339,14 @@ def _launch(mode: str, *extra: str, nranks: int = 3) -> tuple[subprocess.Complet
     return proc, time.monotonic() - start
 
 
-def test_mpi_world_basic() -> None:
+def test_mpi_world_basic(shm_leak_check) -> None:
     proc, _ = _launch("basic")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK basic" in proc.stdout
     assert '"local_ranks": [0, 1, 2]' in proc.stdout
 
 
-def test_mpi_world_deadline_names_missing_rank() -> None:
+def test_mpi_world_deadline_names_missing_rank(shm_leak_check) -> None:
     proc, elapsed = _launch("deadline", "1.0")
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert elapsed < 60, f"job took {elapsed:.1f} s to end"
@@ -354,14 +354,14 @@ def test_mpi_world_deadline_names_missing_rank() -> None:
     assert "waiting for peer 2: deadline test" in proc.stderr, proc.stderr
 
 
-def test_mpi_world_abort() -> None:
+def test_mpi_world_abort(shm_leak_check) -> None:
     proc, elapsed = _launch("abort")
     assert proc.returncode != 0
     assert elapsed < 60
     assert "commref: rank 1 aborting: injected failure" in proc.stderr, proc.stderr
 
 
-def test_mpi_world_mismatch() -> None:
+def test_mpi_world_mismatch(shm_leak_check) -> None:
     proc, _ = _launch("mismatch")
     assert proc.returncode != 0
     assert "CommMismatch" in proc.stderr and "collective mismatch" in proc.stderr, proc.stderr
