@@ -17,7 +17,7 @@ import pickle
 
 import numpy as np
 
-from collectives.verify import DTYPE_CODES, OPS, dtype_name
+from commref.collectives.verify import DTYPE_CODES, OPS, dtype_name
 
 
 class BaselineUnavailable(RuntimeError):

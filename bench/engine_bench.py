@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
 
-from device_kernels import abi, loader
+from commref.device_kernels import abi, loader
 
 COPY_TARGET_RATIO = 0.5
 LAUNCH_TARGET_US = 50.0

@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
 
-from collectives.communicator import Communicator  # noqa: E402
-from transports.world import MPIWorld, ThreadWorld  # noqa: E402
+from commref.collectives.communicator import Communicator  # noqa: E402
+from commref.transports.world import MPIWorld, ThreadWorld  # noqa: E402
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -24,7 +24,7 @@ an iteration's time is the slowest rank's, and the time column is the median ove
 the iterations.
 
 Checking (-c 1). The output of the last timed call is compared element by element
-with collectives.verify's reference; #wrong is the count summed over ranks. In place,
+with commref.collectives.verify's reference; #wrong is the count summed over ranks. In place,
 the input is restored before that last call (and the ranks meet at a barrier, so no
 rank's timing includes another's restore).
 
@@ -48,8 +48,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from collectives import verify
-from collectives.verify import DTYPES, OPS
+from commref.collectives import verify
+from commref.collectives.verify import DTYPES, OPS
 
 from . import plugins
 from .baselines import BaselineUnavailable, make_baseline
@@ -268,7 +268,7 @@ def communicator_kwargs(args, series: Series) -> dict:
     """Communicator options for `series`. Raises NotAvailable when this build's
     Communicator does not take an option the series needs (its signature says which,
     so a path works here as soon as Communicator offers it)."""
-    from collectives.communicator import Communicator
+    from commref.collectives.communicator import Communicator
 
     kw: dict[str, Any] = {"algorithm": args.algorithm, "max_channels": args.channels,
                           "slot_bytes": args.slot_bytes, "threads": args.threads}
@@ -643,7 +643,7 @@ def setup_device(world, device: str):
     """(device, device_id, xp, sync) for this rank: numpy on the CPU; on CUDA, CuPy on
     GPU local_rank % count with a stream of this rank's own. Ranks sharing a GPU get
     NCCL_MULTI_RANK_GPU_ENABLE=1 before NCCL starts."""
-    from collectives.communicator import _resolve_device
+    from commref.collectives.communicator import _resolve_device
 
     device = _resolve_device(device)
     if device != "cuda":
@@ -677,8 +677,8 @@ def setup_communicators(world, args, device: str, device_id: int | None, plugin,
     """A Communicator per series: ([(series, comm)], [(series, reason)]). A series whose
     setup this machine cannot meet (CapabilityError: a backend without the asked-for
     wire, say) is skipped with its reason on every rank, so the others still run."""
-    from collectives.communicator import Communicator
-    from transports.errors import CapabilityError
+    from commref.collectives.communicator import Communicator
+    from commref.transports.errors import CapabilityError
 
     runners, skipped = [], []
     for s in series_of(args):
@@ -708,7 +708,7 @@ def setup_communicators(world, args, device: str, device_id: int | None, plugin,
 def symmetric_memory(args, plugin, dtype, nranks: int, xp, runners) -> dict:
     """A SymmetricMemory for each -R 2 series, sized for the largest size's send and
     recv buffers (collective: every rank allocates in the same order)."""
-    from collectives.symmetric import SymmetricArena
+    from commref.collectives.symmetric import SymmetricArena
 
     out = {}
     largest = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)[-1]
@@ -814,10 +814,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commref bench: error: {e}", file=sys.stderr)
         return 2
 
-    from transports.world import MPIWorld, ThreadWorld
+    from commref.transports.world import MPIWorld, ThreadWorld
 
     if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
-        from collectives.cli import _strip_np, relaunch_under_mpi
+        from commref.cli import _strip_np, relaunch_under_mpi
 
         mode = progress_mode()
         if mode:

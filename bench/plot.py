@@ -4,7 +4,7 @@ One line per path (out-of-place solid, in-place dashed), one for the baseline an
 one for the bound, on a log2 size axis. Several documents (several runs, e.g. one
 per path or per machine) can share one plot:
 
-    python -m bench.plot run1.json run2.json -o busbw.png
+    python -m commref.bench.plot run1.json run2.json -o busbw.png
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def plot(docs: list[dict], path: str, title: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m commref.bench.plot", description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+", help="results written by commref bench --json")
     p.add_argument("-o", "--output", required=True, help="PNG file to write")
     p.add_argument("--title", default=None)

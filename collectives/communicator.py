@@ -1,6 +1,6 @@
 """Communicator: the user-facing collectives over LSA connections.
 
-A Communicator is built collectively from a world (transports.world) and a device.
+A Communicator is built collectively from a world (commref.transports.world) and a device.
 It owns the connection window (FIFOs, flags, step counters: layout in
 include/commref/args.h), the per-channel ring and tree tables, and the kernels.
 Method names and argument order follow nccl4py: allreduce(sendbuf, recvbuf, op),
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from device_kernels import abi, loader
-from transports.errors import CapabilityError, CommAborted, CommMismatch, CommTimeout, format_seconds
-from transports.windows import register_window
+from commref.device_kernels import abi, loader
+from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommTimeout, format_seconds
+from commref.transports.windows import register_window
 
 from . import topology, tuner
 from .verify import COLLECTIVES, DTYPE_CODES, DTYPES, OPS, REDUCING, dtype_name
@@ -184,7 +184,7 @@ class Communicator:
                 f"{self.window.lsa_ranks}); the LSA path needs every rank on one host (use path='auto' or 'gin')")
         self.proxy = None
         if gin:
-            from transports.gin.proxy import GinProxy
+            from commref.transports.gin.proxy import GinProxy
 
             mpi_comm = world.comm.Dup() if self.network == "mpi" else None
             self.proxy = GinProxy(world, self.window, layout, gin_queue, self.backend, self.transport, self.network,
@@ -227,9 +227,9 @@ class Communicator:
                   segment_bytes) -> bool:
         """Decides which peers go over GIN (self.peer_mask) and selects the backend.
         Returns whether GIN is used at all."""
-        from transports.gin import semantics
-        from transports.gin.backends import Requirements, select_backend
-        from transports.windows import lsa_team
+        from commref.transports.gin import semantics
+        from commref.transports.gin.backends import Requirements, select_backend
+        from commref.transports.windows import lsa_team
 
         if path not in ("lsa", "gin", "auto"):
             raise ValueError(f"path must be 'lsa', 'gin' or 'auto', not {path!r}")

@@ -67,8 +67,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from transports.gin import semantics as sem
-from transports.gin.semantics import Event, Plan, Put, Signal, TargetMemory, Transport
+from commref.transports.gin import semantics as sem
+from commref.transports.gin.semantics import Event, Plan, Put, Signal, TargetMemory, Transport
 
 SEG_BYTES = 64  # segment size of the data protocols: 2 segments per aligned 128-byte block
 LINE_BYTES = 16  # LL line: 8 data bytes + 8 flag bytes

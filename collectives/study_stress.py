@@ -4,7 +4,7 @@ For every cell (protocol x transport model x signal strength) the same sender pr
 that the explorer searched (collectives/study.py) is posted, message after message,
 through the runtime path: descriptors written into a rank's GIN queue the way the
 device's Gin::post writes them (gin.h: fields, then seq = slot + 1 with release; a
-flush waits until the proxy has consumed it), drained by transports.gin.proxy.GinProxy
+flush waits until the proxy has consumed it), drained by commref.transports.gin.proxy.GinProxy
 -- the progress thread the communicator runs -- which lands them on the target's window
 over the shm wire with the model's semantics.Transport, choosing among
 semantics.enabled() with its seeded generator. Two ranks of a ThreadWorld: rank 0
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from device_kernels import abi
-from transports.gin import semantics as sem
-from transports.gin.semantics import Event, TargetMemory
+from commref.device_kernels import abi
+from commref.transports.gin import semantics as sem
+from commref.transports.gin.semantics import Event, TargetMemory
 
 from . import study as st
 
@@ -238,9 +238,9 @@ def _describe(prog: st.Program, read: st.Read, stale) -> str:
 
 
 def _rank_main(world, cells, seeds: int, messages: int, bound, lib, network: str = "shm"):
-    from transports.gin.backends import BACKENDS
-    from transports.gin.proxy import GinProxy
-    from transports.windows import register_window
+    from commref.transports.gin.backends import BACKENDS
+    from commref.transports.gin.proxy import GinProxy
+    from commref.transports.windows import register_window
 
     shape = st.Shape(*bound)
     data_bytes = max(st.PROTOCOL_BY_NAME[c.protocol].program(shape, c.strength, False).window_bytes for c in cells)
@@ -401,8 +401,8 @@ def run_stress(protocols=None, models=None, strengths=None, bound=st.DEFAULT_BOU
     MPIWorld (MPIWorld.launched_under_mpi()), else a ThreadWorld of 2 ranks.
     `network`: the proxy's wire, "shm" or (MPI only) "mpi"; default DEFAULT_NETWORK.
     `verdicts`: the explorer's verdict per cell key (computed here when not given)."""
-    from device_kernels import loader
-    from transports.world import MPIWorld, ThreadWorld
+    from commref.device_kernels import loader
+    from commref.transports.world import MPIWorld, ThreadWorld
 
     if world is None and MPIWorld.launched_under_mpi():
         world = MPIWorld()

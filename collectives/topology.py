@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from device_kernels import abi
+from commref.device_kernels import abi
 
 
 def binary_tree(order: list[int]) -> tuple[dict[int, int], dict[int, list[int]]]:

@@ -283,6 +283,6 @@ def nvcc_compile_check(arch: str = "sm_90", nvcc: str | None = None,
         return subprocess.run(cmd, capture_output=True, text=True)
 
 
-if __name__ == "__main__":  # python -m device_kernels.loader: build the CPU library
+if __name__ == "__main__":  # python -m commref.device_kernels.loader: build the CPU library
     print(build_cpu_library())
     sys.exit(0)

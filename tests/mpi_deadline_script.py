@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from collectives.communicator import Communicator  # noqa: E402
-from transports.errors import CommTimeout  # noqa: E402
-from transports.world import MPIWorld  # noqa: E402
+from commref.collectives.communicator import Communicator  # noqa: E402
+from commref.transports.errors import CommTimeout  # noqa: E402
+from commref.transports.world import MPIWorld  # noqa: E402
 
 MISSING = 2
 HANG_S = 120.0

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transports.world import MPIWorld, World, world_from_env  # noqa: E402
+from commref.transports.world import MPIWorld, World, world_from_env  # noqa: E402
 
 
 def basic(world: World) -> None:

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from collectives.communicator import Communicator
-from transports.errors import CommAborted, CommMismatch
-from transports.world import ThreadWorld
+from commref.collectives.communicator import Communicator
+from commref.transports.errors import CommAborted, CommMismatch
+from commref.transports.world import ThreadWorld
 
 KERNEL_TIMEOUT = 20.0  # communicator waits: a hang would take this long
 PROMPT = 10.0  # a failing job must end well within this

@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from bench import harness, plugins
-from bench.harness import build_parser, parse_size, run_rank, sweep_sizes
-from transports.world import ThreadWorld
+from commref.bench import harness, plugins
+from commref.bench.harness import build_parser, parse_size, run_rank, sweep_sizes
+from commref.transports.world import ThreadWorld
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K, M, G = 1 << 10, 1 << 20, 1 << 30
@@ -158,7 +158,7 @@ def test_symmetric_series_checks_clean_and_runs_direct_kernels(coll: str) -> Non
 
     a = args_for(coll, "-b", "4K", "-e", "64K", "-f", "16", "-n", "2", "-w", "1", "--no-baseline", "--no-bound",
                  "-R", "0,2")
-    from collectives.communicator import Communicator
+    from commref.collectives.communicator import Communicator
 
     launch = Communicator._launch
 
@@ -181,7 +181,7 @@ def test_symmetric_series_checks_clean_and_runs_direct_kernels(coll: str) -> Non
 def test_paths_the_communicator_lacks_say_not_available_yet(monkeypatch, capsys) -> None:
     """Paths are offered as soon as Communicator takes them; until then the flags fail
     with a clear message before any rank starts."""
-    from collectives import communicator
+    from commref.collectives import communicator
 
     class LsaOnly:
         def __init__(self, world, device="auto", *, algorithm="auto", max_channels=None, slot_bytes=None,
@@ -196,7 +196,7 @@ def test_paths_the_communicator_lacks_say_not_available_yet(monkeypatch, capsys)
 
 
 def test_lsa_and_gin_side_by_side() -> None:
-    from collectives.communicator import Communicator
+    from commref.collectives.communicator import Communicator
 
     if "path" not in __import__("inspect").signature(Communicator).parameters:
         pytest.skip("this Communicator has no GIN path yet")
@@ -311,7 +311,7 @@ def test_plot_renders(tmp_path) -> None:
     harness.write_outputs(docs[0], a)
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
-    from bench import plot
+    from commref.bench import plot
 
     (tmp_path / "p.json").write_text(json.dumps(docs[0], default=harness._jsonable))
     assert plot.main([str(tmp_path / "p.json"), str(tmp_path / "p.json"), "-o", str(tmp_path / "q.png")]) == 0
@@ -328,7 +328,7 @@ def test_progress_mode_follows_the_launcher(monkeypatch) -> None:
 
 
 def test_cli_dispatches_bench(capsys) -> None:
-    from collectives import cli
+    from commref import cli
 
     assert cli.main(["bench", "broadcast", "-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--no-baseline"]) == 0
     out = capsys.readouterr().out
@@ -337,7 +337,7 @@ def test_cli_dispatches_bench(capsys) -> None:
 
 
 def test_check_takes_nccl4py_or_nccl_tests_names(capsys) -> None:
-    from collectives import cli
+    from commref import cli
 
     args = cli.build_parser().parse_args(["check", "all_gather", "Reduce_Scatter", "allreduce"])
     assert args.collectives == ["allgather", "reduce_scatter", "allreduce"]

@@ -1,6 +1,6 @@
 """Collectives on the CPU engine with N ranks as threads (ThreadWorld), N = 1..8.
 
-Each world runs a reduced verification sweep (collectives.check) over every collective
+Each world runs a reduced verification sweep (commref.collectives.check) over every collective
 and algorithm, five dtypes, every op, in-place and out-of-place, with a FIFO geometry
 small enough that pipelining wraps the slots many times. The tuner only uses several
 channels from 4 MiB per channel on the CPU, so the sweeps lower that threshold (in this
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collectives import check, tuner, verify
-from collectives.communicator import Communicator, window_layout
-from collectives.verify import COLLECTIVES, OPS
-from device_kernels import abi
-from transports.world import ThreadWorld
+from commref.collectives import check, tuner, verify
+from commref.collectives.communicator import Communicator, window_layout
+from commref.collectives.verify import COLLECTIVES, OPS
+from commref.device_kernels import abi
+from commref.transports.world import ThreadWorld
 
 DTYPES = ["float32", "bfloat16", "int8", "uint64", "float16"]
 WORLD_TIMEOUT = 30.0
@@ -184,7 +184,7 @@ def test_repeated_interleaved_calls(nranks, many_channels):
         assert (sent == received).all(), f"ring link {r}->{nxt}: sent {sent}, received {received}"
         assert sent[0] > 0
     # Tree links: every parent/child pair agrees too, in both directions.
-    from collectives import topology
+    from commref.collectives import topology
 
     peers = [topology.channel_peers(r, nranks, channels) for r in range(nranks)]
     for r in range(nranks):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_kernels import abi, loader
+from commref.device_kernels import abi, loader
 
 ARCH = "sm_90"
 
@@ -159,7 +159,7 @@ def gpu_modules() -> dict[str, tuple[str, ...]]:
     """
     if not hasattr(loader, "specialization"):  # a loader without specialised modules
         return {"full": ()}
-    from collectives.verify import DTYPE_CODES, OPS
+    from commref.collectives.verify import DTYPE_CODES, OPS
 
     dtype_names = {v: k for k, v in DTYPE_CODES.items()}
     op_names = {v: k for k, v in OPS.items()}

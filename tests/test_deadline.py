@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from collectives.communicator import Communicator
+from commref.collectives.communicator import Communicator
 from conftest import TESTS, clean_env, run_mpi
-from transports.errors import CommAborted, CommTimeout
-from transports.world import ThreadWorld
+from commref.transports.errors import CommAborted, CommTimeout
+from commref.transports.world import ThreadWorld
 
 MISSING = 2
 COMM_TIMEOUT = 1.0

@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from collectives import check, tuner, verify
-from collectives.communicator import Communicator
-from collectives.symmetric import SymmetricArena
-from transports.errors import CommMismatch
-from transports.world import ThreadWorld
+from commref.collectives import check, tuner, verify
+from commref.collectives.communicator import Communicator
+from commref.collectives.symmetric import SymmetricArena
+from commref.transports.errors import CommMismatch
+from commref.transports.world import ThreadWorld
 
 TIMEOUT = 20.0
 

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 
-from device_kernels import abi, loader
+from commref.device_kernels import abi, loader
 
 GRIDS = (1, 2, 3, 4, 5)
 BLOCKS = (1, 2, 7, 64, 1024)

@@ -2,7 +2,7 @@
 selection, queue backpressure, gda limits, and the delivery semantics (unit tests).
 
 - Sweeps: every collective and algorithm over GIN on backends proxy and rc (and one
-  gda), ordered and unordered wires, exact checks (collectives.check), small slots so
+  gda), ordered and unordered wires, exact checks (commref.collectives.check), small slots so
   that a call takes many pipeline steps, 1 and 2 channels, 2, 3 and 4 ranks; LSA and
   GIN links mixed in one ring.
 - Ordering: the weak-signal-on-last-put protocol on an unordered wire corrupts data for
@@ -20,15 +20,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collectives import check, tuner
-from collectives.communicator import Communicator
-from collectives.verify import COLLECTIVES, REDUCING
-from device_kernels import abi
-from transports.errors import CapabilityError
-from transports.gin import semantics
-from transports.gin.backends import BACKENDS, PRIORITY, Requirements, capability_table, select_backend
-from transports.gin.semantics import Event, Plan, Put, Signal, Transport, enabled
-from transports.world import ThreadWorld
+from commref.collectives import check, tuner
+from commref.collectives.communicator import Communicator
+from commref.collectives.verify import COLLECTIVES, REDUCING
+from commref.device_kernels import abi
+from commref.transports.errors import CapabilityError
+from commref.transports.gin import semantics
+from commref.transports.gin.backends import BACKENDS, PRIORITY, Requirements, capability_table, select_backend
+from commref.transports.gin.semantics import Event, Plan, Put, Signal, Transport, enabled
+from commref.transports.world import ThreadWorld
 
 WORLD_TIMEOUT = 30.0
 

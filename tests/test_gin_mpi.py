@@ -17,7 +17,7 @@ from conftest import run_mpi
 
 pytestmark = pytest.mark.mpi
 
-CHECK = ["collectives.cli", "check", "--path", "gin"]
+CHECK = ["commref.cli", "check", "--path", "gin"]
 REDUCED = ["--dtype", "float32", "bfloat16", "--op", "sum", "max", "avg", "--count", "0", "1", "7", "1001",
            "2049", "--slot-bytes", "512"]
 

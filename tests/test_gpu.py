@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from collectives import check
-from collectives.communicator import Communicator
-from collectives.verify import COLLECTIVES
-from transports.world import ThreadWorld
+from commref.collectives import check
+from commref.collectives.communicator import Communicator
+from commref.collectives.verify import COLLECTIVES
+from commref.transports.world import ThreadWorld
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -49,7 +49,7 @@ def test_wait_deadline_on_gpu():
     code = textwrap.dedent("""
         import cupy, sys
         from tests.test_gpu import _deadline_body
-        from transports.world import ThreadWorld
+        from commref.transports.world import ThreadWorld
         r = ThreadWorld.run(2, _deadline_body, timeout=30)
         print(r[0]); sys.exit(0 if "peer 1" in r[0] else 1)
     """)
@@ -59,7 +59,7 @@ def test_wait_deadline_on_gpu():
 
 
 def _deadline_body(world):
-    from transports.errors import CommTimeout
+    from commref.transports.errors import CommTimeout
 
     comm = Communicator(world, "cuda", timeout=1.0)
     if world.rank == 1:

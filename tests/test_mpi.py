@@ -16,7 +16,7 @@ from conftest import clean_env, mpiexec, run_cmd, run_mpi
 
 pytestmark = pytest.mark.mpi
 
-CHECK = ["collectives.cli", "check"]
+CHECK = ["commref.cli", "check"]
 REDUCED = ["--dtype", "float32", "bfloat16", "int8", "uint64", "--op", "sum", "prod", "avg", "max",
            "--count", "0", "1", "7", "1001", "4099"]
 
@@ -71,7 +71,7 @@ def test_check_relaunch_np(shm_leak_check):
     """`commref check --np 2` outside MPI relaunches itself under mpiexec."""
     if mpiexec() is None:
         pytest.skip("mpiexec not found")
-    cmd = [sys.executable, "-m", "collectives.cli", "check", "--np", "2", "reduce", "broadcast", "--dtype", "int8",
+    cmd = [sys.executable, "-m", "commref.cli", "check", "--np", "2", "reduce", "broadcast", "--dtype", "int8",
            "float32", "--op", "sum", "max", "--count", "0", "5", "300"]
     proc = run_cmd(cmd, timeout=90, env=clean_env())
     _assert_clean(proc)
@@ -82,7 +82,7 @@ def test_check_relaunch_np(shm_leak_check):
 
 def test_check_single_process_no_mpi():
     """Without --np and outside MPI: a one-rank ThreadWorld."""
-    cmd = [sys.executable, "-m", "collectives.cli", "check", "allreduce", "--dtype", "float32", "--op", "avg",
+    cmd = [sys.executable, "-m", "commref.cli", "check", "allreduce", "--dtype", "float32", "--op", "avg",
            "--count", "3"]
     proc = run_cmd(cmd, timeout=60, env=clean_env())
     _assert_clean(proc)

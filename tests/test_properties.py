@@ -3,11 +3,11 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collectives import check, topology
-from collectives.communicator import Communicator
-from collectives.verify import DTYPES, OPS
-from transports.gin import semantics
-from transports.world import ThreadWorld
+from commref.collectives import check, topology
+from commref.collectives.communicator import Communicator
+from commref.collectives.verify import DTYPES, OPS
+from commref.transports.gin import semantics
+from commref.transports.world import ThreadWorld
 
 
 @given(st.integers(1, 64))

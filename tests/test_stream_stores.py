@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collectives import tuner, verify
-from collectives.communicator import Communicator
-from collectives.symmetric import SymmetricArena
-from transports.world import ThreadWorld
+from commref.collectives import tuner, verify
+from commref.collectives.communicator import Communicator
+from commref.collectives.symmetric import SymmetricArena
+from commref.transports.world import ThreadWorld
 
 COUNT = 600_001  # 2.4 MB of float32: 1.2 MB per rank's part at 2 ranks, streamed slots
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from collectives import study as st
-from collectives.cli import main as cli_main
-from transports.gin import semantics as sem
-from transports.gin.semantics import Event, Plan, Put, Signal
+from commref.collectives import study as st
+from commref.cli import main as cli_main
+from commref.transports.gin import semantics as sem
+from commref.transports.gin.semantics import Event, Plan, Put, Signal
 
 COLUMNS = ["ordered", "ordered/2ctx", "unordered", "unordered+block128", "unordered+duplicates",
            "unordered+flush_orders", "unordered/2ctx"]
@@ -273,7 +273,7 @@ def test_stress_on_the_proxy_agrees_with_the_explorer():
     cells proven safe show no corruption, a torn LL line and a bare signal on another
     context show theirs, and every delivery order the proxy produced is one
     semantics.enabled() allows for the explorer's plan of the program."""
-    from collectives import study_stress
+    from commref.collectives import study_stress
 
     P, M = st.PROTOCOL_BY_NAME, st.MODEL_BY_NAME
     picks = [("last-put", "strong", "unordered"), ("headers", "weak", "unordered+duplicates"),
@@ -307,7 +307,7 @@ def test_stress_under_mpirun_agrees_with_the_explorer(network, shm_leak_check):
     from conftest import run_mpi
 
     t0 = time.perf_counter()
-    r = run_mpi(2, ["collectives.cli", "study", "--stress", "--json", "--protocol", "last-put", "ll-flag-8B",
+    r = run_mpi(2, ["commref.cli", "study", "--stress", "--json", "--protocol", "last-put", "ll-flag-8B",
                     "--transport", "ordered", "unordered", "--seeds", "2", "--messages", "4", "--network", network],
                 timeout=60, module=True)
     elapsed = time.perf_counter() - t0

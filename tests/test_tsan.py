@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from device_kernels import loader
+from commref.device_kernels import loader
 
 REPO = Path(__file__).resolve().parents[1]
 TSAN_EXITCODE = 66
@@ -46,10 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from collectives import communicator, tuner, verify
-from collectives.symmetric import SymmetricArena
-from device_kernels import abi, loader
-from transports.world import ThreadWorld
+from commref.collectives import communicator, tuner, verify
+from commref.collectives.symmetric import SymmetricArena
+from commref.device_kernels import abi, loader
+from commref.transports.world import ThreadWorld
 
 lib, threads, path = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 assert hasattr(ctypes.CDLL(None), "__tsan_switch_to_fiber"), "the TSan runtime is not loaded"

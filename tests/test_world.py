@@ -1,5 +1,5 @@
-"""Tests of transports.world (ThreadWorld in-process, MPIWorld under mpiexec) and
-transports.errors."""
+"""Tests of commref.transports.world (ThreadWorld in-process, MPIWorld under mpiexec) and
+commref.transports.errors."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
-from transports.world import TIMEOUT_ENV, MPIWorld, ThreadWorld, World, default_timeout, world_from_env
+from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
+from commref.transports.world import TIMEOUT_ENV, MPIWorld, ThreadWorld, World, default_timeout, world_from_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPI_SCRIPT = os.path.join(REPO, "tests", "mpi_world_script.py")
@@ -311,7 +311,7 @@ def test_launched_under_mpi_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_launched_under_mpi_does_not_import_mpi() -> None:
-    code = ("import sys; from transports.world import MPIWorld; MPIWorld.launched_under_mpi(); "
+    code = ("import sys; from commref.transports.world import MPIWorld; MPIWorld.launched_under_mpi(); "
             "assert 'mpi4py.MPI' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 

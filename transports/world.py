@@ -11,13 +11,13 @@ Contracts shared by both:
 * **Every wait has a deadline.** ``barrier`` / ``allgather`` / ``bcast`` take a
   ``timeout`` in seconds (default ``world.timeout``, from ``$COMMREF_TIMEOUT``,
   60 s when unset). When it passes, the call raises
-  :class:`~transports.errors.CommTimeout` naming this rank, the peers that have
+  :class:`~commref.transports.errors.CommTimeout` naming this rank, the peers that have
   not arrived, what was being waited for, and expected vs seen rank counts.
 * **Collective calls.** Every rank must make the same sequence of control-plane
   calls (same operation, same ``root``), one call at a time per rank (the
   control plane is not meant to be driven by several threads of one rank at
   once). A call whose operation or root differs from a peer's raises
-  :class:`~transports.errors.CommMismatch` on the ranks that detect it.
+  :class:`~commref.transports.errors.CommMismatch` on the ranks that detect it.
 * **Abort.** ``abort_word`` is a ``numpy.uint64`` array of shape ``(1,)``,
   alive as long as the world, whose address device kernels and proxies poll;
   nonzero means the job is aborting. ``abort`` sets it to 1 before anything

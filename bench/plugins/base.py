@@ -6,7 +6,7 @@ As in nccl-tests, a plugin answers four questions, and the harness does the rest
   the count NCCL's call takes (nccl-tests' getCollByteCount);
 - bandwidth: the bytes algbw divides by time, and the bus factor that turns algbw
   into busbw (nccl-tests' getBw);
-- data: buffers holding exact-checkable inputs (collectives.verify), the expected
+- data: buffers holding exact-checkable inputs (commref.collectives.verify), the expected
   output, and how to restore an in-place input (nccl-tests' initData);
 - run: one call on a Communicator, or on anything with nccl4py's method names (the
   baselines) (nccl-tests' runColl).
@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from collectives import verify
+from commref.collectives import verify
 
 SENTINEL = 0x5A  # byte pattern of recvbufs before the first call: a missed write shows
 
@@ -142,7 +142,7 @@ class SymmetricMemory(Memory):
     before each measurement."""
 
     def __init__(self, comm, xp, capacity: int):
-        from collectives.symmetric import SymmetricArena
+        from commref.collectives.symmetric import SymmetricArena
 
         super().__init__(xp)
         self.arena = SymmetricArena(comm, capacity)

@@ -27,16 +27,16 @@ python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy._
 # Compile once (NVRTC through CuPy's cache) before the ranks start, so they share it.
 step "compile kernels (NVRTC)" timeout 300 python3 -c "
 import time; t=time.time()
-from device_kernels import loader; loader.cuda_kernels(0); print('compiled in %.1f s' % (time.time()-t))"
+from commref.device_kernels import loader; loader.cuda_kernels(0); print('compiled in %.1f s' % (time.time()-t))"
 step "GPU tests (pytest -m gpu)" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider
 step "4 ranks in ThreadWorld on one GPU" timeout 120 python3 tests/gpu/thread_world_gpu.py --np 4
-step "2 MPI ranks on one GPU through CUDA IPC" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m collectives.cli check \
+step "2 MPI ranks on one GPU through CUDA IPC" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m commref.cli check \
   --device cuda --dtype float32 bfloat16 int32 --count 0 7 1001 65537
 step "commref vs NCCL (nccl4py), 2 ranks one GPU" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py tests/gpu/nccl_compare.py
 if [ -f bench/harness.py ] && [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-  step "bench: ours vs NCCL, 2 ranks one GPU" timeout 100 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m collectives.cli bench \
+  step "bench: ours vs NCCL, 2 ranks one GPU" timeout 100 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m commref.cli bench \
     all_reduce -b 8 -e 64M -f 8 --device cuda -n 5 -w 2 -R 0,2
-  step "bench: 4 ranks as threads on one GPU" timeout 80 "$PY" -m collectives.cli bench \
+  step "bench: 4 ranks as threads on one GPU" timeout 80 "$PY" -m commref.cli bench \
     all_reduce -b 8 -e 64M -f 8 -t 4 --device cuda -n 5 -w 2
 fi
 echo; echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL)"

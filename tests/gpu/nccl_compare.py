@@ -8,9 +8,9 @@ the number of elements where ours and NCCL differ; exits non-zero on any mismatc
 
 import sys
 
-from collectives import verify
-from collectives.communicator import Communicator
-from transports.world import MPIWorld
+from commref.collectives import verify
+from commref.collectives.communicator import Communicator
+from commref.transports.world import MPIWorld
 
 CASES = [
     ("allreduce", "float32", "sum"), ("allreduce", "bfloat16", "max"), ("allreduce", "int32", "prod"),

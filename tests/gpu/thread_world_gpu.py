@@ -9,10 +9,10 @@ import argparse
 import sys
 import time
 
-from collectives import check
-from collectives.communicator import Communicator
-from collectives.verify import COLLECTIVES
-from transports.world import ThreadWorld
+from commref.collectives import check
+from commref.collectives.communicator import Communicator
+from commref.collectives.verify import COLLECTIVES
+from commref.transports.world import ThreadWorld
 
 
 def body(world, args):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from transports.errors import CapabilityError
+from commref.transports.errors import CapabilityError
 
 
 @dataclass(frozen=True)

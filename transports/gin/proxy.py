@@ -7,7 +7,7 @@ Wires move bytes and signals to the target:
 - ``mpi``: MPI messages to the target's proxy, which lands them in its own window
   (across processes and nodes: the distributed path; usable on one host too).
 
-What may land when is decided by transports.gin.semantics (the one definition):
+What may land when is decided by commref.transports.gin.semantics (the one definition):
 on an ``ordered`` wire each (context, target) is FIFO; on an ``unordered`` wire a
 seeded random generator picks among the enabled events, landing some now and keeping
 others back so that later operations can overtake them. A put's source is copied when
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from device_kernels import abi
-from transports.gin import semantics
-from transports.gin.backends import Backend
+from commref.device_kernels import abi
+from commref.transports.gin import semantics
+from commref.transports.gin.backends import Backend
 
 # An MPI wire message: 6 x uint64 header (kind, offset, size, is_va, signal, value),
 # then the data bytes.

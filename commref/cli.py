@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from .verify import COLLECTIVES, DTYPES, OPS
+from commref.collectives.verify import COLLECTIVES, DTYPES, OPS
 
 
 def find_mpiexec() -> str:
@@ -32,7 +32,7 @@ def find_mpiexec() -> str:
 
 def relaunch_under_mpi(nranks: int, argv: list[str]) -> int:
     """Runs this command again as `nranks` MPI processes and returns their exit code."""
-    cmd = [find_mpiexec(), "-n", str(nranks), sys.executable, "-m", "mpi4py", "-m", "collectives.cli", *argv]
+    cmd = [find_mpiexec(), "-n", str(nranks), sys.executable, "-m", "mpi4py", "-m", "commref.cli", *argv]
     env = dict(os.environ, COMMREF_UNDER_MPIEXEC="1")
     return subprocess.run(cmd, env=env).returncode
 
@@ -53,7 +53,7 @@ def _strip_np(argv: list[str]) -> list[str]:
 
 
 def _world(args):
-    from transports.world import MPIWorld, ThreadWorld
+    from commref.transports.world import MPIWorld, ThreadWorld
 
     if MPIWorld.launched_under_mpi():
         return MPIWorld()
@@ -61,14 +61,14 @@ def _world(args):
 
 
 def cmd_check(args, argv) -> int:
-    from transports.world import MPIWorld
+    from commref.transports.world import MPIWorld
 
     if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
         return relaunch_under_mpi(args.np, _strip_np(argv))
-    from device_kernels import abi
+    from commref.device_kernels import abi
 
-    from . import check
-    from .communicator import Communicator
+    from commref.collectives import check
+    from commref.collectives.communicator import Communicator
 
     world = _world(args)
     comm = Communicator(world, args.device, max_channels=args.channels, slot_bytes=args.slot_bytes,
@@ -98,9 +98,9 @@ def cmd_study(args, argv) -> int:
     the receiver as two processes (collectives/study_stress.py). Only rank 0 prints."""
     import contextlib
 
-    from transports.world import MPIWorld
+    from commref.transports.world import MPIWorld
 
-    from . import study
+    from commref.collectives import study
 
     if args.np is not None and args.np != 2:
         raise SystemExit("commref study: --np must be 2 (a sender and a receiver)")
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gin-protocol", default="strong",
                    choices=["strong", "weak-last", "signal-per-put", "flush-signal"],
                    help="how a GIN connection publishes a slot (only strong is safe on every wire)")
-    from . import study
+    from commref.collectives import study
 
     st = sub.add_parser("study", help="ordering study: protocol x transport model x signal strength -> safe/unsafe "
                                       "(docs/ordering.md)")
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the bench layer parses its own (nccl-tests) flags
-        from bench.harness import main as bench_main
+        from commref.bench.harness import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

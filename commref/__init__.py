@@ -1,0 +1,21 @@
+"""commref: collective-communication kernels in the style of NCCL's Device API.
+
+The public face: ``Communicator`` (nccl4py-shaped collectives over LSA peer memory and
+GIN), the worlds that bootstrap ranks (``MPIWorld``, one rank per process;
+``ThreadWorld``, ranks as threads of one process), and the error types. The
+``commref`` command (check, bench, study) is ``commref.cli``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from commref.collectives.communicator import Communicator
+from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
+from commref.transports.world import MPIWorld, ThreadWorld, World
+
+try:
+    __version__ = _version("commref")
+except PackageNotFoundError:  # a source tree that was not installed
+    __version__ = "0+unknown"
+
+__all__ = ["Communicator", "MPIWorld", "ThreadWorld", "World", "CommrefError", "CommTimeout", "CommAborted",
+           "CommMismatch", "CapabilityError", "__version__"]

@@ -1,0 +1,7 @@
+"""`python -m commref ...` is the `commref` command."""
+
+import sys
+
+from commref.cli import main
+
+sys.exit(main())
