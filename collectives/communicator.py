@@ -30,62 +30,7 @@ from .verify import COLLECTIVES, DTYPE_CODES, DTYPES, OPS, REDUCING, dtype_name
 
 DTYPE_OF = {d: n for n, d in DTYPES.items()}
 _DIRECT_KERNELS = frozenset(name for (coll, algo), name in loader.KERNELS.items() if algo == "direct")
-
-ALGORITHMS = ("ring", "tree", "direct")
-COLL_CODES = {c: i for i, c in enumerate(COLLECTIVES)}
-FLAG_STRIDE = 64
-
-
-def _align(x: int, a: int = 64) -> int:
-    return (x + a - 1) // a * a
-
-
-def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: int = 0,
-                  gin_counters: int = 0, nranks: int = 1) -> tuple[np.ndarray, int]:
-    """The connection window layout for up to `nchannels` channels and `nranks` ranks
-    (args.h), and its size. GIN regions are empty when gin_capacity is 0."""
-    lay = np.zeros((), dtype=abi.WINDOW_LAYOUT)
-    nin, nout = nchannels * abi.CONN_IN, nchannels * abi.CONN_OUT
-    stride = slot_bytes + abi.SLOT_HEADER
-    off = 0
-
-    def region(name: str, nbytes: int) -> None:
-        nonlocal off
-        lay[name] = off
-        off = _align(off + nbytes)
-
-    region("fifoOff", nin * nsteps * stride)
-    region("readyOff", nin * FLAG_STRIDE)
-    region("creditOff", nout * FLAG_STRIDE)
-    region("stateOff", nchannels * (abi.CONN_IN + abi.CONN_OUT) * 8)
-    region("stagingOff", nout * nsteps * stride if gin_capacity else 0)
-    region("ginQueueOff", gin_capacity * abi.GIN_DESCRIPTOR.itemsize + (128 if gin_capacity else 0))
-    region("ginSignalsOff", abi.gin_signals(nchannels, nsteps)[1] * 8 if gin_capacity else 0)
-    region("ginCountersOff", gin_counters * 8)
-    region("syncOff", nchannels * (nranks + 1) * FLAG_STRIDE)
-    lay["slotBytes"] = slot_bytes
-    lay["nsteps"] = nsteps
-    lay["flagStride"] = FLAG_STRIDE
-    return lay, off
-
-
-def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int) -> int:
-    """The call descriptor every step carries: fields that must agree across ranks."""
-    return (COLL_CODES[coll] | ALGORITHMS.index(algorithm) << 4 | dtype_code << 8 | op_code << 16
-            | (root & 0xFFFF) << 24 | nchannels << 40)
-
-
-def unpack_call(desc: int) -> dict:
-    inv_dtype = {v: k for k, v in DTYPE_CODES.items()}
-    inv_op = {v: k for k, v in OPS.items()}
-    return {
-        "collective": COLLECTIVES[desc & 0xF] if (desc & 0xF) < len(COLLECTIVES) else desc & 0xF,
-        "algorithm": ALGORITHMS[(desc >> 4) & 0xF] if ((desc >> 4) & 0xF) < len(ALGORITHMS) else (desc >> 4) & 0xF,
-        "dtype": inv_dtype.get((desc >> 8) & 0xFF, (desc >> 8) & 0xFF),
-        "op": inv_op.get((desc >> 16) & 0xFF, (desc >> 16) & 0xFF),
-        "root": (desc >> 24) & 0xFFFF,
-        "nchannels": (desc >> 40) & 0xFF,
-    }
+ALGORITHMS = tuple(abi.ALGORITHM_CODES)
 
 
 @dataclass
@@ -172,7 +117,7 @@ class Communicator:
 
         gin = self._plan_gin(world, path, backend, wire, network, gin_protocol, puts_per_slot, gin_queue,
                              gin_counters, segment_bytes)
-        layout, nbytes = window_layout(self.max_channels, self.slot_bytes, self.nsteps,
+        layout, nbytes = abi.window_layout(self.max_channels, self.slot_bytes, self.nsteps,
                                        gin_queue if gin else 0, gin_counters, self.nranks)
         self.window = register_window(world, nbytes, self.device, self.device_id or 0)
         missing = [r for r in range(self.nranks) if self.window.peer_addresses[r] == 0 and
@@ -476,7 +421,7 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: {e}") from None
         name = loader.KERNELS[(coll, plan.algorithm)]
         fields32 = np.array([root, DTYPE_CODES[dname], op_code, plan.nchannels, s.dtype.itemsize, 0], np.int32)
-        desc = pack_call(coll, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
+        desc = abi.pack_call(coll, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
         spec = self.kernel_spec(coll, dname, op) if coll in REDUCING else None
         return name, plan.nchannels, spec, fields32, desc
 
@@ -525,7 +470,7 @@ class Communicator:
             elif int(e["what"]) == 8:
                 field, mine, theirs = "symmetric buffer offset", expected, seen
             else:
-                m, t = unpack_call(expected), unpack_call(seen)
+                m, t = abi.unpack_call(expected), abi.unpack_call(seen)
                 diffs = [k for k in m if m[k] != t[k]] or ["call"]
                 field = diffs[0]
                 mine, theirs = m[field] if field in m else expected, t[field] if field in t else seen

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from commref.device_kernels import abi
+
 # NCCL's ncclDataType_t codes.
 DTYPES: dict[str, np.dtype] = {
     "int8": np.dtype(np.int8),
@@ -34,11 +36,10 @@ DTYPES: dict[str, np.dtype] = {
     "float64": np.dtype(np.float64),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
-DTYPE_CODES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
-               "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+DTYPE_CODES = abi.DTYPE_CODES
 _NAMES = {d: n for n, d in DTYPES.items()}
 # NCCL's ncclRedOp_t codes.
-OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+OPS = abi.OP_CODES
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce")
 REDUCING = {"allreduce", "reduce_scatter", "reduce"}
 MAX_EXACT_RANKS = 8

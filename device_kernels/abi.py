@@ -21,16 +21,43 @@ OUT_RING, OUT_TREE_PARENT, OUT_TREE_CHILD0, OUT_TREE_CHILD1 = range(4)
 
 # ErrorRecord.code and .what (ErrorCode / WaitWhat in args.h).
 ERR_OK, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED = 0, 1, 2, 3
+(WAIT_RECV_READY, WAIT_SEND_CREDIT, CALL_MISMATCH, COUNT_MISMATCH, WAIT_GIN_QUEUE, WAIT_GIN_FLUSH,
+ WAIT_LSA_BARRIER, BUFFER_MISMATCH) = range(1, 9)
 WAIT_WHAT = {
-    1: "data of the next step (recv ready)",
-    2: "a free FIFO slot (send credit)",
-    3: "call descriptor",
-    4: "element count",
-    5: "a free GIN queue slot (the proxy is behind)",
-    6: "the GIN proxy to complete earlier operations (flush)",
-    7: "the LSA barrier of a direct kernel",
-    8: "symmetric buffer offset",
+    WAIT_RECV_READY: "data of the next step (recv ready)",
+    WAIT_SEND_CREDIT: "a free FIFO slot (send credit)",
+    CALL_MISMATCH: "call descriptor",
+    COUNT_MISMATCH: "element count",
+    WAIT_GIN_QUEUE: "a free GIN queue slot (the proxy is behind)",
+    WAIT_GIN_FLUSH: "the GIN proxy to complete earlier operations (flush)",
+    WAIT_LSA_BARRIER: "the LSA barrier of a direct kernel",
+    BUFFER_MISMATCH: "symmetric buffer offset",
 }
+
+# What a CPU launch returns (commref_cpu_launch in cpu/engine.cpp).
+LAUNCH_OK, LAUNCH_FAILED, LAUNCH_REFUSED = 0, 1, 2  # failed: the ErrorRecord says why; refused: bad grid
+
+# DataType and RedOp (reduce.h): NCCL's ncclDataType_t and ncclRedOp_t codes, and each
+# dtype's C++ element type.
+DTYPE_CODES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+               "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+CXX_TYPES = {0: "int8_t", 1: "uint8_t", 2: "int32_t", 3: "uint32_t", 4: "int64_t", 5: "uint64_t",
+             6: "half_t", 7: "float", 8: "double", 9: "bf16_t"}
+OP_CODES = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+# The call descriptor every step carries (CollArgs.callDesc): fields that must agree
+# across ranks, packed as (name, shift, bits). Collective and algorithm codes below.
+CALL_FIELDS = (("collective", 0, 4), ("algorithm", 4, 4), ("dtype", 8, 8), ("op", 16, 8), ("root", 24, 16),
+               ("nchannels", 40, 8))
+COLLECTIVE_CODES = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "broadcast": 3, "reduce": 4}
+ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2}
+
+# Kernel entry points (COMMREF_KERNEL names in kernels/*.cu).
+KERNEL_NAMES = (
+    "commref_ring_allreduce", "commref_tree_allreduce", "commref_ring_reduce_scatter", "commref_ring_allgather",
+    "commref_ring_broadcast", "commref_ring_reduce", "commref_direct_allreduce", "commref_direct_reduce_scatter",
+    "commref_direct_allgather",
+)
 
 # GinProtocol (args.h): how a GIN connection publishes a slot.
 GIN_PROTOCOLS = {"strong": 0, "weak-last": 1, "signal-per-put": 2, "flush-signal": 3}
@@ -39,6 +66,10 @@ GIN_PUT, GIN_PUT_VALUE, GIN_SIGNAL, GIN_GET, GIN_FLUSH, GIN_DOORBELL = 1, 2, 3, 
 GIN_HAS_SIGNAL, GIN_STRONG, GIN_VA, GIN_ADD, GIN_HAS_COUNTER = 1, 2, 4, 8, 16
 
 SLOT_HEADER = 64  # bytes before each FIFO slot's data: call descriptor and count
+FLAG_STRIDE = 64  # bytes between flag words: two writers never share a cache line
+# After the GIN queue's descriptors: the claimed counter, and a cache line later the
+# consumed counter (gin.h).
+GIN_QUEUE_CLAIMED, GIN_QUEUE_CONSUMED, GIN_QUEUE_HEADER = 0, 64, 128
 
 
 def gin_signals(nchannels: int, nsteps: int) -> tuple[int, int]:
@@ -158,3 +189,57 @@ STRUCTS = {
     "GinDescriptor": GIN_DESCRIPTOR,
     "SymBuffer": SYM_BUFFER,
 }
+
+
+def _align(x: int, a: int = 64) -> int:
+    return (x + a - 1) // a * a
+
+
+def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: int = 0,
+                  gin_counters: int = 0, nranks: int = 1) -> tuple[np.ndarray, int]:
+    """The connection window's layout (WindowLayout: the regions args.h describes) for
+    up to `nchannels` channels and `nranks` ranks, and its size in bytes. The GIN
+    regions are empty when gin_capacity is 0."""
+    lay = np.zeros((), dtype=WINDOW_LAYOUT)
+    nin, nout = nchannels * CONN_IN, nchannels * CONN_OUT
+    stride = slot_bytes + SLOT_HEADER
+    off = 0
+
+    def region(name: str, nbytes: int) -> None:
+        nonlocal off
+        lay[name] = off
+        off = _align(off + nbytes)
+
+    region("fifoOff", nin * nsteps * stride)
+    region("readyOff", nin * FLAG_STRIDE)
+    region("creditOff", nout * FLAG_STRIDE)
+    region("stateOff", nchannels * (CONN_IN + CONN_OUT) * 8)
+    region("stagingOff", nout * nsteps * stride if gin_capacity else 0)
+    region("ginQueueOff", gin_capacity * GIN_DESCRIPTOR.itemsize + (GIN_QUEUE_HEADER if gin_capacity else 0))
+    region("ginSignalsOff", gin_signals(nchannels, nsteps)[1] * 8 if gin_capacity else 0)
+    region("ginCountersOff", gin_counters * 8)
+    region("syncOff", nchannels * (nranks + 1) * FLAG_STRIDE)
+    lay["slotBytes"] = slot_bytes
+    lay["nsteps"] = nsteps
+    lay["flagStride"] = FLAG_STRIDE
+    return lay, off
+
+
+def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int) -> int:
+    """The call descriptor (CALL_FIELDS) of one call."""
+    values = (COLLECTIVE_CODES[coll], ALGORITHM_CODES[algorithm], dtype_code, op_code, root, nchannels)
+    desc = 0
+    for (_, shift, bits), v in zip(CALL_FIELDS, values):
+        desc |= (v & ((1 << bits) - 1)) << shift
+    return desc
+
+
+def unpack_call(desc: int) -> dict:
+    """The fields of a call descriptor by name, codes turned back into names where known."""
+    names = {"collective": COLLECTIVE_CODES, "algorithm": ALGORITHM_CODES, "dtype": DTYPE_CODES, "op": OP_CODES}
+    out = {}
+    for name, shift, bits in CALL_FIELDS:
+        v = (desc >> shift) & ((1 << bits) - 1)
+        inverse = {code: n for n, code in names.get(name, {}).items()}
+        out[name] = inverse.get(v, v)
+    return out

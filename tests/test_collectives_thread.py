@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from commref.collectives import check, tuner, verify
-from commref.collectives.communicator import Communicator, window_layout
+from commref.collectives.communicator import Communicator
+from commref.device_kernels.abi import window_layout
 from commref.collectives.verify import COLLECTIVES, OPS
 from commref.device_kernels import abi
 from commref.transports.world import ThreadWorld

@@ -1,0 +1,117 @@
+"""Communicator options: one typed record, checked once on construction.
+
+`Communicator(world, device, **kwargs)` takes the keyword names below (nccl4py-style
+flat keywords; the GIN ones map onto GinOptions' fields), or a ready `options=`
+CommOptions. `commref check` and `commref bench` build the same record from their
+flags before any rank starts, so a bad value gets the same one-line OptionError
+everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from commref.device_kernels import abi
+from commref.transports.gin.options import GinOptions
+from commref.transports.options import Choice, OptionError, bounded, choice, seconds
+
+MAX_THREADS = 1024  # threads per block (CUDA's limit; the CPU engine's too)
+
+
+class Device(Choice):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Algorithm(Choice):
+    """A collective's algorithm; auto lets the tuner pick (tuner.plan)."""
+
+    AUTO = "auto"
+    RING = "ring"
+    TREE = "tree"
+    DIRECT = "direct"
+
+
+class StreamStores(Choice):
+    """CPU: whether what another core reads next is stored past the cache (move.h);
+    auto measures both per kind of call (tuner.StoreChooser)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """Everything a Communicator can be told. None: the device's default (tuner.defaults)
+    or, for the timeout, the world's."""
+
+    device: Device = Device.AUTO
+    algorithm: Algorithm = Algorithm.AUTO
+    max_channels: int | None = None  # blocks per launch; also sizes the window
+    slot_bytes: int | None = None  # FIFO slot data bytes
+    nsteps: int | None = None  # FIFO slots per connection
+    threads: int | None = None  # per block
+    timeout: float | None = None  # seconds, every wait
+    device_id: int | None = None  # CUDA device (default: the current one)
+    stream_stores: StreamStores = StreamStores.AUTO
+    gin: GinOptions = field(default_factory=GinOptions)
+
+    def __post_init__(self) -> None:
+        fix = object.__setattr__
+        fix(self, "device", choice(Device, self.device, "device"))
+        fix(self, "algorithm", choice(Algorithm, self.algorithm, "algorithm"))
+        fix(self, "stream_stores", choice(StreamStores, self.stream_stores, "stream_stores"))
+        if self.max_channels is not None:
+            fix(self, "max_channels", bounded(self.max_channels, "max_channels", 1, abi.MAX_CHANNELS))
+        if self.slot_bytes is not None:
+            fix(self, "slot_bytes", bounded(self.slot_bytes, "slot_bytes", 64, multiple=64))
+        if self.nsteps is not None:
+            # A ring step holds its inbound slot while it waits for an outbound one.
+            fix(self, "nsteps", bounded(self.nsteps, "nsteps", 2))
+        if self.threads is not None:
+            fix(self, "threads", bounded(self.threads, "threads", 1, MAX_THREADS))
+        if self.timeout is not None:
+            fix(self, "timeout", seconds(self.timeout))
+        if self.device_id is not None:
+            fix(self, "device_id", bounded(self.device_id, "device_id", 0))
+        if not isinstance(self.gin, GinOptions):
+            raise OptionError(f"gin must be a GinOptions, not {type(self.gin).__name__}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "CommOptions":
+        """The record for Communicator's flat keywords (see KEYWORDS); None leaves a
+        field at its default. An unknown keyword raises TypeError."""
+        unknown = sorted(set(kwargs) - set(KEYWORDS))
+        if unknown:
+            raise TypeError(f"unknown Communicator option {unknown[0]!r}; options: {', '.join(KEYWORDS)}")
+        mine, gin = {}, {}
+        for key, value in kwargs.items():
+            if value is None:
+                continue
+            where, name = KEYWORDS[key]
+            (gin if where == "gin" else mine)[name] = value
+        return cls(**mine, gin=GinOptions(**gin))
+
+    def replace(self, **kwargs) -> "CommOptions":
+        """A copy with these flat keywords changed."""
+        flat = {k: getattr(self.gin if w == "gin" else self, n) for k, (w, n) in KEYWORDS.items()}
+        return CommOptions.from_kwargs(**(flat | kwargs))
+
+
+# Communicator keyword -> (record, field).
+KEYWORDS: dict[str, tuple[str, str]] = {
+    **{f.name: ("comm", f.name) for f in dataclasses.fields(CommOptions) if f.name != "gin"},
+    "path": ("gin", "path"),
+    "backend": ("gin", "backend"),
+    "wire": ("gin", "wire"),
+    "network": ("gin", "network"),
+    "seed": ("gin", "seed"),
+    "gin_protocol": ("gin", "protocol"),
+    "puts_per_slot": ("gin", "puts_per_slot"),
+    "gin_queue": ("gin", "queue"),
+    "gin_counters": ("gin", "counters"),
+    "segment_bytes": ("gin", "segment_bytes"),
+}
