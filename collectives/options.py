@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from commref.device_kernels import abi
+from commref.transports.errors import CapabilityError
 from commref.transports.gin.options import GinOptions
 from commref.transports.options import Choice, OptionError, bounded, choice, seconds
 
@@ -115,3 +116,23 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "gin_counters": ("gin", "counters"),
     "segment_bytes": ("gin", "segment_bytes"),
 }
+
+
+def resolve_device(device) -> str:
+    """"cpu" or "cuda" for a Device choice: auto is cuda where CuPy sees a GPU. Raises
+    CapabilityError when cuda is asked for and cannot be had."""
+    device = choice(Device, device, "device")
+    if device == Device.AUTO:
+        try:
+            import cupy
+        except ImportError:
+            return "cpu"
+        return "cuda" if cupy.is_available() else "cpu"
+    if device == Device.CUDA:
+        try:
+            import cupy
+        except ImportError as e:
+            raise CapabilityError("device='cuda' needs CuPy (pip install 'commref[cuda12]' or '[cuda13]')") from e
+        if not cupy.is_available():
+            raise CapabilityError("device='cuda' but no CUDA device is available")
+    return device.value

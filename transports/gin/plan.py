@@ -1,0 +1,90 @@
+"""GIN planning: which peers of a communicator go over GIN, on which backend, wire and
+network, and the proxy that carries them.
+
+`plan_gin` is collective (every rank learns its LSA team); it decides per peer
+(LSA where the peer's window is mapped and the path allows it, GIN otherwise),
+selects the backend by requirements (backends.select_backend), and refuses what this
+machine cannot do with a CapabilityError that names what is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commref.device_kernels import abi
+from commref.transports.errors import CapabilityError
+from commref.transports.gin import semantics
+from commref.transports.gin.backends import Backend, Requirements, select_backend
+from commref.transports.gin.options import GinOptions, GinProtocol, Network, Path, Wire
+from commref.transports.windows import lsa_team
+
+MAX_GIN_RANKS = 64  # GinArgs.peerMask is one 64-bit word
+
+
+@dataclass(frozen=True)
+class GinPlan:
+    """The outcome of planning: `peer_mask` has bit r set for each peer over GIN; the
+    rest is None when no peer is (`used` is False)."""
+
+    options: GinOptions
+    peer_mask: int = 0
+    backend: Backend | None = None
+    transport: semantics.Transport | None = None
+    network: str | None = None
+
+    @property
+    def used(self) -> bool:
+        return bool(self.peer_mask)
+
+    def fill_args(self, gin_args, max_channels: int, nsteps: int) -> None:
+        """Fills CollArgs.gin (a GIN_ARGS record) for this plan."""
+        o = self.options
+        gin_args["peerMask"] = self.peer_mask
+        gin_args["capacity"] = o.queue if self.used else 0
+        gin_args["protocol"] = abi.GIN_PROTOCOLS[o.protocol.value] if self.used else 0
+        gin_args["putsPerSlot"] = o.puts_per_slot
+        gin_args["checkHeaders"] = int(o.protocol == GinProtocol.STRONG)
+        gin_args["creditSignalBase"] = abi.gin_signals(max_channels, nsteps)[0]
+
+    def start_proxy(self, world, window, layout, lib):
+        """Starts this rank's GIN proxy over `window` (None when GIN is not used)."""
+        if not self.used:
+            return None
+        from commref.transports.gin.proxy import GinProxy
+
+        o = self.options
+        mpi_comm = world.comm.Dup() if self.network == "mpi" else None
+        proxy = GinProxy(world, window, layout, o.queue, self.backend, self.transport, self.network, o.seed,
+                         o.segment_bytes, lib, mpi_comm)
+        proxy.start()
+        return proxy
+
+
+def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps: int) -> GinPlan:
+    """Collective: the GIN plan of this rank of `world` (see the module docstring)."""
+    rank, nranks = world.rank, world.size
+    if nranks > MAX_GIN_RANKS:
+        raise CapabilityError(f"GIN connections address at most {MAX_GIN_RANKS} ranks in this version")
+    local = set(lsa_team(world))  # collective: every rank asks once, whatever its path
+    team = local if options.path != Path.GIN else set()
+    others = [r for r in range(nranks) if r != rank]
+    gin_peers = [] if options.path == Path.LSA else [r for r in others if r not in team]
+    if not gin_peers:
+        return GinPlan(options)
+    if device == "cuda":
+        raise CapabilityError("GIN connections run on the CPU engine in this version (device='cpu')")
+    network = options.network
+    if network == Network.AUTO:
+        network = Network.SHM if all(r in local for r in gin_peers) else Network.MPI
+    if network == Network.SHM and not all(r in local for r in gin_peers):
+        raise CapabilityError(f"rank {rank}: network 'shm' needs every GIN peer on this host")
+    if network == Network.MPI and world.kind != "mpi":
+        raise CapabilityError("network 'mpi' needs an MPI world (run under mpiexec)")
+    req = Requirements(strong_signals_required=options.protocol == GinProtocol.STRONG, wire=options.wire.value,
+                       flush_orders_later_writes=options.protocol == GinProtocol.FLUSH_SIGNAL,
+                       signals_counters=abi.gin_signals(max_channels, nsteps)[1] + options.counters)
+    backend = select_backend(req, options.backend.value)
+    transport = semantics.Transport(
+        options.wire.value, ordered=options.wire == Wire.ORDERED,
+        flush_orders_later_writes=backend.caps.local_completion_orders_later_writes)
+    return GinPlan(options, sum(1 << r for r in gin_peers), backend, transport, network.value)
