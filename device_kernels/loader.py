@@ -12,6 +12,7 @@ same key wait on a file lock and reuse one build.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import fcntl
 import functools
@@ -61,8 +62,13 @@ class KernelError(RuntimeError):
 
 
 def source_files() -> list[Path]:
-    files = sorted(INCLUDE_DIR.rglob("*.h")) + sorted((SOURCE_DIR / "kernels").glob("*.cu")) + [ENGINE_SOURCE]
-    return files
+    """Every file the kernels and the CPU engine are built from."""
+    return sorted(INCLUDE_DIR.rglob("*.h")) + cpu_sources()
+
+
+def cpu_sources() -> list[Path]:
+    """The translation units of the CPU library."""
+    return [MAIN_SOURCE, ENGINE_SOURCE]
 
 
 def cache_dir() -> Path:
@@ -81,36 +87,70 @@ def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
 
 
-def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ...] = ()) -> Path:
-    """Compiles (or finds in the cache) the CPU library and returns its path."""
-    cxx = host_compiler()
+def _hash_inputs(cxx: str, sources: list[Path], include_dirs: tuple[Path, ...], flags: tuple[str, ...],
+                 defines: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for f in source_files():
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
+    files = [*sources]
+    for d in include_dirs:
+        files += sorted(p for p in Path(d).rglob("*") if p.is_file() and p.suffix in (".h", ".hpp", ".cuh"))
+    for f in files:
+        h.update(str(f.name).encode())
+        h.update(Path(f).read_bytes())
     h.update(cxx.encode())
     h.update(_compiler_version(cxx).encode())
-    h.update(repr((flags, defines)).encode())
-    key = h.hexdigest()[:20]
+    h.update(repr((flags, defines, [str(d) for d in include_dirs], [str(s) for s in sources])).encode())
+    return h.hexdigest()[:20]
+
+
+def _compile_object(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def build_library(name: str, sources: list[Path], flags: tuple[str, ...] = CPU_FLAGS, defines=(),
+                  include_dirs=()) -> Path:
+    """Compiles `sources` (C++; `.cu` files too) as separate translation units and links
+    them into one shared library `lib<name>-<hash>.so` under cache_dir(), or finds it
+    there. The key hashes every source, every header under `include_dirs`, the compiler
+    and its version, the flags and the defines; ranks building the same key wait on a
+    file lock and reuse one build. `flags` apply to compiling and linking (they should
+    hold -shared and -fPIC); `defines` are given as "NAME" or "NAME=VALUE"."""
+    cxx = host_compiler()
+    sources = [Path(s) for s in sources]
+    include_dirs = tuple(Path(d) for d in include_dirs)
+    flags, defines = tuple(flags), tuple(defines)
+    key = _hash_inputs(cxx, sources, include_dirs, flags, defines)
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"libcommref-{key}.so"
+    lib = out_dir / f"lib{name}-{key}.so"
     if lib.exists():
         return lib
-    with open(out_dir / f"libcommref-{key}.lock", "w") as lock:
+    with open(out_dir / f"lib{name}-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if lib.exists():
             return lib
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-        os.close(fd)
-        cmd = [cxx, *flags, "-DCOMMREF_CPU", *(f"-D{d}" for d in defines), "-I", str(INCLUDE_DIR),
-               "-x", "c++", str(MAIN_SOURCE), "-x", "c++", str(ENGINE_SOURCE), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise KernelError(f"building the CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        os.replace(tmp, lib)
+        common = [*flags, *(f"-D{d}" for d in defines), *(a for d in include_dirs for a in ("-I", str(d)))]
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=f"lib{name}-{key}.") as tmpdir:
+            objects = [Path(tmpdir) / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
+            cmds = [[cxx, *common, "-c", "-x", "c++", str(src), "-x", "none", "-o", str(obj)]
+                    for src, obj in zip(sources, objects)]
+            workers = max(1, min(len(cmds), os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                procs = list(pool.map(_compile_object, cmds))
+            for cmd, proc in zip(cmds, procs):
+                if proc.returncode != 0:
+                    raise KernelError(f"building {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+            tmp = Path(tmpdir) / f"lib{name}.so"
+            cmd = [cxx, *flags, *map(str, objects), "-o", str(tmp)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelError(f"linking {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+            os.replace(tmp, lib)
     return lib
+
+
+def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ...] = ()) -> Path:
+    """Compiles (or finds in the cache) the CPU library (kernels and engine) and returns its path."""
+    return build_library("commref", cpu_sources(), flags, ("COMMREF_CPU", *defines), (INCLUDE_DIR,))
 
 
 class CpuKernels:
