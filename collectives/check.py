@@ -8,20 +8,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import verify
+from . import catalogue, verify
+from .memory import Memory, SymmetricMemory, array_module
 from .symmetric import SymmetricArena
-from .tuner import DIRECT_COLLECTIVES
-from .verify import DTYPES, OPS, REDUCING
+from .verify import DTYPES, OPS
 
 DEFAULT_COUNTS = (0, 1, 7, 1001)
-SENTINEL = 0x5A  # byte pattern of buffers a collective must not touch
 
 
 def algorithms_for(coll: str, direct: bool = True) -> tuple[str, ...]:
-    """The algorithms implemented for `coll`; with `direct`, the direct kernels too
-    (their cases run on symmetric buffers)."""
-    algos = ("ring", "tree") if coll == "allreduce" else ("ring",)
-    return algos + ("direct",) if direct and coll in DIRECT_COLLECTIVES else algos
+    """The algorithms implemented for `coll`; without `direct`, not the direct kernels
+    (their cases need symmetric buffers and every peer over LSA)."""
+    return tuple(a for a in catalogue.get(coll).algorithms if direct or a != "direct")
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
             if algorithms and algo not in algorithms:
                 continue
             for di, dtype in enumerate(dtypes):
-                for oi, op in enumerate(ops if coll in REDUCING else [None]):
+                for oi, op in enumerate(ops if catalogue.get(coll).reducing else [None]):
                     for count in counts:
                         for ip in in_place:
                             root = (count + di + oi) % nranks
@@ -55,99 +53,34 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
     return out
 
 
-def run_case(comm, case: Case, stream=None, arena: SymmetricArena | None = None) -> int:
+def run_case(comm, case: Case, stream=None, memory: Memory | None = None) -> int:
     """Runs one case on this rank; returns the number of wrong elements here. Buffers
-    live where the communicator runs (numpy on the CPU, CuPy on a GPU); a direct
-    case's buffers come from `arena` (symmetric memory, reset here)."""
+    come from `memory` (a direct case's from a SymmetricMemory, reset here); where the
+    collective must leave this rank's recvbuf alone, it must still hold what it held."""
     n, r = comm.nranks, comm.rank
+    spec = catalogue.get(case.coll)
     dt = DTYPES[case.dtype]
-    xp = _array_module(comm)
-    host = verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count)
+    if memory is None:
+        if case.algorithm == "direct":
+            raise ValueError("direct cases need a SymmetricMemory (run_sweep makes one)")
+        memory = Memory(array_module(comm.device))
+    if isinstance(memory, SymmetricMemory):
+        memory.reset()
+    x = verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count)
     expected = verify.expected_output(case.coll, dt, case.op, case.seed, r, n, case.count, case.root)
-    if case.algorithm == "direct":
-        if arena is None:
-            raise ValueError("direct cases need a SymmetricArena (run_sweep makes one)")
-        arena.reset()
-
-        def sentinel(count):
-            buf = arena.take(count, dt)
-            buf.view(np.uint8).fill(SENTINEL)
-            return buf
-
-        def copy(a):
-            buf = arena.take(a.size, dt)
-            buf[...] = a
-            return buf
-    else:
-        def sentinel(count):
-            return xp.full(count * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
-
-        def copy(a):
-            return a.copy()
-    x = copy(xp.asarray(host))
-    rc = verify.recv_count(case.coll, case.count, n)
-    c = case.count
-    kw = {"algorithm": case.algorithm, "stream": stream}
-    if case.coll == "allreduce":
-        if case.in_place:
-            out = copy(x)
-            comm.allreduce(out, out, case.op, **kw)
-        else:
-            out = sentinel(rc)
-            comm.allreduce(x, out, case.op, **kw)
-    elif case.coll == "reduce_scatter":
-        if case.in_place:
-            buf = copy(x)
-            out = buf[r * c : (r + 1) * c]
-            comm.reduce_scatter(buf, out, case.op, **kw)
-        else:
-            out = sentinel(rc)
-            comm.reduce_scatter(x, out, case.op, **kw)
-    elif case.coll == "allgather":
-        out = sentinel(rc)
-        if case.in_place:
-            out[r * c : (r + 1) * c] = x
-            comm.allgather(out[r * c : (r + 1) * c], out, **kw)
-        else:
-            comm.allgather(x, out, **kw)
-    elif case.coll == "broadcast":
-        out = sentinel(rc)
-        if r == case.root and case.in_place:
-            out[:] = x
-            comm.broadcast(out, out, case.root, **kw)
-        else:
-            comm.broadcast(x, out, case.root, **kw)
-    elif case.coll == "reduce":
-        if case.in_place and r == case.root:
-            out = copy(x)
-            comm.reduce(out, out, case.op, case.root, **kw)
-        else:
-            out = sentinel(rc)
-            comm.reduce(x, out, case.op, case.root, **kw)
-        if expected is None:  # a non-root recvbuf must be left alone
-            expected = np.full(rc * dt.itemsize, SENTINEL, dtype=np.uint8).view(dt)
-    else:
-        raise ValueError(case.coll)
-    if xp is not np:
+    b = spec.buffers(memory, x, case.count, r, n, case.in_place)
+    before = memory.to_host(b.out).copy() if expected is None else None
+    spec.call(comm, b.send, b.recv, case.op, case.root, algorithm=case.algorithm, stream=stream)
+    if memory.xp is not np:
         comm.synchronize(stream)
-        out = xp.asnumpy(out)
-    return verify.count_wrong(out, expected)
-
-
-def _array_module(comm):
-    if getattr(comm, "device", "cpu") == "cuda":
-        import cupy
-
-        return cupy
-    return np
+    return verify.count_wrong(memory.to_host(b.out), before if expected is None else expected)
 
 
 def _direct_bytes(case: Case, nranks: int) -> int:
-    """Symmetric bytes run_case takes for a direct case: at most three buffers of the
-    larger of the send and recv counts, each page-aligned."""
-    itemsize = DTYPES[case.dtype].itemsize
-    largest = max(case.count, verify.recv_count(case.coll, case.count, nranks), case.count * nranks)
-    return 3 * (largest * itemsize + SymmetricArena.ALIGN)
+    """Symmetric bytes run_case takes for a direct case: its two buffers, each
+    page-aligned."""
+    send, recv = catalogue.get(case.coll).counts(case.count, nranks)
+    return (send + recv) * DTYPES[case.dtype].itemsize + 2 * SymmetricArena.ALIGN
 
 
 def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
@@ -155,15 +88,17 @@ def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
     over ranks (one allgather at the end)."""
     comm.prepare({comm.kernel_spec(c.coll, c.dtype, c.op) for c in case_list})
     direct = [c for c in case_list if c.algorithm == "direct"]
-    arena = SymmetricArena(comm, max(_direct_bytes(c, comm.nranks) for c in direct)) if direct else None
+    plain = Memory(array_module(comm.device))
+    symmetric = (SymmetricMemory(comm, plain.xp, max(_direct_bytes(c, comm.nranks) for c in direct))
+                 if direct else None)
     wrong = []
     for i, case in enumerate(case_list):
         with stream if stream is not None else contextlib.nullcontext():
-            wrong.append(run_case(comm, case, stream, arena))
+            wrong.append(run_case(comm, case, stream, symmetric if case.algorithm == "direct" else plain))
         if progress:
             progress(i + 1, len(case_list))
-    if arena is not None:
-        arena.free()
+    if symmetric is not None:
+        symmetric.free()
     per_rank = comm.world.allgather(wrong, what="check results")
     return [int(sum(w[i] for w in per_rank)) for i in range(len(case_list))]
 

@@ -39,3 +39,80 @@ class SymmetricArena:
                               f"do not fit")
         self.used = at + nbytes
         return self.window[at : at + nbytes].view(dt)
+
+
+class SymmetricWindows:
+    """A communicator's windows from alloc_symmetric (NCCL's ncclMemAlloc plus a
+    symmetric window registration), and where a call's buffers lie in them."""
+
+    CACHE_CALLS = 64  # call shapes whose lookup is remembered
+
+    def __init__(self, world, device: str, device_id: int, connection_window):
+        self.world, self.rank, self.device, self.device_id = world, world.rank, device, device_id
+        self._connection = connection_window
+        self.windows: list = []
+        self._cache: dict = {}  # (collective, buffer addresses and sizes) -> direct()
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def alloc(self, count, dtype):
+        """Collective: a zeroed array of `count` elements in a new window every LSA peer maps."""
+        from commref.transports.errors import CapabilityError
+        from commref.transports.windows import register_window
+
+        dt = np.dtype(dtype)
+        if not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"rank {self.rank}: count must be a non-negative integer, got {count!r}")
+        nbytes = int(count) * dt.itemsize
+        win = register_window(self.world, max(nbytes, 64), self.device, self.device_id)
+        peers = self._connection.peer_addresses
+        unmapped = [r for r in range(self.world.size) if peers[r] and not win.peer_addresses[r]]
+        if unmapped:
+            win.close()
+            raise CapabilityError(f"rank {self.rank}: ranks {unmapped} could not map a symmetric window")
+        self.windows.append(win)
+        self._cache.clear()
+        return win.local[:nbytes].view(dt)
+
+    def free(self, address: int) -> None:
+        """Collective: releases the window at `address`; every rank must free the same
+        (the n-th allocation on every rank), else ValueError on every rank."""
+        mine = next((i for i, w in enumerate(self.windows) if w.address == address), None)
+        every = self.world.allgather(mine, what="free_symmetric")
+        if mine is None or len(set(every)) != 1:
+            raise ValueError(f"rank {self.rank}: free_symmetric needs the same array from alloc_symmetric on every "
+                             f"rank; allocation indices by rank (None: not such an array): {every}")
+        self.windows.pop(mine).close()
+        self._cache.clear()
+
+    def of(self, b) -> tuple[int, int] | None:
+        """(peer table address, offset) of a buffer inside a window, or None."""
+        from .launch import address_of
+
+        for win in self.windows:
+            if win.address <= b.address and b.address + b.nbytes <= win.address + win.nbytes:
+                return address_of(win.peer_table), b.address - win.address
+        return None
+
+    def direct(self, spec, s, r) -> tuple[int, int, int, int] | None:
+        """symSend and symRecv (table, offset, table, offset) when every buffer the
+        direct kernel of `spec` accesses on peers lies in a window, else None. A buffer
+        no peer accesses is described by one they do, so that the first barrier
+        compares only offsets that must agree."""
+        where = (spec.name, s.address, s.nbytes, r.address, r.nbytes)
+        hit = self._cache.get(where, False)
+        if hit is not False:
+            return hit
+        if len(self._cache) >= self.CACHE_CALLS:
+            self._cache.clear()
+        by_name = {"sendbuf": s, "recvbuf": r}
+        described = [self.of(by_name[name]) for name in spec.peer_accessed]
+        sym = None if not described or None in described else (*described[0], *described[-1])
+        self._cache[where] = sym
+        return sym
+
+    def close(self) -> None:
+        for win in self.windows:
+            win.close()
+        self.windows.clear()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from . import catalogue
+
 
 @dataclass(frozen=True)
 class Defaults:
@@ -38,11 +40,10 @@ class Plan:
 
 # Below this many bytes per rank, a tree's log(n) latency beats a ring's n steps.
 TREE_MAX_BYTES = 64 * 1024
-# Collectives with a direct kernel (direct.cu), and the size from which "auto" takes
+# The size from which "auto" takes a direct kernel (direct.cu)
 # it when the buffers are symmetric: below, its handshake and barriers cost more than
 # the ring's few steps (2 ranks, CPU: allreduce 4 KiB ring 7.1 us, direct 10.3 us;
 # 32 KiB ring 22 us, direct 20 us; allgather 32 KiB 13.6 against 8.4 us).
-DIRECT_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 DIRECT_MIN_BYTES = 16 * 1024
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024
@@ -53,17 +54,17 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     """Algorithm and channel count for one call. `nbytes` is the size of the full
     (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
     that the direct kernels can run (symmetric buffers, every peer over LSA)."""
-    if algorithm == "tree" and coll != "allreduce":
-        raise ValueError(f"algorithm 'tree' is implemented for allreduce only, not {coll}")
-    if algorithm == "direct" and coll not in DIRECT_COLLECTIVES:
-        raise ValueError(f"algorithm 'direct' is implemented for {', '.join(DIRECT_COLLECTIVES)}, not {coll}")
+    spec = catalogue.get(coll)
+    if algorithm != "auto" and algorithm not in spec.algorithms:
+        raise ValueError(f"algorithm {algorithm!r} is implemented for "
+                         f"{', '.join(catalogue.with_algorithm(algorithm))} only, not {coll}")
     if algorithm == "direct" and not symmetric:
-        raise ValueError("algorithm 'direct' needs buffers from Communicator.alloc_symmetric (allreduce: "
-                         "sendbuf and recvbuf; reduce_scatter: sendbuf; allgather: recvbuf) and every peer over LSA")
-    if algorithm == "auto" and symmetric and coll in DIRECT_COLLECTIVES and nbytes >= DIRECT_MIN_BYTES:
+        raise ValueError(f"algorithm 'direct' needs buffers from Communicator.alloc_symmetric ({coll}: "
+                         f"{' and '.join(spec.peer_accessed)}) and every peer over LSA")
+    if algorithm == "auto" and symmetric and "direct" in spec.algorithms and nbytes >= DIRECT_MIN_BYTES:
         algorithm = "direct"
     if algorithm == "auto":
-        algorithm = "tree" if coll == "allreduce" and nranks > 2 and nbytes <= TREE_MAX_BYTES else "ring"
+        algorithm = "tree" if "tree" in spec.algorithms and nranks > 2 and nbytes <= TREE_MAX_BYTES else "ring"
     if device == "cuda":
         nchannels = max(1, min(max_channels, nbytes // (512 * 1024)))
     else:

@@ -23,6 +23,8 @@ import numpy as np
 
 from commref.device_kernels import abi
 
+from . import catalogue
+
 # NCCL's ncclDataType_t codes.
 DTYPES: dict[str, np.dtype] = {
     "int8": np.dtype(np.int8),
@@ -40,8 +42,6 @@ DTYPE_CODES = abi.DTYPE_CODES
 _NAMES = {d: n for n, d in DTYPES.items()}
 # NCCL's ncclRedOp_t codes.
 OPS = abi.OP_CODES
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce")
-REDUCING = {"allreduce", "reduce_scatter", "reduce"}
 MAX_EXACT_RANKS = 8
 
 
@@ -117,36 +117,27 @@ def reduce_reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
     return acc.astype(dt)
 
 
-def send_count(coll: str, count: int, nranks: int) -> int:
-    """Elements in each rank's sendbuf for a collective of `count` (NCCL's count:
-    per-rank recvcount for reduce_scatter, per-rank sendcount for allgather)."""
-    return count * nranks if coll == "reduce_scatter" else count
-
-
-def recv_count(coll: str, count: int, nranks: int) -> int:
-    return count * nranks if coll == "allgather" else count
-
-
 def make_input(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int) -> np.ndarray:
-    return input_values(dtype, op if coll in REDUCING else None, seed, rank, send_count(coll, count, nranks))
+    """Rank `rank`'s sendbuf for a call of `coll` with NCCL count `count`."""
+    c = catalogue.get(coll)
+    return input_values(dtype, op if c.reducing else None, seed, rank, c.counts(count, nranks)[0])
 
 
 def expected_output(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int,
                     root: int = 0) -> np.ndarray | None:
     """What rank `rank`'s recvbuf must hold; None where the collective leaves it alone
-    (reduce on a non-root rank)."""
+    (the recvbuf of a non-root rank where only the root's counts)."""
+    c = catalogue.get(coll)
+    if c.root_only == catalogue.RECV and rank != root:
+        return None
     ins = [make_input(coll, dtype, op, seed, r, nranks, count) for r in range(nranks)]
-    if coll == "allreduce":
-        return reduce_reference(ins, op)
-    if coll == "reduce":
-        return reduce_reference(ins, op) if rank == root else None
-    if coll == "reduce_scatter":
-        return reduce_reference([x[rank * count : (rank + 1) * count] for x in ins], op)
-    if coll == "allgather":
+    if c.reducing:
+        out = reduce_reference(ins, op)
+        at = c.in_place_at(rank, count) if c.scaled == catalogue.SEND else 0
+        return out[at : at + c.counts(count, nranks)[1]]
+    if c.scaled == catalogue.RECV:  # every rank's input, in rank order
         return np.concatenate(ins) if ins else np.zeros(0, dtype)
-    if coll == "broadcast":
-        return ins[root]
-    raise ValueError(f"unknown collective {coll!r}")
+    return ins[root if c.rooted else rank]
 
 
 def count_wrong(got: np.ndarray, expected: np.ndarray) -> int:

@@ -160,14 +160,14 @@ def test_symmetric_series_checks_clean_and_runs_direct_kernels(coll: str) -> Non
                  "-R", "0,2")
     from commref.collectives.communicator import Communicator
 
-    launch = Communicator._launch
+    launch = Communicator._collective
 
-    def spy(self, coll_, algorithm, s, r, *rest):
-        launch(self, coll_, algorithm, s, r, *rest)
-        kernels.extend(call[0] for call in self._calls.values())
+    def spy(self, *args):
+        launch(self, *args)
+        kernels.extend(plan.kernel for plan in self._calls.values())
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Communicator, "_launch", spy)
+        mp.setattr(Communicator, "_collective", spy)
         docs = ThreadWorld.run(3, run_rank, a, corrupt=corrupt, out=lambda s: None)
     rows = docs[0]["rows"]
     assert [r["series"] for r in rows] == ["lsa", "lsa/sym"] * 2

@@ -15,7 +15,8 @@ import pytest
 from commref.collectives import check, tuner, verify
 from commref.collectives.communicator import Communicator
 from commref.device_kernels.abi import window_layout
-from commref.collectives.verify import COLLECTIVES, OPS
+from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.verify import OPS
 from commref.device_kernels import abi
 from commref.transports.world import ThreadWorld
 

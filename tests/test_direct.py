@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from commref.collectives import check, tuner, verify
+from commref.collectives import catalogue, check, tuner, verify
 from commref.collectives.communicator import Communicator
 from commref.collectives.symmetric import SymmetricArena
 from commref.transports.errors import CommMismatch
@@ -28,10 +28,11 @@ def _comm(world, **kw) -> Communicator:
 
 
 def _kernel_of(comm, coll, buf) -> str:
-    """The kernel the cached plan of the last call on `buf`'s signature uses."""
-    names = [call[0] for key, call in comm._calls.items() if key[0] == coll and key[2] == buf.nbytes]
-    assert len(names) == 1, names
-    return names[0]
+    """The kernel of the plan made for the latest new signature of `coll` (call it right
+    after the call on `buf`, whose signature must be new: plans are cached)."""
+    names = [plan.kernel for key, plan in comm._calls.items() if key[0] == coll]
+    assert names, f"no plan of {coll} for a buffer of {buf.size} elements"
+    return names[-1]
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
@@ -115,7 +116,7 @@ def test_back_to_back_direct_calls_with_changing_counts(monkeypatch):
             x = verify.make_input(coll, dt, op, it, r, n, count)
             send = arena.take(x.size, dt)
             send[...] = x
-            out = arena.take(verify.recv_count(coll, count, n), dt)
+            out = arena.take(catalogue.get(coll).counts(count, n)[1], dt)
             getattr(comm, coll)(send, out, *([op] if op else []), algorithm="direct")
             wrong += verify.count_wrong(out, verify.expected_output(coll, dt, op, it, r, n, count))
         comm.close()
@@ -244,7 +245,7 @@ def test_check_sweep_lists_direct_cases_only_where_they_can_run():
     colls = ["allreduce", "reduce_scatter", "allgather", "broadcast"]
     with_direct = check.cases(colls, ["float32"], ["sum"], [], [7], 2, 1)
     without = check.cases(colls, ["float32"], ["sum"], [], [7], 2, 1, direct=False)
-    assert {c.coll for c in with_direct if c.algorithm == "direct"} == set(tuner.DIRECT_COLLECTIVES)
+    assert {c.coll for c in with_direct if c.algorithm == "direct"} == set(catalogue.with_algorithm("direct"))
     assert not any(c.algorithm == "direct" for c in without)
 
 

@@ -22,13 +22,15 @@ import pytest
 
 from commref.collectives import check, tuner
 from commref.collectives.communicator import Communicator
-from commref.collectives.verify import COLLECTIVES, REDUCING
+from commref.collectives.catalogue import CATALOGUE, NAMES as COLLECTIVES
 from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError
 from commref.transports.gin import semantics
 from commref.transports.gin.backends import BACKENDS, PRIORITY, Requirements, capability_table, select_backend
 from commref.transports.gin.semantics import Event, Plan, Put, Signal, Transport, enabled
 from commref.transports.world import ThreadWorld
+
+REDUCING = {c.name for c in CATALOGUE.values() if c.reducing}
 
 WORLD_TIMEOUT = 30.0
 

@@ -5,7 +5,7 @@ import pytest
 
 from commref.collectives import check
 from commref.collectives.communicator import Communicator
-from commref.collectives.verify import COLLECTIVES
+from commref.collectives.catalogue import NAMES as COLLECTIVES
 from commref.transports.world import ThreadWorld
 
 cupy = pytest.importorskip("cupy")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commref.collectives import tuner, verify
+from commref.collectives import catalogue, tuner, verify
 from commref.collectives.communicator import Communicator
 from commref.collectives.symmetric import SymmetricArena
 from commref.transports.world import ThreadWorld
@@ -30,9 +30,9 @@ def _run_all(world, stores, path):
         x = verify.make_input(coll, dt, op, 3, r, n, COUNT)
         exp = verify.expected_output(coll, dt, op, 3, r, n, COUNT, 0)
         algos = ["ring"] + (["tree"] if coll == "allreduce" else [])
-        algos += ["direct"] if arena is not None and coll in tuner.DIRECT_COLLECTIVES else []
+        algos += ["direct"] if arena is not None and coll in catalogue.with_algorithm("direct") else []
         for algo in algos:
-            rc = verify.recv_count(coll, COUNT, n)
+            rc = catalogue.get(coll).counts(COUNT, n)[1]
             if algo == "direct":
                 arena.reset()
                 send, out = arena.take(x.size, dt), arena.take(rc, dt)
@@ -69,7 +69,7 @@ def _run_ring_receives(world, stores, path):
                             ("broadcast", None, RECEIVED_COUNT)):
         x = verify.make_input(coll, dt, op, 5, r, n, count)
         exp = verify.expected_output(coll, dt, op, 5, r, n, count, 0)
-        rc = verify.recv_count(coll, count, n)
+        rc = catalogue.get(coll).counts(count, n)[1]
         out = np.zeros(rc, dt)
         args = ([op] if op else []) + ([0] if coll == "broadcast" else [])
         getattr(comm, coll)(x, out, *args, algorithm="ring")

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from commref.collectives import communicator, tuner, verify
+from commref.collectives import catalogue, communicator, tuner, verify
 from commref.collectives.symmetric import SymmetricArena
 from commref.device_kernels import abi, loader
 from commref.transports.world import ThreadWorld
@@ -92,7 +92,7 @@ def rank_main(world):
                 x = verify.make_input(coll, dt, op, 21 + it, r, n, count)
                 send = arena.take(x.size, dt)
                 send[...] = x
-                out = arena.take(verify.recv_count(coll, count, n), dt)
+                out = arena.take(catalogue.get(coll).counts(count, n)[1], dt)
                 getattr(comm, coll)(send, out, *([op] if op else []), algorithm="direct")
                 exp = verify.expected_output(coll, dt, op, 21 + it, r, n, count)
                 wrong[f"{coll}/direct/{count}/{it}"] = verify.count_wrong(out, exp)
