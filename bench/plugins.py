@@ -1,0 +1,95 @@
+"""What the harness sweeps: one plugin per collective, derived from the collective
+catalogue (commref.collectives.catalogue), in nccl-tests' terms.
+
+As in nccl-tests, a plugin answers four questions and the harness does the rest:
+
+- counts: for a sweep size in bytes, the element counts of sendbuf and recvbuf and
+  the count NCCL's call takes (nccl-tests' getCollByteCount);
+- bandwidth: the bytes algbw divides by time, and the bus factor that turns algbw
+  into busbw (nccl-tests' getBw);
+- data: buffers holding exact-checkable inputs (collectives.verify), the expected
+  output, and how to restore an in-place input (nccl-tests' initData);
+- run: one call on a Communicator, or on anything with nccl4py's method names (the
+  baselines) (nccl-tests' runColl).
+
+Bandwidth definitions (nccl-tests' doc/PERFORMANCE.md), for n ranks, element size t
+and NCCL's count c: algbw bytes are the larger buffer's, c * t (all_reduce,
+broadcast, reduce) or c * t * n (all_gather: recvbuf, reduce_scatter: sendbuf); the
+bus factors are 2 (n - 1) / n (all_reduce), (n - 1) / n (all_gather,
+reduce_scatter) and 1 (broadcast, reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from commref.collectives import catalogue, verify
+from commref.collectives.catalogue import CallBuffers as Buffers
+from commref.collectives.memory import Memory, SymmetricMemory
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Element counts of one sweep size (nccl-tests' getCollByteCount)."""
+
+    send: int
+    recv: int
+    param: int  # the count NCCL's call takes
+
+    def size_bytes(self, itemsize: int) -> int:
+        """The size column: nccl-tests prints max(sendBytes, recvBytes)."""
+        return max(self.send, self.recv) * itemsize
+
+
+class Collective:
+    """The plugin of one catalogue entry."""
+
+    def __init__(self, spec: catalogue.Collective):
+        self.spec = spec
+        self.name = spec.nccl_tests_name  # nccl-tests' name: all_reduce
+        self.coll = spec.name  # commref's and nccl4py's: allreduce
+        self.reducing, self.rooted = spec.reducing, spec.rooted
+
+    def counts(self, nbytes: int, itemsize: int, nranks: int) -> Counts:
+        """The counts of a sweep size: the larger buffer holds at most `nbytes`."""
+        count = nbytes // itemsize // (nranks if self.spec.scaled else 1)
+        return Counts(*self.spec.counts(count, nranks), count)
+
+    def algbw_bytes(self, counts: Counts, itemsize: int, nranks: int) -> int:
+        return counts.size_bytes(itemsize)
+
+    def bus_factor(self, nranks: int) -> float:
+        return self.spec.bus_factor(nranks)
+
+    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
+        """(copy bytes, add bytes) one rank must at least move for a call of `size`
+        bytes (the size column), out of place or in place; see bench/bound.py."""
+        return self.spec.bound_bytes(size, nranks, in_place)
+
+    def input(self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int) -> np.ndarray:
+        return verify.make_input(self.coll, dtype, op, seed, rank, nranks, counts.param)
+
+    def expected(self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int,
+                 root: int) -> np.ndarray | None:
+        """What `out` must hold after the call; None where nothing is checked on this
+        rank (reduce on a non-root rank)."""
+        return verify.expected_output(self.coll, dtype, op, seed, rank, nranks, counts.param, root)
+
+    def buffers(self, mem: Memory, x, counts: Counts, rank: int, nranks: int, root: int, in_place: bool) -> Buffers:
+        return self.spec.buffers(mem, x, counts.param, rank, nranks, in_place)
+
+    def run(self, comm, b: Buffers, op: str | None, root: int) -> None:
+        self.spec.call(comm, b.send, b.recv, op, root)
+
+
+PLUGINS: dict[str, Collective] = {c.nccl_tests_name: Collective(c) for c in catalogue.CATALOGUE.values()}
+
+
+def get(name: str) -> Collective:
+    """The plugin for `name` in any of the catalogue's spellings; ValueError names the choices."""
+    return PLUGINS[catalogue.get(name).nccl_tests_name]
+
+
+__all__ = ["PLUGINS", "get", "Collective", "Counts", "Buffers", "Memory", "SymmetricMemory"]
