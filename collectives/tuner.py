@@ -27,7 +27,7 @@ def defaults(device: str, local_ranks: int = 1) -> Defaults:
         return Defaults(max_channels=8, slot_bytes=512 * 1024, nsteps=8, threads=512)
     # CPU engine: one block is one OS thread and copies run at memcpy speed, so few
     # channels; 256 KiB slots keep a step's data in the cache between the writer and
-    # the reader (measured best of 64 KiB..1 MiB at 16 MiB, 2 ranks).
+    # the reader (docs/performance.md, "Tuner settings").
     cores = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
     return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=256 * 1024, nsteps=4, threads=1)
 
@@ -40,10 +40,9 @@ class Plan:
 
 # Below this many bytes per rank, a tree's log(n) latency beats a ring's n steps.
 TREE_MAX_BYTES = 64 * 1024
-# The size from which "auto" takes a direct kernel (direct.cu)
-# it when the buffers are symmetric: below, its handshake and barriers cost more than
-# the ring's few steps (2 ranks, CPU: allreduce 4 KiB ring 7.1 us, direct 10.3 us;
-# 32 KiB ring 22 us, direct 20 us; allgather 32 KiB 13.6 against 8.4 us).
+# The size from which "auto" takes a direct kernel (direct.cu) when the buffers are
+# symmetric: below, its handshake and barriers cost more than the ring's few steps
+# (the measured crossover: docs/performance.md, "Tuner settings").
 DIRECT_MIN_BYTES = 16 * 1024
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024
