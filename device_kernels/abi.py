@@ -1,9 +1,12 @@
-"""The launch ABI (include/commref/args.h) as numpy structured dtypes.
+"""The ABI shared with the C++ kernels and the CPU engine, defined once in Python.
 
 Kernels take one plain struct by value. The host builds it as a numpy record of the
-dtype below and hands its bytes to the kernel: CuPy passes a structured scalar by
-value, the CPU engine passes its address. ``tests/test_abi.py`` checks every size and
-offset against the CPU build's ``commref_abi_values()``.
+dtypes below and hands its bytes to the kernel: CuPy passes a structured scalar by
+value, the CPU engine passes its address. Every struct, constant and code here has a
+C++ twin in include/commref/ (args.h, gin.h, reduce.h); the CPU build exports those
+as one table (``commref_abi_table()``, cpu/abi.cpp), abi_table() builds the same table
+from this module, and ``tests/test_compile.py::test_abi_table_matches_python``
+asserts that the two are equal. A change is one edit here and one in C++.
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ CALL_FIELDS = (("collective", 0, 4), ("algorithm", 4, 4), ("dtype", 8, 8), ("op"
 COLLECTIVE_CODES = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "broadcast": 3, "reduce": 4}
 ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2}
 
-# Kernel entry points (COMMREF_KERNEL names in kernels/*.cu).
+# Kernel entry points (COMMREF_KERNEL names in kernels/*.cu): the collectives, which
+# take CollArgs, and the CPU engine's own self-test and benchmark kernels
+# (kernels/selftest.cu), which take CopyArgs.
 KERNEL_NAMES = (
     "commref_ring_allreduce", "commref_tree_allreduce", "commref_ring_reduce_scatter", "commref_ring_allgather",
     "commref_ring_broadcast", "commref_ring_reduce", "commref_direct_allreduce", "commref_direct_reduce_scatter",
     "commref_direct_allgather",
 )
+ENGINE_KERNEL_NAMES = ("commref_copy", "commref_empty", "commref_engine_selftest")
 
 # GinProtocol (args.h): how a GIN connection publishes a slot.
 GIN_PROTOCOLS = {"strong": 0, "weak-last": 1, "signal-per-put": 2, "flush-signal": 3}
@@ -243,3 +249,45 @@ def unpack_call(desc: int) -> dict:
         inverse = {code: n for n, code in names.get(name, {}).items()}
         out[name] = inverse.get(v, v)
     return out
+
+
+# Module names that are Python-side only (no C++ twin): descriptions for messages.
+PYTHON_ONLY = frozenset({"WAIT_WHAT", "PYTHON_ONLY"})
+
+
+def abi_table() -> dict[str, int | str]:
+    """This module's ABI as the table the CPU build exports (cpu/abi.cpp names the
+    entries). Built from the definitions themselves: every public upper-case name of
+    the module is in it (a struct through STRUCTS, its fields from the dtype), except
+    PYTHON_ONLY, so nothing can be added here without a C++ twin."""
+    table: dict[str, int | str] = {}
+    for name, dt in STRUCTS.items():
+        table[f"sizeof({name})"] = dt.itemsize
+        table[f"alignof({name})"] = dt.alignment
+        for field, (sub, offset, *_) in dt.fields.items():
+            table[f"offsetof({name}, {field})"] = offset
+            table[f"sizeof({name}::{field})"] = sub.itemsize
+            table[f"kind({name}::{field})"] = sub.kind if sub.kind in "iu" else "V"
+    structs = {id(dt) for dt in STRUCTS.values()}
+    for name, value in globals().items():
+        if not name.isupper() or name.startswith("_") or name in PYTHON_ONLY or name == "STRUCTS":
+            continue
+        if isinstance(value, np.dtype):
+            if id(value) not in structs:
+                raise TypeError(f"abi.{name} is a dtype missing from abi.STRUCTS")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            table[name] = value
+        elif name == "CALL_FIELDS":
+            for field, shift, bits in value:
+                table[f"CALL_FIELDS.{field}.shift"] = shift
+                table[f"CALL_FIELDS.{field}.bits"] = bits
+        elif name in ("KERNEL_NAMES", "ENGINE_KERNEL_NAMES"):
+            args = "CollArgs" if name == "KERNEL_NAMES" else "CopyArgs"
+            for kernel in value:
+                table[f"kernel({kernel})"] = args
+        elif isinstance(value, dict) and all(isinstance(v, (int, str)) for v in value.values()):
+            for key, v in value.items():
+                table[f"{name}.{key}"] = v
+        else:
+            raise TypeError(f"abi.{name}: abi_table() does not know how to compare it with C++")
+    return table

@@ -1,13 +1,16 @@
 """Loads the one kernel source for the device at hand.
 
-- CPU: the sources are compiled with the host C++ compiler into a shared library that
-  also holds the CPU execution engine (cpu/engine.cpp), and called through ctypes.
-- GPU: the same translation unit is compiled by NVRTC through ``cupy.RawModule``.
+- CPU: every kernel file (kernels/*.cu), the CPU execution engine (cpu/engine.cpp)
+  and the ABI table (cpu/abi.cpp) are compiled with the host C++ compiler as separate
+  translation units into one shared library, called through ctypes.
+- GPU: each kernel file that holds kernels of abi.KERNEL_NAMES is compiled by NVRTC
+  through ``cupy.RawModule``, one module per (file, specialization), and every kernel
+  of a module is loaded as soon as the module is built.
 
 Builds are cached: the CPU library under ``$COMMREF_CACHE_DIR`` (default
 ``~/.cache/commref``) keyed by a hash of every source file, the compiler, and the
-flags; CuPy keys its own cache by source and options. Concurrent ranks building the
-same key wait on a file lock and reuse one build.
+flags (build_library); CuPy keys its own cache by source and options. Concurrent ranks
+building the same key wait on a file lock and reuse one build.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import abi
+
 
 # Kernels of different ranks spin on each other's flags. Lazy module loading (the CUDA
 # default since 12.2) may load a kernel while such kernels run and wait for them: load
@@ -35,30 +41,22 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 SOURCE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = SOURCE_DIR / "include"
-MAIN_SOURCE = SOURCE_DIR / "kernels" / "all.cu"
+KERNEL_DIR = SOURCE_DIR / "kernels"
 ENGINE_SOURCE = SOURCE_DIR / "cpu" / "engine.cpp"
+ABI_SOURCE = SOURCE_DIR / "cpu" / "abi.cpp"  # the ABI table; CPU build only
 
 CPU_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-strict-aliasing")
 # ThreadSanitizer build of the same sources (tests/test_tsan.py).
 TSAN_FLAGS = ("-O1", "-g", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fsanitize=thread")
 NVRTC_OPTIONS = ("-std=c++17",)
 
-# Kernel entry points, by collective and algorithm.
-KERNELS = {
-    ("allreduce", "ring"): "commref_ring_allreduce",
-    ("allreduce", "tree"): "commref_tree_allreduce",
-    ("reduce_scatter", "ring"): "commref_ring_reduce_scatter",
-    ("allgather", "ring"): "commref_ring_allgather",
-    ("broadcast", "ring"): "commref_ring_broadcast",
-    ("reduce", "ring"): "commref_ring_reduce",
-    ("allreduce", "direct"): "commref_direct_allreduce",
-    ("reduce_scatter", "direct"): "commref_direct_reduce_scatter",
-    ("allgather", "direct"): "commref_direct_allgather",
-}
-
-
 class KernelError(RuntimeError):
     """A kernel could not be built or launched (not a communication failure)."""
+
+
+def kernel_sources() -> list[Path]:
+    """The kernel files, each its own translation unit."""
+    return sorted(KERNEL_DIR.glob("*.cu"))
 
 
 def source_files() -> list[Path]:
@@ -68,7 +66,31 @@ def source_files() -> list[Path]:
 
 def cpu_sources() -> list[Path]:
     """The translation units of the CPU library."""
-    return [MAIN_SOURCE, ENGINE_SOURCE]
+    return [*kernel_sources(), ENGINE_SOURCE, ABI_SOURCE]
+
+
+_KERNEL_DEFINITION = re.compile(r"^\s*COMMREF_KERNEL\(\s*(\w+)\s*,", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_files() -> dict[str, Path]:
+    """The kernel file that defines each kernel (its COMMREF_KERNEL line)."""
+    where: dict[str, Path] = {}
+    for f in kernel_sources():
+        for name in _KERNEL_DEFINITION.findall(f.read_text()):
+            if name in where:
+                raise KernelError(f"kernel {name} is defined in both {where[name]} and {f}")
+            where[name] = f
+    return where
+
+
+def gpu_sources() -> list[Path]:
+    """The kernel files the GPU loads: those that define kernels of abi.KERNEL_NAMES."""
+    where = kernel_files()
+    missing = [n for n in abi.KERNEL_NAMES if n not in where]
+    if missing:
+        raise KernelError(f"no kernel file defines {missing} (abi.KERNEL_NAMES)")
+    return sorted({where[n] for n in abi.KERNEL_NAMES})
 
 
 def cache_dir() -> Path:
@@ -179,26 +201,31 @@ class CpuKernels:
     def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None, spec=None,
                address: int | None = None) -> int:
         """Runs kernel `name` with the one-record array `args` (`spec` is for the GPU
-        loader's specialised modules; the CPU library holds every instance). Returns 0, or 1 when the
-        kernel aborted (its ErrorRecord says why). The GIL is released meanwhile.
-        `address`, if given, is args' address (saves looking it up on hot paths)."""
+        loader's specialised modules; the CPU library holds every instance). Returns
+        abi.LAUNCH_OK, or abi.LAUNCH_FAILED when the kernel aborted (its ErrorRecord
+        says why); raises KernelError when the engine refuses the launch. The GIL is
+        released meanwhile. `address`, if given, is args' address (saves looking it up
+        on hot paths)."""
         status = self._launch(self.entry(name), address or args.ctypes.data, grid, block)
-        if status == 2:
+        if status == abi.LAUNCH_REFUSED:
             raise KernelError(f"the CPU engine could not run {name} with grid={grid} block={block}")
         return status
 
     def prepare(self, specs) -> None:
         """Nothing to do: the CPU library holds every instance."""
 
-    def abi(self) -> dict[str, int]:
-        """Offsets ("Struct.field") and sizes ("Struct") of the ABI as this build sees them."""
-        names_fn = self._lib.commref_abi_names
-        names_fn.restype = ctypes.c_char_p
-        values_fn = self._lib.commref_abi_values
-        values_fn.restype = ctypes.POINTER(ctypes.c_uint64)
-        names = names_fn().decode().split(":")
-        values = values_fn()
-        return {n: int(values[i]) for i, n in enumerate(names)}
+    def abi_table(self) -> dict[str, int | str]:
+        """The ABI as this build's headers define it (commref_abi_table(), cpu/abi.cpp):
+        the table that abi.abi_table() builds from the Python side."""
+        fn = self._lib.commref_abi_table
+        fn.restype = ctypes.c_char_p
+        table: dict[str, int | str] = {}
+        for line in fn().decode().splitlines():
+            name, kind, value = line.split("\t", 2)
+            if name in table:
+                raise KernelError(f"the ABI table of {self.path} lists {name!r} twice")
+            table[name] = int(value) if kind == "i" else value
+        return table
 
 
 _cpu_lock = threading.Lock()
@@ -215,18 +242,26 @@ def cpu_kernels(defines: tuple[str, ...] = ()) -> CpuKernels:
         return _cpu_kernels(tuple(defines))
 
 
-def gpu_source() -> str:
-    return MAIN_SOURCE.read_text()
+def gpu_source(path: Path) -> str:
+    """The text NVRTC compiles for one kernel file. It starts with a hash of every
+    source file, so that CuPy's cache (keyed by the text and the options) misses when a
+    header changes."""
+    h = hashlib.sha256()
+    for f in source_files():
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return f'// commref sources {h.hexdigest()[:20]}\n#line 1 "{path.name}"\n' + path.read_text()
 
 
-# C++ element types by dtype code (DataType in reduce.h), and the operator functor and
-# the op codes it serves (avg reduces with OpSum) by op code (RedOp).
-CXX_TYPES = {0: "int8_t", 1: "uint8_t", 2: "int32_t", 3: "uint32_t", 4: "int64_t", 5: "uint64_t",
-             6: "half_t", 7: "float", 8: "double", 9: "bf16_t"}
-OP_FUNCTORS = {0: ("OpSum", 0b10001), 1: ("OpProd", 0b00010), 2: ("OpMax", 0b00100),
-               3: ("OpMin", 0b01000), 4: ("OpSum", 0b10001)}
+# The functor that serves each reduction operator (COMMREF_FOR_OP in reduce.h; avg
+# reduces with OpSum and divides at the end), and the op codes each functor serves.
+_FUNCTOR_OF_OP = {"sum": "OpSum", "prod": "OpProd", "max": "OpMax", "min": "OpMin", "avg": "OpSum"}
+OP_FUNCTORS = {
+    code: (_FUNCTOR_OF_OP[op], sum(1 << c for o, c in abi.OP_CODES.items() if _FUNCTOR_OF_OP[o] == _FUNCTOR_OF_OP[op]))
+    for op, code in abi.OP_CODES.items()
+}
 # The module for kernels that move data only: the reduction kernels compile to stubs.
-DATA_ONLY_DEFINES = ("COMMREF_ONLY_T=uint8_t", "COMMREF_ONLY_OP=OpSum", "COMMREF_ONLY_DTYPE=1",
+DATA_ONLY_DEFINES = ("COMMREF_ONLY_T=uint8_t", "COMMREF_ONLY_OP=OpSum", f"COMMREF_ONLY_DTYPE={abi.DTYPE_CODES['uint8']}",
                      "COMMREF_ONLY_OPMASK=0")
 
 
@@ -238,53 +273,56 @@ def specialization(spec: tuple[int, int] | None) -> tuple[str, ...]:
         return DATA_ONLY_DEFINES
     dtype, op = spec
     functor, mask = OP_FUNCTORS[op]
-    return (f"COMMREF_ONLY_T={CXX_TYPES[dtype]}", f"COMMREF_ONLY_OP={functor}", f"COMMREF_ONLY_DTYPE={dtype}",
+    return (f"COMMREF_ONLY_T={abi.CXX_TYPES[dtype]}", f"COMMREF_ONLY_OP={functor}", f"COMMREF_ONLY_DTYPE={dtype}",
             f"COMMREF_ONLY_OPMASK={mask}")
 
 
 def all_specializations() -> list[tuple[str, ...]]:
+    """Every distinct module defines: data movement, and each dtype with each functor."""
     specs = {specialization(None)}
-    for dtype in CXX_TYPES:
-        for op in (0, 1, 2, 3):
+    for dtype in abi.CXX_TYPES:
+        for op in abi.OP_CODES.values():
             specs.add(specialization((dtype, op)))
     return sorted(specs)
 
 
 class CudaKernels:
     """The kernels compiled by NVRTC for the current CUDA device (through CuPy, which
-    caches binaries on disk keyed by source and options). One module per
-    specialization, compiled on first use."""
+    caches binaries on disk keyed by source and options). One module per (kernel file,
+    specialization), compiled on first use or by prepare(); building a module loads
+    every kernel in it."""
 
     device = "cuda"
 
     def __init__(self, device_id: int):
         self.device_id = device_id
-        self._modules: dict[tuple[str, ...], object] = {}
+        self._modules: dict[tuple[Path, tuple[str, ...]], object] = {}
         self._fn: dict[tuple, object] = {}
         self._lock = threading.Lock()
 
-    def module(self, defines: tuple[str, ...]):
+    def module(self, path: Path, defines: tuple[str, ...]):
         with self._lock:
-            mod = self._modules.get(defines)
+            mod = self._modules.get((path, defines))
             if mod is None:
                 import cupy
 
-                options = (*NVRTC_OPTIONS, f"-I{INCLUDE_DIR}", f"-I{SOURCE_DIR / 'kernels'}",
-                           *(f"-D{d}" for d in defines))
+                options = (*NVRTC_OPTIONS, f"-I{INCLUDE_DIR}", *(f"-D{d}" for d in defines))
+                names = [n for n, f in kernel_files().items() if f == path and n in abi.KERNEL_NAMES]
                 with cupy.cuda.Device(self.device_id):
-                    mod = cupy.RawModule(code=gpu_source(), options=options)
+                    mod = cupy.RawModule(code=gpu_source(path), options=options)
                     mod.compile()
-                    for name in KERNELS.values():  # load every entry point now, not mid-collective
+                    for name in names:  # load every entry point now, not mid-collective
                         mod.get_function(name)
-                self._modules[defines] = mod
+                self._modules[(path, defines)] = mod
             return mod
 
     def prepare(self, specs) -> None:
         """Compiles and loads the modules for these (dtype code, op code) specs (None:
-        data movement). Call it while no collective kernel runs: loading a module can
-        wait for running kernels, which may be waiting for this rank."""
+        data movement), every kernel file each. Call it while no collective kernel runs:
+        loading a module can wait for running kernels, which may be waiting for this rank."""
         for spec in specs:
-            self.module(specialization(spec))
+            for path in gpu_sources():
+                self.module(path, specialization(spec))
 
     def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None,
                spec: tuple[int, int] | None = None, address: int | None = None) -> int:
@@ -292,9 +330,12 @@ class CudaKernels:
         key = (name, spec)
         fn = self._fn.get(key)
         if fn is None:
-            fn = self._fn[key] = self.module(specialization(spec)).get_function(name)
+            path = kernel_files().get(name)
+            if path is None or name not in abi.KERNEL_NAMES:
+                raise KernelError(f"no GPU kernel named {name!r} (abi.KERNEL_NAMES)")
+            fn = self._fn[key] = self.module(path, specialization(spec)).get_function(name)
         fn((grid,), (block,), (args[0],), stream=stream)
-        return 0
+        return abi.LAUNCH_OK
 
 
 _cuda_lock = threading.Lock()
@@ -312,15 +353,22 @@ def cuda_kernels(device_id: int) -> CudaKernels:
 
 def nvcc_compile_check(arch: str = "sm_90", nvcc: str | None = None,
                        defines: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Compiles the kernels of one specialization (see specialization()) for `arch`
-    with nvcc: a build check, nothing runs."""
+    """Compiles every kernel file (kernels/*.cu, each its own translation unit) with
+    the defines of one specialization (see specialization()) for `arch` with nvcc: a
+    build check, nothing runs. One nvcc per file, in parallel; the result's returncode
+    is the worst of them and its stdout/stderr hold every file's, each headed by the file."""
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:
         raise KernelError("nvcc not found")
     with tempfile.TemporaryDirectory() as d:
-        cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-I", str(INCLUDE_DIR), *(f"-D{d}" for d in defines), "-o",
-               os.path.join(d, "all.cubin"), str(MAIN_SOURCE)]
-        return subprocess.run(cmd, capture_output=True, text=True)
+        cmds = [[nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-I", str(INCLUDE_DIR), *(f"-D{x}" for x in defines),
+                 "-o", os.path.join(d, f"{src.stem}.cubin"), str(src)] for src in kernel_sources()]
+        with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
+            procs = list(pool.map(_compile_object, cmds))
+    return subprocess.CompletedProcess(
+        args=cmds, returncode=max((p.returncode for p in procs), key=abs),
+        stdout="".join(f"== {c[-1]}\n{p.stdout}" for c, p in zip(cmds, procs) if p.stdout),
+        stderr="".join(f"== {c[-1]}\n{p.stderr}" for c, p in zip(cmds, procs) if p.stderr))
 
 
 if __name__ == "__main__":  # python -m commref.device_kernels.loader: build the CPU library

@@ -1,12 +1,15 @@
 """Build checks of the one kernel source, without running anything on a GPU.
 
+- The ABI: the table the CPU build exports (commref_abi_table(), cpu/abi.cpp: every
+  struct size, alignment, field offset, size and signedness, every constant and code,
+  every kernel) equals device_kernels/abi.py's abi.abi_table(), built from its own
+  dtypes and constants (test_abi_table_matches_python); the kernels the library
+  defines are exactly abi.KERNEL_NAMES and abi.ENGINE_KERNEL_NAMES.
 - Every kernel compiles for sm_90: with nvcc (loader.nvcc_compile_check) when nvcc is
   on PATH, else with NVRTC through cuda-python (cuda.bindings.nvrtc) or CuPy when one
   is importable; skipped only when none of them exists. The modules are the GPU
-  loader's per-(dtype, op) specialisations (see gpu_modules() for which, and
-  COMMREF_TEST_ALL_GPU_MODULES=1 for all of them plus the full module).
-- The launch ABI: every size and offset that the CPU build reports (commref_abi_*())
-  equals device_kernels/abi.py's numpy dtypes.
+  loader's per-(dtype, op) specialisations of every kernel file (see gpu_modules()
+  for which, and COMMREF_TEST_ALL_GPU_MODULES=1 for all of them plus the full build).
 """
 
 from __future__ import annotations
@@ -27,41 +30,112 @@ ARCH = "sm_90"
 
 # ---- ABI ----
 
-def test_abi_sizes_and_offsets_match_numpy():
-    layout = loader.cpu_kernels().abi()
-    assert layout, "the CPU build reports no ABI entries"
-    checked_sizes, checked_fields = set(), []
-    for key, value in layout.items():
-        struct, _, field = key.partition(".")
-        assert struct in abi.STRUCTS, f"the C build lists {key!r}, but abi.py has no dtype for {struct}"
-        dt = abi.STRUCTS[struct]
-        if field:
-            assert field in dt.fields, f"abi.py's {struct} has no field {field!r} (the C build lists {key})"
-            offset = dt.fields[field][1]
-            assert offset == value, f"offsetof({key}) is {value} in C, {offset} in abi.py"
-            checked_fields.append(key)
-        else:
-            assert dt.itemsize == value, f"sizeof({struct}) is {value} in C, {dt.itemsize} in abi.py"
-            checked_sizes.add(struct)
-    assert checked_sizes == set(abi.STRUCTS), f"sizes reported for {sorted(checked_sizes)} only"
-    # Every field the C build lists, for every struct with fields listed.
-    assert {"CollArgs", "WindowLayout", "ChannelPeers", "ErrorRecord"} <= {k.split(".")[0] for k in checked_fields}
-    # Nested records and arrays keep the C shapes.
-    assert abi.COLL_ARGS.fields["layout"][0] == abi.WINDOW_LAYOUT
-    assert abi.COLL_ARGS.fields["peers"][0].shape == (abi.MAX_CHANNELS,)
-    assert abi.COLL_ARGS.fields["peers"][0].base == abi.CHANNEL_PEERS
-    print(f"ABI: {len(checked_sizes)} struct sizes and {len(checked_fields)} field offsets match")
+def abi_diff(python: dict, cxx: dict) -> list[str]:
+    """The entries on which the two tables differ, one line each."""
+    lines = []
+    for key in sorted(set(python) | set(cxx)):
+        if key not in cxx:
+            lines.append(f"  {key}: {python[key]!r} in abi.py, missing in C++ (cpu/abi.cpp, include/commref/)")
+        elif key not in python:
+            lines.append(f"  {key}: {cxx[key]!r} in C++, missing in abi.py")
+        elif python[key] != cxx[key]:
+            lines.append(f"  {key}: {python[key]!r} in abi.py, {cxx[key]!r} in C++")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def cxx_table() -> dict:
+    return loader.cpu_kernels().abi_table()
+
+
+def test_abi_table_matches_python(cxx_table):
+    """The one reflection test: every struct, field, constant, code and kernel name of
+    abi.py equals its C++ twin, and neither side has an entry the other lacks."""
+    python = abi.abi_table()
+    diff = abi_diff(python, cxx_table)
+    assert not diff, f"{len(diff)} ABI entries differ between abi.py and the C++ headers:\n" + "\n".join(diff)
+    print(f"ABI: {len(python)} entries match")
+
+
+def test_abi_table_covers_the_abi(cxx_table):
+    """The table is not vacuous: every struct field, every code table and every
+    constant kind is in it."""
+    for name, dt in abi.STRUCTS.items():
+        assert f"sizeof({name})" in cxx_table
+        for field in dt.names:
+            assert f"offsetof({name}, {field})" in cxx_table, (name, field)
+    for prefix in ("DTYPE_CODES.", "CXX_TYPES.", "OP_CODES.", "COLLECTIVE_CODES.", "ALGORITHM_CODES.",
+                   "GIN_PROTOCOLS.", "CALL_FIELDS.", "kernel("):
+        assert any(k.startswith(prefix) for k in cxx_table), prefix
+    for name in ("MAX_CHANNELS", "SLOT_HEADER", "FLAG_STRIDE", "GIN_QUEUE_CONSUMED", "GIN_QUEUE_HEADER",
+                 "LAUNCH_REFUSED", "WAIT_LSA_BARRIER", "GIN_HAS_COUNTER", "ERR_ABORTED", "IN_TREE_PARENT"):
+        assert name in cxx_table, name
+
+
+def test_abi_diff_names_a_planted_mismatch(cxx_table, monkeypatch):
+    """abi_table() follows the definitions: a changed constant and a field added on the
+    Python side only both show up, by name."""
+    monkeypatch.setattr(abi, "FLAG_STRIDE", abi.FLAG_STRIDE * 2)
+    grown = np.dtype(abi.COPY_ARGS.descr + [("extra", "<u8")], align=True)
+    monkeypatch.setitem(abi.STRUCTS, "CopyArgs", grown)
+    monkeypatch.setattr(abi, "COPY_ARGS", grown)
+    diff = "\n".join(abi_diff(abi.abi_table(), cxx_table))
+    assert "FLAG_STRIDE: 128 in abi.py, 64 in C++" in diff
+    assert "offsetof(CopyArgs, extra): 24 in abi.py, missing in C++" in diff
+    assert "sizeof(CopyArgs): 32 in abi.py, 24 in C++" in diff
+
+
+def test_kernel_names_are_the_library_kernels(cxx_table):
+    """abi.KERNEL_NAMES and abi.ENGINE_KERNEL_NAMES are exactly the kernels the library
+    exports (each COMMREF_KERNEL registers itself), each defined in one kernel file,
+    and each resolvable as a symbol."""
+    kernels = loader.cpu_kernels()
+    registered = {k[len("kernel("):-1] for k in cxx_table if k.startswith("kernel(")}
+    named = set(abi.KERNEL_NAMES) | set(abi.ENGINE_KERNEL_NAMES)
+    assert len(named) == len(abi.KERNEL_NAMES) + len(abi.ENGINE_KERNEL_NAMES), "a kernel name is listed twice"
+    assert registered - named == set(), f"the library exports kernels that abi.py does not name: {registered - named}"
+    assert named - registered == set(), f"abi.py names kernels the library does not export: {named - registered}"
+    assert set(loader.kernel_files()) == named, "the COMMREF_KERNEL lines of kernels/*.cu differ from abi.py"
+    for name in sorted(named):
+        assert kernels.entry(name), name
+    assert set(loader.gpu_sources()) == {loader.kernel_files()[n] for n in abi.KERNEL_NAMES}
 
 
 def test_abi_numpy_dtypes_are_c_layouts():
-    """abi.py's dtypes are aligned like C structs (so a record's bytes are the struct)."""
+    """abi.py's dtypes are aligned like C structs (so a record's bytes are the struct),
+    without implicit padding (explicit pad fields, as cpu/abi.cpp asserts for C++)."""
     for name, dt in abi.STRUCTS.items():
         assert dt.isalignedstruct, f"{name} is not an aligned struct dtype"
-        ends = [off + sub.itemsize for sub, off, *_ in dt.fields.values()]
-        assert max(ends) <= dt.itemsize, name
+        end = 0
+        for field in dt.names:
+            sub, off = dt.fields[field][:2]
+            assert off == end, f"{name}.{field} at {off}: implicit padding after {end}"
+            end = off + sub.itemsize
+        assert end == dt.itemsize, f"{name}: implicit padding at the end"
         assert dt.itemsize % dt.alignment == 0, name
         args = np.zeros(1, dtype=dt)
         assert args.nbytes == dt.itemsize
+    assert abi.COLL_ARGS.fields["layout"][0] == abi.WINDOW_LAYOUT
+    assert abi.COLL_ARGS.fields["peers"][0].shape == (abi.MAX_CHANNELS,)
+    assert abi.COLL_ARGS.fields["peers"][0].base == abi.CHANNEL_PEERS
+
+
+def test_call_descriptor_fields():
+    """CALL_FIELDS are disjoint and inside 64 bits; pack_call and unpack_call invert."""
+    used = 0
+    for name, shift, bits in abi.CALL_FIELDS:
+        mask = ((1 << bits) - 1) << shift
+        assert mask < 1 << 64 and used & mask == 0, name
+        used |= mask
+    desc = abi.pack_call("broadcast", "ring", abi.DTYPE_CODES["bfloat16"], abi.OP_CODES["avg"], 513, 7)
+    assert abi.unpack_call(desc) == {"collective": "broadcast", "algorithm": "ring", "dtype": "bfloat16",
+                                     "op": "avg", "root": 513, "nchannels": 7}
+
+
+def test_wait_what_describes_every_wait_code():
+    codes = {abi.WAIT_RECV_READY, abi.WAIT_SEND_CREDIT, abi.CALL_MISMATCH, abi.COUNT_MISMATCH, abi.WAIT_GIN_QUEUE,
+             abi.WAIT_GIN_FLUSH, abi.WAIT_LSA_BARRIER, abi.BUFFER_MISMATCH}
+    assert set(abi.WAIT_WHAT) == codes
 
 
 # ---- GPU compile (no GPU needed) ----
@@ -94,13 +168,12 @@ def _ok(nvrtc, err) -> bool:
 
 def nvrtc_options(defines: tuple[str, ...]) -> list[str]:
     """The loader's NVRTC options (CudaKernels.module) for one specialization."""
-    return [*loader.NVRTC_OPTIONS, f"-I{loader.INCLUDE_DIR}", f"-I{loader.SOURCE_DIR / 'kernels'}",
-            *(f"-D{d}" for d in defines)]
+    return [*loader.NVRTC_OPTIONS, f"-I{loader.INCLUDE_DIR}", *(f"-D{d}" for d in defines)]
 
 
-def compile_cuda_python(nvrtc, defines: tuple[str, ...]) -> tuple[int, str]:
-    """Compiles to an sm_90 cubin with cuda-python's NVRTC; returns (size, log)."""
-    err, prog = nvrtc.nvrtcCreateProgram(loader.gpu_source().encode(), b"all.cu", 0, [], [])
+def compile_cuda_python(nvrtc, path: Path, defines: tuple[str, ...]) -> tuple[int, str]:
+    """Compiles one kernel file to an sm_90 cubin with cuda-python's NVRTC; returns (size, log)."""
+    err, prog = nvrtc.nvrtcCreateProgram(loader.gpu_source(path).encode(), path.name.encode(), 0, [], [])
     assert _ok(nvrtc, err), err
     try:
         opts = [o.encode() for o in (*nvrtc_options(defines), f"--gpu-architecture={ARCH}")]
@@ -109,7 +182,7 @@ def compile_cuda_python(nvrtc, defines: tuple[str, ...]) -> tuple[int, str]:
         log = b" " * log_size
         nvrtc.nvrtcGetProgramLog(prog, log)
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
-        assert _ok(nvrtc, err), f"NVRTC failed ({err}):\n{log_text[-6000:]}"
+        assert _ok(nvrtc, err), f"NVRTC failed for {path.name} ({err}):\n{log_text[-6000:]}"
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         assert _ok(nvrtc, err), err
         cubin = b" " * size
@@ -121,26 +194,27 @@ def compile_cuda_python(nvrtc, defines: tuple[str, ...]) -> tuple[int, str]:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_cupy(compiler, defines: tuple[str, ...]) -> tuple[int, str]:
-    """Compiles with CuPy's NVRTC wrapper for sm_90 (a cubin, or PTX where this NVRTC
-    cannot emit an sm_90 cubin); returns (size, kind)."""
-    out = compiler.compile_using_nvrtc(loader.gpu_source(), tuple(nvrtc_options(defines)), arch=ARCH[3:],
-                                       filename="all.cu")
+def compile_cupy(compiler, path: Path, defines: tuple[str, ...]) -> tuple[int, str]:
+    """Compiles one kernel file with CuPy's NVRTC wrapper for sm_90 (a cubin, or PTX
+    where this NVRTC cannot emit an sm_90 cubin); returns (size, kind)."""
+    out = compiler.compile_using_nvrtc(loader.gpu_source(path), tuple(nvrtc_options(defines)), arch=ARCH[3:],
+                                       filename=path.name)
     assert out, "CuPy's NVRTC returned nothing"
     return len(out), ("cubin" if isinstance(out, bytes) and out[:4] == b"\x7fELF" else "ptx")
 
 
 def nvcc_with_size_probe(tmp_path: Path) -> tuple[str, Path]:
-    """A wrapper around nvcc that records the size of the cubin it wrote, so that the
-    loader's own command line (which writes into a temporary folder) can be measured."""
+    """A wrapper around nvcc that records the size of each cubin it wrote, one line per
+    call, so that the loader's own command lines (which write into a temporary folder)
+    can be measured."""
     real = shutil.which("nvcc")
-    size_file = tmp_path / "cubin_size"
+    size_file = tmp_path / "cubin_sizes"
     wrapper = tmp_path / "nvcc"
     wrapper.write_text(
         "#!/bin/sh\n"
         f"'{real}' \"$@\"\nrc=$?\n"
         "out=\nprev=\nfor a in \"$@\"; do [ \"$prev\" = -o ] && out=$a; prev=$a; done\n"
-        f"[ -f \"$out\" ] && wc -c < \"$out\" > '{size_file}'\n"
+        f"[ -f \"$out\" ] && wc -c < \"$out\" >> '{size_file}'\n"
         "exit $rc\n")
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     return str(wrapper), size_file
@@ -149,25 +223,22 @@ def nvcc_with_size_probe(tmp_path: Path) -> tuple[str, Path]:
 def gpu_modules() -> dict[str, tuple[str, ...]]:
     """The modules to compile, by name.
 
-    The GPU loader compiles one module per (dtype, op) specialization (every kernel
-    in each; loader.specialization()). By default: the data-movement module, every
-    dtype with sum (type-specific code: conversions, Arith, Unsigned) and float32 with
-    every other functor (op-specific code) -- 14 modules, a few seconds each. With
+    The GPU loader compiles one module per (kernel file, specialization)
+    (loader.specialization()); each case here compiles every kernel file with one
+    specialization's defines. By default: the data-movement module, every dtype with
+    sum (type-specific code: conversions, Arith, Unsigned) and float32 with every other
+    functor (op-specific code) -- 14 cases, a few seconds each. With
     COMMREF_TEST_ALL_GPU_MODULES=1: all of loader.all_specializations() and the full
-    module (no defines: every kernel with every instance in one translation unit, what
-    nvcc_compile_check() builds by default; minutes of ptxas on a small machine).
+    build (no defines: every kernel with every instance, what nvcc_compile_check()
+    builds by default; minutes of ptxas on a small machine).
     """
-    if not hasattr(loader, "specialization"):  # a loader without specialised modules
-        return {"full": ()}
-    from commref.collectives.verify import DTYPE_CODES, OPS
-
-    dtype_names = {v: k for k, v in DTYPE_CODES.items()}
-    op_names = {v: k for k, v in OPS.items()}
+    dtype_names = {v: k for k, v in abi.DTYPE_CODES.items()}
+    op_names = {v: k for k, v in abi.OP_CODES.items() if k != "avg"}  # avg shares sum's module
     everything = os.environ.get("COMMREF_TEST_ALL_GPU_MODULES", "") not in ("", "0")
     specs: dict[str, tuple[str, ...]] = {"data-movement": loader.specialization(None)}
     for dtype in sorted(dtype_names):
-        for op in (0, 1, 2, 3):  # avg shares sum's module
-            if everything or op == 0 or dtype == DTYPE_CODES["float32"]:
+        for op in sorted(op_names):
+            if everything or op == abi.OP_CODES["sum"] or dtype == abi.DTYPE_CODES["float32"]:
                 specs[f"{dtype_names[dtype]}-{op_names[op]}"] = loader.specialization((dtype, op))
     if everything:
         assert sorted(set(specs.values())) == sorted(loader.all_specializations())
@@ -188,19 +259,23 @@ def test_every_kernel_compiles_for_sm90(which, tmp_path):
         proc = loader.nvcc_compile_check(ARCH, nvcc=nvcc, **kwargs)
         elapsed = time.perf_counter() - t0
         assert proc.returncode == 0, f"nvcc failed for {ARCH} ({which}: {defines}):\n{proc.stderr[-6000:]}"
-        size = int(size_file.read_text()) if size_file.exists() else 0
-        assert size > 0, "nvcc reported success but wrote no cubin"
-        print(f"nvcc {ARCH} {which}: cubin {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
+        sizes = [int(x) for x in size_file.read_text().split()] if size_file.exists() else []
+        assert len(sizes) == len(loader.kernel_sources()) and all(sizes), \
+            f"nvcc reported success but wrote cubins of sizes {sizes} for {len(loader.kernel_sources())} files"
+        size = sum(sizes)
+        print(f"nvcc {ARCH} {which}: {len(sizes)} cubins, {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
         return
     backend, why = nvrtc_backend()
     if backend is None:
         pytest.skip("neither nvcc nor NVRTC (cuda-python's cuda.bindings.nvrtc or CuPy) is available: "
                     + "; ".join(why))
     kind, mod = backend
-    if kind == "cuda-python":
-        size, _ = compile_cuda_python(mod, defines)
-        what = "cubin"
-    else:
-        size, what = compile_cupy(mod, defines)
+    size, what = 0, "cubin"
+    for path in loader.kernel_sources():
+        if kind == "cuda-python":
+            size += compile_cuda_python(mod, path, defines)[0]
+        else:
+            n, what = compile_cupy(mod, path, defines)
+            size += n
     elapsed = time.perf_counter() - t0
     print(f"NVRTC ({kind}) {ARCH} {which}: {what} {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")

@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#include "commref/port.h"
+#include "commref/args.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define COMMREF_TSAN 1
@@ -47,7 +47,10 @@ namespace {
 
 struct KernelAbort {};
 
-typedef void (*KernelFn)(const void*);
+std::vector<KernelInfo>& kernelRegistry() {  // built during static initialization
+  static std::vector<KernelInfo> kernels;
+  return kernels;
+}
 
 constexpr size_t kFiberStackBytes = 256 * 1024;
 
@@ -55,7 +58,7 @@ struct Launch {
   KernelFn kernel;
   const void* args;
   dim3 grid, block;
-  std::atomic<int> failed{0};
+  std::atomic<int> failed{kLaunchOk};  // the LaunchStatus of the launch
   std::atomic<unsigned> remaining{0};  // blocks still running on workers
   std::atomic<unsigned> departed{0};   // workers done touching this Launch (it lives on the launcher's stack)
 };
@@ -134,7 +137,7 @@ void fiberEntry(unsigned lo, unsigned hi) {
     b->launch->kernel(b->launch->args);
   } catch (const KernelAbort&) {
     b->aborted = true;
-    b->launch->failed.store(1);
+    b->launch->failed.store(kLaunchFailed);
     switchHome(b, me);  // never resumed
   }
   b->state[me] = kDone;
@@ -164,7 +167,7 @@ void runBlock(Launch* L, unsigned blockId) {
     try {
       L->kernel(L->args);
     } catch (const KernelAbort&) {
-      L->failed.store(1);
+      L->failed.store(kLaunchFailed);
     }
   } else {
     b.ctx.resize(b.nthreads);
@@ -177,7 +180,7 @@ void runBlock(Launch* L, unsigned blockId) {
     uintptr_t self = (uintptr_t)&b;
     for (unsigned t = 0; t < b.nthreads; t++) {
       char* stack = stackFor(t);
-      if (!stack) { L->failed.store(2); break; }
+      if (!stack) { L->failed.store(kLaunchRefused); break; }
       getcontext(&b.ctx[t]);
       b.ctx[t].uc_stack.ss_sp = stack;
       b.ctx[t].uc_stack.ss_size = kFiberStackBytes;
@@ -187,7 +190,7 @@ void runBlock(Launch* L, unsigned blockId) {
       b.tsanFiber[t] = __tsan_create_fiber(0);
 #endif
     }
-    if (L->failed.load() != 2) {
+    if (L->failed.load() != kLaunchRefused) {
       b.cur = 0;
       tl_thread = &b.threads[0];
 #ifdef COMMREF_TSAN
@@ -307,16 +310,24 @@ uint64_t now_ns() {
 
 void kernel_abort() { throw KernelAbort(); }
 
+bool register_kernel(const KernelInfo& kernel) {
+  kernelRegistry().push_back(kernel);
+  return true;
+}
+unsigned kernel_count() { return (unsigned)kernelRegistry().size(); }
+const KernelInfo& kernel_at(unsigned i) { return kernelRegistry()[i]; }
+
 }  // namespace commref_cpu
 
 using namespace commref_cpu;
 
-// Runs kernel(args) over grid x block and returns when every block has finished.
-// Returns 0 on success, 1 if the kernel aborted (see the ErrorRecord it wrote),
-// 2 if the engine could not run it (bad dimensions, no thread for a block, out of memory).
+// Runs kernel(args) over grid x block and returns when every block has finished: a
+// LaunchStatus (args.h): kLaunchOk, kLaunchFailed if the kernel aborted (see the
+// ErrorRecord it wrote), kLaunchRefused if the engine could not run it (bad
+// dimensions, no thread for a block, no stack for a fiber).
 extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*kernel)(const void*), const void* args,
                                                                         unsigned grid, unsigned block) {
-  if (grid < 1 || grid > 4096 || block < 1 || block > 1024) return 2;
+  if (grid < 1 || grid > 4096 || block < 1 || block > 1024) return kLaunchRefused;
   Launch L;
   L.kernel = kernel;
   L.args = args;
@@ -330,7 +341,7 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*
     Worker* w = takeWorker();
     if (!w) {
       for (Worker* x : workers) returnWorker(x);
-      return 2;
+      return kLaunchRefused;
     }
     workers.push_back(w);
   }

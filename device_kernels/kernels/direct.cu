@@ -24,8 +24,7 @@
 //   ...loads and stores
 //   lsaBarrier     every peer is done: nobody reads this rank's sendbuf or writes its
 //                  recvbuf any more, and what they stored is visible here
-#pragma once
-#include "ring.cu"
+#include "commref/ring.h"
 
 // Checks the call with the ring neighbours, then meets every peer at the entry barrier.
 template <typename T, typename Op>

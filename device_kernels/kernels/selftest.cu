@@ -1,6 +1,5 @@
 // Kernels that exercise the execution engine itself (tests and bench/engine_bench.py).
-#pragma once
-#include "ring.cu"
+#include "commref/ring.h"
 
 // Block b copies its share of the bytes; the threads of a block split that share.
 COMMREF_KERNEL(commref_copy, CopyArgs, args) {

@@ -2,8 +2,7 @@
 // builds both trees so that most ranks are a leaf in one and inner in the other).
 // Pass 1 reduces every piece up to the root, pass 2 broadcasts it down; each pass
 // pipelines pieces through the FIFOs.
-#pragma once
-#include "ring.cu"
+#include "commref/ring.h"
 
 template <typename T, typename Op>
 static __device__ void treeAllReduce(const CollArgs& a) {

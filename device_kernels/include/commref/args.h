@@ -1,8 +1,12 @@
-// commref/args.h — the launch ABI: plain structs passed to kernels by value.
+// commref/args.h — the launch ABI: plain structs passed to kernels by value, and the
+// codes they carry.
 //
 // Every field is a fixed-width integer so that the host side can describe the same
-// layout with a numpy structured dtype (device_kernels/abi.py); a unit test checks
-// sizes and offsets against commref_abi_layout() from the CPU build.
+// layout with a numpy structured dtype. Every struct and code here, in gin.h and in
+// reduce.h has one Python twin in device_kernels/abi.py; the CPU build exports them
+// all as one table (commref_abi_table(), cpu/abi.cpp) and
+// tests/test_compile.py::test_abi_table_matches_python compares it, entry by entry,
+// with abi.abi_table(). A layout change is one edit here and one there.
 // Pointers travel as uint64_t device addresses.
 #pragma once
 #include "port.h"
@@ -29,14 +33,16 @@ enum ConnOut { kOutRing = 0, kOutTreeParent = 1, kOutTreeChild0 = 2, kOutTreeChi
 //                     credit of (c, j) at creditSignalBase + c*4+j), then ginCounters
 //   sync[c][j]        LSA barrier of channel c (lsa.h): the SyncSlot rank j last wrote
 //                     here, j < nranks; sync[c][nranks] holds this rank's epoch
-// Flag words are 64 bytes apart so that two writers never share a cache line.
+// Flag words are COMMREF_FLAG_STRIDE bytes apart so that two writers never share a
+// cache line.
 #define COMMREF_SLOT_HEADER 64
+#define COMMREF_FLAG_STRIDE 64  // bytes between flag words (WindowLayout.flagStride holds it)
 struct WindowLayout {
   uint64_t fifoOff, readyOff, creditOff, stateOff, stagingOff;
   uint64_t ginQueueOff, ginSignalsOff, ginCountersOff;
   uint64_t syncOff;
   uint64_t slotBytes;  // data bytes per slot; a slot occupies slotBytes + COMMREF_SLOT_HEADER
-  uint32_t nsteps, flagStride;
+  uint32_t nsteps, flagStride;  // flagStride: COMMREF_FLAG_STRIDE
 };
 
 // The neighbours of this rank in channel c (-1 where there is none).
@@ -93,13 +99,27 @@ struct SymBuffer {
   uint64_t offset;
 };
 
+// The call descriptor (CollArgs.callDesc): what every rank of a call must agree on,
+// packed as X(field, shift, bits): field = (callDesc >> shift) & ((1 << bits) - 1).
+// Kernels only compare whole descriptors (a step's header, an LSA barrier slot); the
+// host packs them (abi.pack_call) and decodes a mismatch (abi.unpack_call).
+#define COMMREF_CALL_FIELDS(X) \
+  X(collective, 0, 4)   /* Collective */ \
+  X(algorithm, 4, 4)    /* Algorithm */ \
+  X(dtype, 8, 8)        /* DataType (reduce.h) */ \
+  X(op, 16, 8)          /* RedOp (reduce.h) */ \
+  X(root, 24, 16)       /* rooted collectives; 0 otherwise */ \
+  X(nchannels, 40, 8)
+enum Collective : uint32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kReduce = 4 };
+enum Algorithm : uint32_t { kRing = 0, kTree = 1, kDirect = 2 };
+
 struct CollArgs {
   uint64_t sendbuf, recvbuf;  // device addresses
   uint64_t count;             // elements (bytes for kernels that only move data), see each kernel
   uint64_t peerWindows;       // -> uint64_t[nranks]: each rank's connection window, mapped here
   uint64_t errorRecord;       // -> ErrorRecord
   uint64_t abortFlag;         // -> uint64_t; nonzero when the job is being torn down
-  uint64_t callDesc;          // packed (collective, algorithm, dtype, op, root); must match on all ranks
+  uint64_t callDesc;          // COMMREF_CALL_FIELDS packed; must match on all ranks
   int64_t timeoutNs;          // deadline of every wait
   WindowLayout layout;
   int32_t rank, nranks, root, dtype, op, nchannels, elemSize;
@@ -111,4 +131,11 @@ struct CollArgs {
 
 struct CopyArgs {  // engine self-test and benchmark kernels
   uint64_t src, dst, bytes;
+};
+
+// What running a kernel on the CPU engine returns (commref_cpu_launch, cpu/engine.cpp).
+enum LaunchStatus : int32_t {
+  kLaunchOk = 0,
+  kLaunchFailed = 1,   // the kernel aborted: its ErrorRecord says why
+  kLaunchRefused = 2   // the engine could not run it: bad grid or block, no thread or stack
 };

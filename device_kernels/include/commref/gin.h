@@ -27,6 +27,17 @@
 #pragma once
 #include "wait.h"
 
+// The queue region (WindowLayout.ginQueueOff): `capacity` descriptors, then a header of
+// COMMREF_GIN_QUEUE_HEADER bytes that holds two uint64 counters a cache line apart, at
+// these byte offsets from the end of the descriptors.
+#define COMMREF_GIN_QUEUE_CLAIMED 0    // slots claimed by producers (fetch-add)
+#define COMMREF_GIN_QUEUE_CONSUMED 64  // slots the proxy has completed (it alone stores)
+#define COMMREF_GIN_QUEUE_HEADER 128
+static_assert(COMMREF_GIN_QUEUE_CONSUMED >= COMMREF_GIN_QUEUE_CLAIMED + 8 &&
+                  COMMREF_GIN_QUEUE_HEADER >= COMMREF_GIN_QUEUE_CONSUMED + 8 && COMMREF_GIN_QUEUE_CLAIMED % 8 == 0 &&
+                  COMMREF_GIN_QUEUE_CONSUMED % 8 == 0,
+              "the GIN queue counters are aligned uint64 words inside the header");
+
 // kGinDoorbell: "what I posted to this (peer, context) so far is a batch; deliver it".
 // A kernel rings it before it waits on anything those operations lead to. The proxy
 // decides landing orders at doorbells only, so on an unordered wire the order is a
@@ -69,8 +80,11 @@ struct Gin {
   const KernelEnv& env;
 
   __device__ GinDescriptor* ring() const { return (GinDescriptor*)(windowOfGin() + a.layout.ginQueueOff); }
-  __device__ uint64_t* claimed() const { return (uint64_t*)(windowOfGin() + a.layout.ginQueueOff + (uint64_t)a.gin.capacity * sizeof(GinDescriptor)); }
-  __device__ const uint64_t* consumed() const { return claimed() + 8; }  // a cache line apart
+  __device__ char* queueHeader() const {
+    return windowOfGin() + a.layout.ginQueueOff + (uint64_t)a.gin.capacity * sizeof(GinDescriptor);
+  }
+  __device__ uint64_t* claimed() const { return (uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CLAIMED); }
+  __device__ const uint64_t* consumed() const { return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CONSUMED); }
   __device__ uint64_t* signals() const { return (uint64_t*)(windowOfGin() + a.layout.ginSignalsOff); }
   __device__ uint64_t* counters() const { return (uint64_t*)(windowOfGin() + a.layout.ginCountersOff); }
   __device__ char* windowOfGin() const { return (char*)((const uint64_t*)a.peerWindows)[a.rank]; }

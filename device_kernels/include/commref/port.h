@@ -90,6 +90,17 @@ void syncthreads();
 void spin_pause(uint32_t spins);
 uint64_t now_ns();
 [[noreturn]] void kernel_abort();
+// Every COMMREF_KERNEL of the library registers itself while the library loads; the
+// ABI table (cpu/abi.cpp) lists what registered.
+typedef void (*KernelFn)(const void* args);
+struct KernelInfo {
+  const char* name;
+  const char* argsType;  // the struct the kernel takes
+  KernelFn fn;
+};
+bool register_kernel(const KernelInfo& kernel);
+unsigned kernel_count();
+const KernelInfo& kernel_at(unsigned i);
 }  // namespace commref_cpu
 
 #define __global__
@@ -107,11 +118,13 @@ uint64_t now_ns();
 #define COMMREF_NOINLINE
 
 // The engine calls every kernel through one signature: void(const void* args).
-#define COMMREF_KERNEL(name, ArgsType, args)                                     \
-  static void name##__body(const ArgsType& args);                                \
-  extern "C" __attribute__((visibility("default"))) void name(const void* p) {  \
-    name##__body(*static_cast<const ArgsType*>(p));                              \
-  }                                                                              \
+#define COMMREF_KERNEL(name, ArgsType, args)                                                   \
+  static void name##__body(const ArgsType& args);                                              \
+  extern "C" __attribute__((visibility("default"))) void name(const void* p) {                \
+    name##__body(*static_cast<const ArgsType*>(p));                                            \
+  }                                                                                            \
+  [[maybe_unused]] static const bool name##__registered =                                      \
+      commref_cpu::register_kernel(commref_cpu::KernelInfo{#name, #ArgsType, name});           \
   static void name##__body(const ArgsType& args)
 
 // CPU threads of a block take contiguous element ranges (see elemRange in flow.h),

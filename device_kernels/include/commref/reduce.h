@@ -11,11 +11,23 @@
 #pragma once
 #include "port.h"
 
-enum DataType : int32_t {
-  kInt8 = 0, kUint8 = 1, kInt32 = 2, kUint32 = 3, kInt64 = 4, kUint64 = 5,
-  kFloat16 = 6, kFloat32 = 7, kFloat64 = 8, kBfloat16 = 9,
-};
-enum RedOp : int32_t { kSum = 0, kProd = 1, kMax = 2, kMin = 3, kAvg = 4 };
+// The element types, X(enumerator, code, C++ type, numpy name, ...): the DataType enum,
+// the dispatch below and the ABI table (cpu/abi.cpp) all expand this one list. Extra
+// arguments are passed on to X. half_t and bf16_t are defined below.
+#define COMMREF_DATA_TYPES(X, ...)                                                     \
+  X(kInt8, 0, int8_t, int8, __VA_ARGS__) X(kUint8, 1, uint8_t, uint8, __VA_ARGS__)         \
+  X(kInt32, 2, int32_t, int32, __VA_ARGS__) X(kUint32, 3, uint32_t, uint32, __VA_ARGS__)   \
+  X(kInt64, 4, int64_t, int64, __VA_ARGS__) X(kUint64, 5, uint64_t, uint64, __VA_ARGS__)   \
+  X(kFloat16, 6, half_t, float16, __VA_ARGS__) X(kFloat32, 7, float, float32, __VA_ARGS__) \
+  X(kFloat64, 8, double, float64, __VA_ARGS__) X(kBfloat16, 9, bf16_t, bfloat16, __VA_ARGS__)
+#define COMMREF_DATA_TYPE_ENUMERATOR(K, code, T, name, ...) K = code,
+enum DataType : int32_t { COMMREF_DATA_TYPES(COMMREF_DATA_TYPE_ENUMERATOR) };
+// The reduction operators, X(enumerator, code, name): the RedOp enum and the ABI
+// table. Which functor serves each is COMMREF_FOR_OP's business (avg reduces with
+// OpSum and divides once at the end).
+#define COMMREF_RED_OPS(X) X(kSum, 0, sum) X(kProd, 1, prod) X(kMax, 2, max) X(kMin, 3, min) X(kAvg, 4, avg)
+#define COMMREF_RED_OP_ENUMERATOR(K, code, name) K = code,
+enum RedOp : int32_t { COMMREF_RED_OPS(COMMREF_RED_OP_ENUMERATOR) };
 
 static COMMREF_HD __forceinline__ uint32_t commref_f2u(float f) {
 #ifdef COMMREF_GPU
@@ -145,18 +157,11 @@ template <typename C> static COMMREF_HD __forceinline__ C divideBy(C v, int n) {
     commref_kernel_abort();                                                      \
   }
 #else
-#define COMMREF_DISPATCH_REDUCTION(dtype, op, BODY)                \
-  switch (dtype) {                                                 \
-    case kInt8: COMMREF_FOR_OP(int8_t, op, BODY) break;            \
-    case kUint8: COMMREF_FOR_OP(uint8_t, op, BODY) break;          \
-    case kInt32: COMMREF_FOR_OP(int32_t, op, BODY) break;          \
-    case kUint32: COMMREF_FOR_OP(uint32_t, op, BODY) break;        \
-    case kInt64: COMMREF_FOR_OP(int64_t, op, BODY) break;          \
-    case kUint64: COMMREF_FOR_OP(uint64_t, op, BODY) break;        \
-    case kFloat16: COMMREF_FOR_OP(half_t, op, BODY) break;         \
-    case kFloat32: COMMREF_FOR_OP(float, op, BODY) break;          \
-    case kFloat64: COMMREF_FOR_OP(double, op, BODY) break;         \
-    case kBfloat16: COMMREF_FOR_OP(bf16_t, op, BODY) break;        \
-    default: break;                                                \
+#define COMMREF_DATA_TYPE_CASE(K, code, T, name, op, BODY) \
+  case K: COMMREF_FOR_OP(T, op, BODY) break;
+#define COMMREF_DISPATCH_REDUCTION(dtype, op, BODY)              \
+  switch (dtype) {                                               \
+    COMMREF_DATA_TYPES(COMMREF_DATA_TYPE_CASE, op, BODY)         \
+    default: break;                                              \
   }
 #endif
