@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
@@ -21,6 +20,8 @@ import sys
 import time
 
 import pytest
+
+from commref.transports import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
@@ -86,20 +87,8 @@ def run_cmd(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = No
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def shm_files(pattern: str = "commref-*") -> set[str]:
-    return set(glob.glob(f"/dev/shm/{pattern}"))
-
-
-def _mapped_files() -> set[str]:
-    """Paths of the files some live process maps."""
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line)
-        except (OSError, IndexError):
-            pass
-    return mapped
+def shm_files(pattern: str = launch.COMMREF_SEGMENTS) -> set[str]:
+    return launch.shm_segments((pattern,))
 
 
 @pytest.fixture
@@ -110,21 +99,11 @@ def shm_leak_check():
     MPICH leaves its own segments (/dev/shm/mpich_shm_*) behind when a job is aborted,
     as the deadline, abort and setup-failure tests do on purpose: about 3 MB each, which
     would pile up run after run. Those that appeared during the test and that no live
-    process maps are removed."""
-    before, before_mpich = shm_files(), shm_files("mpich_shm_*")
+    process maps are removed (transports/launch.py's remove_orphans, the rule the --np
+    launcher applies after a failed job)."""
+    before = launch.shm_segments()
     yield
-    orphans = shm_files("mpich_shm_*") - before_mpich
-    deadline = time.monotonic() + 3.0  # an aborted job's processes may still be exiting
-    while orphans:
-        for path in orphans - _mapped_files():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        orphans &= shm_files("mpich_shm_*")
-        if not orphans or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    launch.remove_orphans(before, patterns=(launch.MPICH_SEGMENTS,))
     new = shm_files() - before
     if new:
         time.sleep(1.0)

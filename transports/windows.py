@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 ALIGN = 4096
+SHM_PREFIX = "/dev/shm/commref-"  # + job-serial-rank: the CPU windows' files (see transports/launch.py)
 _serial = itertools.count()
 
 
@@ -95,7 +96,7 @@ def _register_cpu_shm(world, nbytes, team) -> SymmetricWindow:
     serial = next(_serial)
 
     def path(r: int) -> str:
-        return f"/dev/shm/commref-{job}-{serial}-{r}"
+        return f"{SHM_PREFIX}{job}-{serial}-{r}"
 
     mine = path(world.rank)
     fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
