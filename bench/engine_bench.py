@@ -1,7 +1,7 @@
 """CPU engine efficiency: the copy kernel against numpy, and the cost of a launch.
 
-    python bench/engine_bench.py [--bytes 64M] [--reps 15] [--blocks N] [--threads 1]
-                                 [--launches 2000] [--json out.json]
+    python -m commref.bench.engine_bench [--bytes 64M] [--reps 15] [--blocks N] [--threads 1]
+                                         [--launches 2000] [--json out.json]
 
 - copy: commref_copy (device_kernels/kernels/selftest.cu; block b copies its share of
   the bytes, the threads of a block split it) over --bytes, against np.copyto on the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import os
 import platform
@@ -32,8 +31,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
 
 from commref.device_kernels import abi, loader
 
@@ -86,7 +83,7 @@ def bench_copy(kernels: loader.CpuKernels, nbytes: int, reps: int, warmup: int, 
         t0 = time.perf_counter()
         status = kernels.launch("commref_copy", blocks, threads, args)
         t = time.perf_counter() - t0
-        if status != 0:
+        if status != abi.LAUNCH_OK:
             raise RuntimeError(f"commref_copy failed with status {status}")
         return t
 
@@ -123,11 +120,8 @@ def bench_copy(kernels: loader.CpuKernels, nbytes: int, reps: int, warmup: int, 
 def bench_launch(kernels: loader.CpuKernels, launches: int, grid: int, block: int) -> dict:
     args = copy_args()
     # As the Communicator calls it: name, grid, block, the args record, no stream, and
-    # (where the loader takes them) no GPU specialization and the record's address.
-    extra = {}
-    if "address" in inspect.signature(kernels.launch).parameters:
-        extra["address"] = args.ctypes.data
-    launch = functools.partial(kernels.launch, "commref_empty", grid, block, args, None, **extra)
+    # the record's address.
+    launch = functools.partial(kernels.launch, "commref_empty", grid, block, args, None, address=args.ctypes.data)
     for _ in range(min(200, launches)):  # warm the worker pool and the fiber stacks
         launch()
     samples = []
@@ -136,7 +130,7 @@ def bench_launch(kernels: loader.CpuKernels, launches: int, grid: int, block: in
         t0 = clock()
         status = launch()
         samples.append(clock() - t0)
-        if status != 0:
+        if status != abi.LAUNCH_OK:
             raise RuntimeError(f"commref_empty failed with status {status}")
     samples.sort()
     us = [s / 1000 for s in samples]

@@ -8,7 +8,8 @@ self-test kernels of device_kernels/kernels/selftest.cu:
 - commref_copy: block b copies its share of `bytes`, the threads of a block split it.
 - commref_empty: does nothing (launch cost).
 
-Every kernel takes one abi.COPY_ARGS record (src, dst, bytes).
+Every kernel takes one abi.COPY_ARGS record (src, dst, bytes); their names are
+abi.ENGINE_KERNEL_NAMES. A launch returns abi.LAUNCH_OK.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def run_selftest(kernels: loader.CpuKernels, grid: int, block: int) -> np.ndarra
     element past the grid was not written."""
     dst = np.full(grid + 1, SENTINEL, dtype=np.uint64)
     args = copy_args(dst=dst.ctypes.data)
-    assert kernels.launch("commref_engine_selftest", grid, block, args) == 0
+    assert kernels.launch("commref_engine_selftest", grid, block, args) == abi.LAUNCH_OK
     assert dst[grid] == SENTINEL, f"grid={grid} block={block}: the kernel wrote past dst[gridDim - 1]"
     return dst[:grid]
 
@@ -80,7 +81,7 @@ def test_copy_exact(kernels, grid, threads):
             dst_buf = np.full(nbytes + dst_off + 16, 0x5A, dtype=np.uint8)
             src = src_buf[src_off:src_off + nbytes]
             args = copy_args(src_buf.ctypes.data + src_off, dst_buf.ctypes.data + dst_off, nbytes)
-            assert kernels.launch("commref_copy", grid, threads, args) == 0
+            assert kernels.launch("commref_copy", grid, threads, args) == abi.LAUNCH_OK
             where = f"bytes={nbytes} grid={grid} threads={threads} offsets={src_off},{dst_off}"
             np.testing.assert_array_equal(dst_buf[dst_off:dst_off + nbytes], src, err_msg=where)
             assert (dst_buf[:dst_off] == 0x5A).all(), f"{where}: wrote before dst"
@@ -91,13 +92,13 @@ def test_copy_more_blocks_than_bytes(kernels):
     """Blocks and threads whose share is empty must do nothing."""
     src = np.arange(3, dtype=np.uint8) + 1
     dst = np.zeros(8, dtype=np.uint8)
-    assert kernels.launch("commref_copy", 5, 7, copy_args(src.ctypes.data, dst.ctypes.data, 3)) == 0
+    assert kernels.launch("commref_copy", 5, 7, copy_args(src.ctypes.data, dst.ctypes.data, 3)) == abi.LAUNCH_OK
     np.testing.assert_array_equal(dst, [1, 2, 3, 0, 0, 0, 0, 0])
 
 
 def test_empty_kernel(kernels):
     for grid, block in ((1, 1), (4, 1), (2, 1024), (1, 1024)):
-        assert kernels.launch("commref_empty", grid, block, copy_args()) == 0
+        assert kernels.launch("commref_empty", grid, block, copy_args()) == abi.LAUNCH_OK
 
 
 @pytest.mark.parametrize("grid,block", [(0, 1), (1, 0), (0, 0), (65536, 1), (1, 1025), (1, 4096), (70000, 2000)])
@@ -138,7 +139,7 @@ def test_concurrent_launches_from_python_threads(kernels):
                 src = rng.integers(0, 256, n, dtype=np.uint8)
                 dst = np.zeros(n, dtype=np.uint8)
                 status = kernels.launch("commref_copy", grid, block, copy_args(src.ctypes.data, dst.ctypes.data, n))
-                if status != 0 or not np.array_equal(src, dst):
+                if status != abi.LAUNCH_OK or not np.array_equal(src, dst):
                     errors.append(f"thread {i} iteration {it}: copy of {n} bytes grid={grid} block={block} "
                                   f"status={status} wrong bytes={int(np.count_nonzero(src != dst))}")
                     return
