@@ -62,7 +62,7 @@ def _sweep(world, opts, dtypes, ops, counts, seed, peer_mask=None):
     try:
         if peer_mask is not None:  # force a mix of LSA and GIN links (see test_mixed_lsa_and_gin_links)
             comm.peer_mask = peer_mask(world.rank)
-            comm._args[0]["gin"]["peerMask"] = comm.peer_mask
+            comm._record.record["gin"]["peerMask"] = comm.peer_mask
             world.barrier(what="peer masks set")
         info = {"backend": comm.backend.name if comm.backend else None, "peer_mask": comm.peer_mask,
                 "network": comm.network, "proxy": comm.proxy is not None}
@@ -565,3 +565,128 @@ def test_unordered_wire_order_is_reproducible_per_seed():
         assert a == b, f"seed {seed}: landing orders differ between two runs"
         assert all(len(t) > 50 for rank in a for t in rank.values())
     assert runs[1][0] != runs[2][0] or runs[2][0] != runs[3][0]
+
+
+# ---------------------------------------------------------------------------------------
+# the proxy's parts: queue reader and writer, observer, host atomics
+# ---------------------------------------------------------------------------------------
+
+
+def test_queue_writer_and_reader_agree_on_the_abi_layout():
+    from commref.transports.gin.atomics import host_atomics
+    from commref.transports.gin.queue import Descriptor, QueueReader, QueueWriter, queue_bytes
+
+    cap = 4
+    lay = np.zeros((), abi.WINDOW_LAYOUT)
+    lay["ginQueueOff"] = 128
+    local = np.zeros(128 + queue_bytes(cap) + 64, np.uint8)
+    atomics = host_atomics()
+    w, r = QueueWriter(local, lay, cap, atomics), QueueReader(local, lay, cap, atomics)
+    assert r.take() is None
+    slots = [w.fill(abi.GIN_PUT, abi.GIN_HAS_SIGNAL | abi.GIN_STRONG, 1, 2, 640, 64, 200, 3, 1),
+             w.fill(abi.GIN_FLUSH, ctx=-1)]
+    assert slots == [0, 1] and r.take() is None  # filled, not yet published
+    header = local[128 + cap * abi.GIN_DESCRIPTOR.itemsize:].view(np.uint64)
+    assert header[abi.GIN_QUEUE_CLAIMED // 8] == 2 == r.claimed()
+    w.publish(slots)
+    d = r.take()
+    assert d == Descriptor(1, abi.GIN_PUT, abi.GIN_HAS_SIGNAL | abi.GIN_STRONG, 1, 2, 640, 64, 200, 3, 1, 0, 0)
+    assert r.take() == d and r.consumed() == 0  # taken, not consumed until done()
+    r.done()
+    assert r.consumed() == 1 == header[abi.GIN_QUEUE_CONSUMED // 8] and w.consumed() == 1
+    assert r.take()[:5] == (2, abi.GIN_FLUSH, 0, -1, -1)  # peer and ctx are signed
+    r.done()
+    for _ in range(cap):  # the ring wraps onto the entries the reader has consumed
+        w.publish([w.fill(abi.GIN_SIGNAL, peer=0)])
+    with pytest.raises(RuntimeError, match="GIN queue full"):
+        w.fill(abi.GIN_SIGNAL)
+
+
+def _observed_proxy(world, wire: str):
+    """Rank 0 posts three puts of 200 bytes (64-byte segments) to rank 1, the last with a
+    strong signal and every one with a counter, then a doorbell; the proxy's observer and
+    trace see the same landings."""
+    from commref.transports.gin.observer import Observer
+    from commref.transports.gin.proxy import GinProxy
+    from commref.transports.gin.queue import QueueWriter, queue_bytes
+    from commref.transports.gin.atomics import host_atomics
+    from commref.transports.windows import register_window
+
+    class Recorder(Observer):
+        def __init__(self):
+            self.landings = []
+
+        def landed(self, peer, ctx, seq, segment, copy):
+            self.landings.append((peer, ctx, seq, segment, copy))
+
+    cap = 8
+    lay = np.zeros((), abi.WINDOW_LAYOUT)
+    lay["ginQueueOff"] = 1024
+    lay["ginSignalsOff"] = 1024 + queue_bytes(cap)
+    lay["ginCountersOff"] = int(lay["ginSignalsOff"]) + 64
+    window = register_window(world, int(lay["ginCountersOff"]) + 64, "cpu")
+    try:
+        local = window.local
+        if world.rank == 0:
+            local[:600] = (np.arange(600) % 251 + 1).astype(np.uint8)
+        world.barrier(what="sources written")
+        out = None
+        if world.rank == 0:
+            rec = Recorder()
+            transport = semantics.ORDERED if wire == "ordered" else semantics.UNORDERED
+            proxy = GinProxy(world, window, lay, cap, BACKENDS["proxy"], transport, "shm", 3, 64, observer=rec)
+            proxy.trace = {}
+            proxy.start()
+            q = QueueWriter(local, lay, cap, host_atomics())
+            flags = abi.GIN_HAS_COUNTER
+            slots = [q.fill(abi.GIN_PUT, flags | (abi.GIN_HAS_SIGNAL | abi.GIN_STRONG if i == 2 else 0), 1, 0,
+                            200 * i, 200 * i, 200, 0, 1, 5) for i in range(3)]
+            slots.append(q.fill(abi.GIN_DOORBELL, peer=1, ctx=0))
+            q.publish(slots)
+            proxy.quiesce(WORLD_TIMEOUT)
+            proxy.stop()
+            assert proxy.error is None, proxy.error
+            counter = int(local[int(lay["ginCountersOff"]) + 40:int(lay["ginCountersOff"]) + 48].view(np.uint64)[0])
+            out = rec.landings, proxy.trace, proxy.stats, counter, proxy.pending()
+        world.barrier(what="landed")
+        if world.rank == 1:
+            sig = int(local[int(lay["ginSignalsOff"]):int(lay["ginSignalsOff"]) + 8].view(np.uint64)[0])
+            out = sig, bool((local[:600] == (np.arange(600) % 251 + 1)).all())
+        world.barrier(what="checked")
+        return out
+    finally:
+        window.close()
+
+
+@pytest.mark.parametrize("wire", ["ordered", "unordered"])
+def test_observer_sees_every_landing(wire):
+    (landings, trace, stats, counter, pending), (signal, data_ok) = ThreadWorld.run(
+        2, _observed_proxy, wire, timeout=WORLD_TIMEOUT)
+    assert signal == 1 and data_ok and counter == 3 and not pending
+    assert stats["ops"] == 4
+    if wire == "ordered":  # a put's data in one piece, then its signal
+        assert landings == [(1, 0, 0, None, 0), (1, 0, 1, None, 0), (1, 0, 2, None, 0), (1, 0, 2, -1, 0)]
+        assert trace == {(1, 0): [(0, "put"), (1, "put"), (2, "put+signal")]}
+    else:  # 4 segments per put ([0,64) [64,128) [128,192) [192,200) of the first), in the trace's order
+        assert trace[(1, 0)] == [(seq, seg, copy) for _, _, seq, seg, copy in landings]
+        assert sorted(landings) == sorted([(1, 0, s, g, 0) for s in range(3) for g in range(4)] + [(1, 0, 2, -1, 0)])
+        assert landings[-1] == (1, 0, 2, -1, 0)  # strong: after the data of its put and of every earlier one
+        assert stats["events"] == 13
+
+
+def test_host_atomics_are_not_the_kernel_engine():
+    """The proxy's acquire/release/fetch-add come from the transport's own shim, not
+    from the CPU kernel library (which no longer exports them)."""
+    import ctypes
+
+    from commref.device_kernels import loader
+    from commref.transports.gin.atomics import host_atomics
+
+    a = host_atomics()
+    assert a is host_atomics() and "commref_gin_atomics" in a.path.name
+    x = np.zeros(2, np.uint64)
+    assert a.add_u64(x.ctypes.data, 5) == 0 and a.add_u64(x.ctypes.data, 2) == 5
+    a.store_release_u64(x.ctypes.data + 8, 9)
+    assert a.load_acquire_u64(x.ctypes.data) == 7 and x[1] == 9
+    lib = ctypes.CDLL(str(loader.cpu_kernels().path))
+    assert not hasattr(lib, "commref_atomic_add_u64")

@@ -362,15 +362,3 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*
   while (L.departed.load(std::memory_order_acquire) != grid - 1) sched_yield();  // brief: workers are leaving
   return L.failed.load();
 }
-
-// Host-side atomics for the GIN proxy (transports/gin/proxy.py), which lands data and
-// applies signals in windows that kernels poll, possibly in another process.
-extern "C" __attribute__((visibility("default"))) uint64_t commref_atomic_add_u64(uint64_t* p, uint64_t v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);  // release: data landed before is visible first
-}
-extern "C" __attribute__((visibility("default"))) uint64_t commref_load_acquire_u64(const uint64_t* p) {
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-}
-extern "C" __attribute__((visibility("default"))) void commref_store_release_u64(uint64_t* p, uint64_t v) {
-  __atomic_store_n(p, v, __ATOMIC_RELEASE);
-}

@@ -46,7 +46,7 @@ class GinPlan:
         gin_args["checkHeaders"] = int(o.protocol == GinProtocol.STRONG)
         gin_args["creditSignalBase"] = abi.gin_signals(max_channels, nsteps)[0]
 
-    def start_proxy(self, world, window, layout, lib):
+    def start_proxy(self, world, window, layout):
         """Starts this rank's GIN proxy over `window` (None when GIN is not used)."""
         if not self.used:
             return None
@@ -55,7 +55,7 @@ class GinPlan:
         o = self.options
         mpi_comm = world.comm.Dup() if self.network == "mpi" else None
         proxy = GinProxy(world, window, layout, o.queue, self.backend, self.transport, self.network, o.seed,
-                         o.segment_bytes, lib, mpi_comm)
+                         o.segment_bytes, mpi_comm)
         proxy.start()
         return proxy
 

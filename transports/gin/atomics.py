@@ -1,0 +1,52 @@
+"""Host atomics for GIN: 64-bit fetch-add (acq_rel), acquire load and release store on
+raw addresses, from a tiny C++ shim (host_atomics.cpp) built once per cache key by
+commref.device_kernels.loader.build_library and loaded through ctypes once per
+process. The proxy uses them on its queue words and to apply signals and counters; the
+ordering study's stress uses them for its queue and control words.
+
+In a process that runs under ThreadSanitizer (tests/test_tsan.py preloads its runtime)
+the shim is built with loader.TSAN_FLAGS, so that TSan sees the proxy's acquire and
+release operations pair with the kernels'.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from commref.device_kernels import loader
+
+SOURCE = Path(__file__).resolve().with_name("host_atomics.cpp")
+
+
+@dataclass(frozen=True)
+class HostAtomics:
+    """The shim's three functions, as ctypes callables on integer addresses:
+    add_u64(addr, v) -> old value, load_acquire_u64(addr) -> value,
+    store_release_u64(addr, v)."""
+
+    path: Path
+    add_u64: object
+    load_acquire_u64: object
+    store_release_u64: object
+
+
+def _under_tsan() -> bool:
+    return hasattr(ctypes.CDLL(None), "__tsan_init")
+
+
+@functools.lru_cache(maxsize=None)
+def host_atomics() -> HostAtomics:
+    """The process's host atomics (built or found in the cache on first use)."""
+    flags = loader.TSAN_FLAGS if _under_tsan() else loader.CPU_FLAGS
+    path = loader.build_library("commref_gin_atomics", [SOURCE], flags)
+    lib = ctypes.CDLL(str(path))
+    add = lib.commref_gin_atomic_add_u64
+    add.argtypes, add.restype = [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_uint64
+    load = lib.commref_gin_load_acquire_u64
+    load.argtypes, load.restype = [ctypes.c_void_p], ctypes.c_uint64
+    store = lib.commref_gin_store_release_u64
+    store.argtypes, store.restype = [ctypes.c_void_p, ctypes.c_uint64], None
+    return HostAtomics(path, add, load, store)

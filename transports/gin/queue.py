@@ -1,0 +1,128 @@
+"""A rank's GIN descriptor queue in its window (include/commref/gin.h), both sides.
+
+Layout (commref.device_kernels.abi): at `layout["ginQueueOff"]`, `capacity`
+descriptors (abi.GIN_DESCRIPTOR), then the queue header (abi.GIN_QUEUE_HEADER bytes):
+the claimed counter at GIN_QUEUE_CLAIMED and the consumed counter at
+GIN_QUEUE_CONSUMED (a cache line apart). A producer claims slot k, writes the
+descriptor's fields into ring[k % capacity] and publishes it by storing seq = k + 1
+with release; it may reuse a ring entry once consumed >= k + 1 - capacity.
+
+- QueueReader: the consumer (the proxy): takes published descriptors in slot order
+  and decodes each into a Descriptor, here and nowhere else; advances `consumed`.
+- QueueWriter: a producer on the host, as Gin::post does it on the device (one
+  producer, so the claim needs no atomic): the ordering study's stress posts through it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from commref.device_kernels import abi
+
+DESCRIPTOR_BYTES = abi.GIN_DESCRIPTOR.itemsize
+
+
+class Descriptor(NamedTuple):
+    """One GIN operation, field for field abi.GIN_DESCRIPTOR (gin.h GinDescriptor)."""
+
+    seq: int
+    op: int  # abi.GIN_PUT, GIN_PUT_VALUE, GIN_SIGNAL, GIN_GET, GIN_FLUSH, GIN_DOORBELL
+    flags: int  # abi.GIN_HAS_SIGNAL | GIN_STRONG | GIN_VA | GIN_ADD | GIN_HAS_COUNTER
+    peer: int
+    ctx: int
+    dstOffset: int
+    srcOffset: int
+    bytes: int  # the value itself for GIN_PUT_VALUE
+    signal: int  # slot index, or window offset of a VA signal
+    signalValue: int
+    counter: int
+    pad: int
+
+
+assert Descriptor._fields == abi.GIN_DESCRIPTOR.names, "Descriptor must follow abi.GIN_DESCRIPTOR"
+
+
+def queue_bytes(capacity: int) -> int:
+    """Bytes of a queue of `capacity` descriptors with its header (the ginQueueOff region)."""
+    return capacity * DESCRIPTOR_BYTES + abi.GIN_QUEUE_HEADER
+
+
+class _Queue:
+    def __init__(self, local: np.ndarray, layout, capacity: int, atomics):
+        qoff = int(layout["ginQueueOff"])
+        nring = capacity * DESCRIPTOR_BYTES
+        self.capacity = capacity
+        self.ring = local[qoff:qoff + nring].view(abi.GIN_DESCRIPTOR)
+        self.header = local[qoff + nring:qoff + nring + abi.GIN_QUEUE_HEADER]
+        self.ring_addr = self.ring.ctypes.data
+        self.claimed_addr = self.header.ctypes.data + abi.GIN_QUEUE_CLAIMED
+        self.consumed_addr = self.header.ctypes.data + abi.GIN_QUEUE_CONSUMED
+        self.atomics = atomics
+        self._load = atomics.load_acquire_u64
+        self._store = atomics.store_release_u64
+
+    def seq_addr(self, slot: int) -> int:
+        return self.ring_addr + (slot % self.capacity) * DESCRIPTOR_BYTES
+
+    def claimed(self) -> int:
+        return int(self._load(self.claimed_addr))
+
+    def consumed(self) -> int:
+        return int(self._load(self.consumed_addr))
+
+
+class QueueReader(_Queue):
+    """The consumer side: `take()` returns the next published descriptor (None when the
+    next slot is not published yet); `done()` marks it consumed, which frees its ring
+    entry and completes a flush waiting on it."""
+
+    def __init__(self, local: np.ndarray, layout, capacity: int, atomics):
+        super().__init__(local, layout, capacity, atomics)
+        self.next = 0  # the next slot to take; consumed once done() is called for it
+
+    def take(self) -> Descriptor | None:
+        slot = self.next
+        addr = self.ring_addr + (slot % self.capacity) * DESCRIPTOR_BYTES
+        if self._load(addr) != slot + 1:
+            return None  # not published yet (the acquire orders the reads of its fields after)
+        return Descriptor._make(self.ring[slot % self.capacity].item())
+
+    def done(self) -> None:
+        self.next += 1
+        self._store(self.consumed_addr, self.next)
+
+
+class QueueWriter(_Queue):
+    """The producer side on the host, as gin.h's Gin::post (one producer): fill() claims
+    a slot and writes its fields, publish() releases filled slots to the consumer."""
+
+    def __init__(self, local: np.ndarray, layout, capacity: int, atomics):
+        super().__init__(local, layout, capacity, atomics)
+        self.words = self.header.view(np.uint64)
+        self.fields = self.ring[list(abi.GIN_DESCRIPTOR.names[1:])]  # every field but seq (a view)
+        self.slot = 0  # slots claimed so far
+
+    def reset(self) -> None:
+        """An empty queue (no consumer may be running)."""
+        self.ring.view(np.uint8)[:] = 0
+        self.header[:] = 0
+        self.slot = 0
+
+    def fill(self, op: int, flags: int = 0, peer: int = -1, ctx: int = 0, dst: int = 0, src: int = 0,
+             nbytes: int = 0, signal: int = 0, value: int = 0, counter: int = 0) -> int:
+        """Claims the next slot and writes the descriptor's fields (not seq); returns the slot."""
+        slot = self.slot
+        if slot >= self.capacity and self.consumed() < slot + 1 - self.capacity:
+            raise RuntimeError(f"GIN queue full: slot {slot} of {self.capacity} while {self.consumed()} consumed")
+        self.slot += 1
+        self.words[abi.GIN_QUEUE_CLAIMED // 8] = self.slot
+        self.fields[slot % self.capacity] = (op, flags, peer, ctx, dst, src, nbytes, signal, value, counter, 0)
+        return slot
+
+    def publish(self, slots: list[int]) -> None:
+        """seq = slot + 1 with release, last first: the consumer takes in slot order, so it
+        then takes them all at once."""
+        for slot in reversed(slots):
+            self._store(self.seq_addr(slot), slot + 1)

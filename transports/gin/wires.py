@@ -1,0 +1,173 @@
+"""GIN wires: how the proxy's landings reach the target rank's window.
+
+Every wire offers the same small interface (Wire): land data at a window offset of a
+peer, apply a signal there, get bytes from a peer, make progress (receive and land what
+peers sent, finish sends), and say whether anything it sent is still in flight. What
+lands when is not the wire's business: the delivery scheduler (scheduler.py) decides,
+the wire carries each landing as it is told, in that order.
+
+- ShmWire (network "shm"): the peer's window is mapped here (same host); data is
+  copied into it, signals are atomic adds (release: the data landed before is visible
+  first).
+- MpiWire (network "mpi"): one MPI message per landing to the peer's proxy, which lands
+  it in its own window (across processes and nodes: the distributed path). A message is
+  a header of 6 uint64 (kind, offset, size, is_va, signal, value) and the data bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+from commref.transports.gin import semantics
+
+# MPI wire message kinds (the first header word).
+MSG_DATA, MSG_SIGNAL, MSG_GET_REQ, MSG_GET_RESP = 1, 2, 3, 4
+HEADER_WORDS = 6
+HEADER_BYTES = 8 * HEADER_WORDS
+TAG = 7171
+
+
+class ProxyError(RuntimeError):
+    """The proxy or its wire met an operation it cannot carry, or a wait passed its
+    deadline (names rank, peer, operation; proxy.py exports it too)."""
+
+
+class Wire:
+    """The interface every wire implements (see the module docstring)."""
+
+    name = ""
+
+    def land_data(self, peer: int, offset: int, data: np.ndarray) -> None:
+        """Writes `data` (uint8) at window offset `offset` of rank `peer`."""
+        raise NotImplementedError
+
+    def signal(self, peer: int, sig: semantics.Signal) -> None:
+        """Applies `sig` at rank `peer`: adds sig.value to signal slot i (("index", i)) or
+        to the 64-bit word at window offset o (("va", o)), after everything landed before."""
+        raise NotImplementedError
+
+    def get(self, peer: int, src: int, dst: int, nbytes: int, idle) -> None:
+        """Copies `nbytes` from window offset `src` of rank `peer` to offset `dst` of this
+        rank's window before returning; calls idle() while it waits (if it waits)."""
+        raise NotImplementedError
+
+    def progress(self) -> int:
+        """Receives and lands what peers sent, finishes sends; returns messages handled."""
+        return 0
+
+    def drained(self) -> bool:
+        """Nothing this wire sent is still in flight."""
+        return True
+
+
+class ShmWire(Wire):
+    name = "shm"
+
+    def __init__(self, window, signals_off: int, atomics):
+        self.base = int(window.address)
+        self.peer_base = [int(a) for a in window.peer_addresses]  # 0 where not mapped
+        self.signals_off = signals_off
+        self._add = atomics.add_u64
+        self._keep = window  # the mappings must outlive the wire
+
+    def land_data(self, peer: int, offset: int, data: np.ndarray) -> None:
+        if data.size:
+            ctypes.memmove(self.peer_base[peer] + offset, data.ctypes.data, data.size)
+
+    def signal(self, peer: int, sig: semantics.Signal) -> None:
+        kind, where = sig.target
+        self._add(self.peer_base[peer] + (where if kind == "va" else self.signals_off + 8 * where), sig.value)
+
+    def get(self, peer: int, src: int, dst: int, nbytes: int, idle) -> None:
+        ctypes.memmove(self.base + dst, self.peer_base[peer] + src, nbytes)
+
+
+def _header(kind: int, offset: int = 0, size: int = 0, is_va: int = 0, signal: int = 0, value: int = 0):
+    return np.array([kind, offset, size, is_va, signal, value], np.uint64)
+
+
+class MpiWire(Wire):
+    """`comm`: the proxies' own communicator (a Dup of the world's), `timeout`: how long
+    a get waits for its reply; `observer`: told of every message sent and received."""
+
+    name = "mpi"
+
+    def __init__(self, comm, rank: int, window, signals_off: int, atomics, timeout: float, observer=None):
+        from mpi4py import MPI
+
+        self.comm, self.rank, self.timeout, self.observer = comm, rank, timeout, observer
+        self.local = window.local
+        self.base = int(window.address)
+        self.signals_off = signals_off
+        self._add = atomics.add_u64
+        self._mpi = MPI
+        self._status = MPI.Status()
+        self._pending: list = []  # (request, message) of unfinished sends
+        self._get_reply: dict = {}
+
+    def land_data(self, peer: int, offset: int, data: np.ndarray) -> None:
+        if data.size:
+            self._send(peer, _header(MSG_DATA, offset, data.size), data)
+
+    def signal(self, peer: int, sig: semantics.Signal) -> None:
+        kind, where = sig.target
+        self._send(peer, _header(MSG_SIGNAL, is_va=int(kind == "va"), signal=where, value=sig.value))
+
+    def _apply_signal(self, is_va: bool, where: int, value: int) -> None:
+        self._add(self.base + (where if is_va else self.signals_off + 8 * where), value)
+
+    def _send(self, peer: int, header: np.ndarray, data: np.ndarray | None = None) -> None:
+        msg = header.view(np.uint8) if data is None else np.concatenate([header.view(np.uint8), data])
+        self._pending.append((self.comm.Isend(msg, dest=peer, tag=TAG), msg))
+        if self.observer is not None:
+            self.observer.sent(peer, int(header[0]), msg.size)
+
+    def _reap(self) -> None:
+        if self._pending:
+            self._pending = [(r, m) for r, m in self._pending if not r.Test()]
+
+    def _receive(self) -> int:
+        MPI, status, n = self._mpi, self._status, 0
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+            buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+            src = status.Get_source()
+            self.comm.Recv(buf, source=src, tag=TAG)
+            h = buf[:HEADER_BYTES].view(np.uint64)
+            kind = int(h[0])
+            if kind == MSG_DATA:
+                ctypes.memmove(self.base + int(h[1]), buf[HEADER_BYTES:].ctypes.data, int(h[2]))
+            elif kind == MSG_SIGNAL:
+                self._apply_signal(bool(h[3]), int(h[4]), int(h[5]))
+            elif kind == MSG_GET_REQ:
+                off, size = int(h[1]), int(h[2])
+                self._send(src, _header(MSG_GET_RESP, 0, size), self.local[off:off + size].copy())
+            elif kind == MSG_GET_RESP:
+                self._get_reply[src] = buf[HEADER_BYTES:].copy()
+            n += 1
+            if self.observer is not None:
+                self.observer.received(src, kind, buf.size)
+        return n
+
+    def progress(self) -> int:
+        n = self._receive()
+        self._reap()
+        return n
+
+    def drained(self) -> bool:
+        return not self._pending
+
+    def get(self, peer: int, src: int, dst: int, nbytes: int, idle) -> None:
+        self._send(peer, _header(MSG_GET_REQ, src, nbytes))
+        deadline = time.monotonic() + self.timeout
+        while peer not in self._get_reply:
+            self.progress()
+            idle()
+            if time.monotonic() > deadline:
+                raise ProxyError(f"rank {self.rank}: GIN get from peer {peer} got no reply within "
+                                 f"{self.timeout} s (expected {nbytes} bytes, seen none)")
+            time.sleep(0)
+        data = self._get_reply.pop(peer)
+        ctypes.memmove(self.base + dst, data.ctypes.data, nbytes)
