@@ -100,7 +100,7 @@ def cmd_study(args, argv) -> int:
 
     from commref.transports.world import MPIWorld
 
-    from commref.collectives import study
+    from commref.transports.gin.study import report as study
 
     if args.np is not None and args.np != 2:
         raise SystemExit("commref study: --np must be 2 (a sender and a receiver)")
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gin-protocol", default="strong",
                    choices=["strong", "weak-last", "signal-per-put", "flush-signal"],
                    help="how a GIN connection publishes a slot (only strong is safe on every wire)")
-    from commref.collectives import study
+    from commref.transports.gin.study import report as study
 
     st = sub.add_parser("study", help="ordering study: protocol x transport model x signal strength -> safe/unsafe "
                                       "(docs/ordering.md)")

@@ -1,4 +1,4 @@
-"""The ordering study (collectives/study.py): every cell of the default matrix pinned,
+"""The ordering study (transports/gin/study/): every cell of the default matrix pinned,
 every counterexample replayed on a fresh target memory, the reduced search checked
 against the plain one, and the semantics helpers it adds."""
 
@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from commref.collectives import study as st
 from commref.cli import main as cli_main
 from commref.transports.gin import semantics as sem
 from commref.transports.gin.semantics import Event, Plan, Put, Signal
+from commref.transports.gin.study import explorer, report, stress
+from commref.transports.gin.study import protocols as pr
 
 COLUMNS = ["ordered", "ordered/2ctx", "unordered", "unordered+block128", "unordered+duplicates",
            "unordered+flush_orders", "unordered/2ctx"]
@@ -75,13 +76,13 @@ EXPECTED = {(p, s, col): ("safe" if v == "S" else "unsafe")
 @pytest.fixture(scope="module")
 def matrix():
     t0 = time.perf_counter()
-    cells = st.run_matrix()
+    cells = explorer.run_matrix()
     return cells, time.perf_counter() - t0
 
 
 def test_columns_and_rows_are_the_default_matrix(matrix):
     cells, _ = matrix
-    assert [m.name for m in st.MODELS] == COLUMNS
+    assert [m.name for m in pr.MODELS] == COLUMNS
     assert {c.key() for c in cells} == set(EXPECTED)
     assert len(cells) == len(EXPECTED) == 84
 
@@ -100,7 +101,7 @@ def test_default_matrix_is_fast(matrix):
 
 def test_safe_cells_checked_every_shape(matrix):
     cells, _ = matrix
-    n = len(st.shapes(st.DEFAULT_BOUND))
+    n = len(pr.shapes(pr.DEFAULT_BOUND))
     assert n == 16
     for c in cells:
         if c.safe:
@@ -112,8 +113,8 @@ def test_every_counterexample_replays_to_a_wrong_read(matrix):
     unsafe = [c for c in cells if not c.safe]
     assert len(unsafe) == sum(v == "unsafe" for v in EXPECTED.values())
     for c in unsafe:
-        proto, model, prog = st.cell_program(c)
-        assert c.shape.puts <= st.DEFAULT_BOUND[0] and c.shape.units <= st.DEFAULT_BOUND[1]
+        proto, model, prog = explorer.cell_program(c)
+        assert c.shape.puts <= pr.DEFAULT_BOUND[0] and c.shape.units <= pr.DEFAULT_BOUND[1]
         assert c.shortest, c.key()
         # Every event is allowed where it lands (semantics.enabled), no event repeats.
         assert sem.first_disallowed(model.transport, prog.plan, c.events, model.strong_always) is None
@@ -122,13 +123,13 @@ def test_every_counterexample_replays_to_a_wrong_read(matrix):
             sem.apply(prog.plan, e, prog.payload, mem)
         read = proto.receive(prog, mem)
         assert read is not None, f"{c.key()}: the receiver does not read at the end of the trace"
-        stale = st.stale_ranges(prog, mem, read)
+        stale = pr.stale_ranges(prog, mem, read)
         assert stale, f"{c.key()}: the receiver's read is correct at the end of the trace"
         for off, n in stale:  # stale bytes still hold what was there before the message
-            assert all(b == st.STALE for b in mem.window[off:off + n])
+            assert all(b == pr.STALE for b in mem.window[off:off + n])
         # The trace printers agree with it.
-        assert "UNSAFE" in st.trace_lines(c)[0]
-        assert st.cell_json(c)["counterexample"]["read"]["stale"] == [[o, o + n] for o, n in stale]
+        assert "UNSAFE" in report.trace_lines(c)[0]
+        assert report.cell_json(c)["counterexample"]["read"]["stale"] == [[o, o + n] for o, n in stale]
 
 
 def test_sample_counterexamples_are_the_expected_shortest(matrix):
@@ -152,31 +153,73 @@ def test_sample_counterexamples_are_the_expected_shortest(matrix):
 
 
 def _small_shapes():
-    return [s for s in st.shapes((4, 4)) if s.puts * s.units <= 6]
+    return [s for s in pr.shapes((4, 4)) if s.puts * s.units <= 6]
 
 
-@pytest.mark.parametrize("proto", st.PROTOCOLS, ids=lambda p: p.name)
+@pytest.mark.parametrize("proto", pr.PROTOCOLS, ids=lambda p: p.name)
 def test_reduced_search_agrees_with_plain_search(proto):
     """Per message shape (up to 6 segments or lines in all), the reduced search (victims
     + persistent sets) finds a wrong read exactly when the plain BFS does."""
     for strength in proto.strengths:
-        for model in st.MODELS:
+        for model in pr.MODELS:
             for shape in _small_shapes():
                 prog = proto.program(shape, strength, model.split_ctx)
-                reduced = st.search(prog, proto, model, por=True)
-                plain = st.search(prog, proto, model, por=False)
+                reduced = explorer.search(prog, proto, model, por=True)
+                plain = explorer.search(prog, proto, model, por=False)
                 assert (reduced is None) == (plain is None), (proto.name, strength, model.name, str(shape))
                 if reduced is not None:
-                    assert st.replay(prog, proto, model, reduced)[2]
+                    assert explorer.replay(prog, proto, model, reduced)[2]
+
+
+class _Put1OncePut2NotPut0(pr.Protocol):
+    """A toy non-monotone receiver (not a protocol of the matrix): three one-segment puts
+    without signals; the receiver reads put 1 once put 2 has landed and put 0 has not.
+    Landing put 0 makes it read nothing, so the reduction must branch on every event
+    (Protocol.may_falsify stays True for all of them)."""
+
+    name = "toy-put1-once-put2-not-put0"
+    strengths = (None,)
+    monotone = False
+
+    def program(self, shape, strength, split_ctx):
+        s = pr._Sender()
+        for _, off, data in self._data_puts(shape):
+            s.put(0, off, data)
+        return self._program(s, shape)
+
+    def receive(self, prog, mem):
+        if len(prog.puts) != 3:
+            return None  # the toy is about three puts; smaller shapes never read
+        (off0, _), (off1, n1), (off2, _) = [(p.offset, p.nbytes) for p in prog.puts]
+        if mem.window[off2] != pr.STALE and mem.window[off0] == pr.STALE:
+            return pr.Read(((off1, n1),), "put 2 landed, put 0 not")
+        return None
+
+
+def test_reduced_search_follows_every_branch_of_a_non_monotone_receiver():
+    """On the unordered model, its one wrong read is put 2 landing first (put 1 is then
+    read stale). From the empty state, with put 1 as the victim, the enabled events are
+    put 0 and put 2: a search that followed only the first would land put 0 and never
+    see the read. The plain search finds the counterexample; the reduced one must too."""
+    proto, model = _Put1OncePut2NotPut0(), pr.MODEL_BY_NAME["unordered"]
+    prog = proto.program(pr.Shape(3, 1), None, False)
+    plain = explorer.search(prog, proto, model, por=False)
+    assert plain == [Event(2, 0)]
+    assert explorer.replay(prog, proto, model, plain)[2] == [(64, 64)]
+    reduced = explorer.search(prog, proto, model, por=True)
+    assert reduced is not None, "the reduced search missed the counterexample the plain search finds"
+    assert explorer.replay(prog, proto, model, reduced)[2]
+    cell = explorer.run_cell(proto, None, model, bound=(3, 1))
+    assert not cell.safe and cell.events == [Event(2, 0)]
 
 
 def test_no_event_disables_another():
     """The reductions rely on it: landing an event never removes another from enabled().
     Checked on every reachable state of small programs of every protocol and model."""
-    for proto in st.PROTOCOLS:
+    for proto in pr.PROTOCOLS:
         for strength in proto.strengths:
-            for model in st.MODELS:
-                for shape in (st.Shape(2, 2), st.Shape(3, 1)):
+            for model in pr.MODELS:
+                for shape in (pr.Shape(2, 2), pr.Shape(3, 1)):
                     prog = proto.program(shape, strength, model.split_ctx)
                     tr, plan = model.transport, prog.plan
                     seen, todo = {frozenset()}, [frozenset()]
@@ -193,8 +236,8 @@ def test_no_event_disables_another():
 
 
 def test_larger_bound_keeps_verdicts():
-    cells = st.run_matrix(protocols=[st.PROTOCOL_BY_NAME["last-put"], st.PROTOCOL_BY_NAME["headers"]],
-                          bound=(5, 3))
+    cells = explorer.run_matrix(protocols=[pr.PROTOCOL_BY_NAME["last-put"], pr.PROTOCOL_BY_NAME["headers"]],
+                                bound=(5, 3))
     for c in cells:
         assert c.verdict == EXPECTED[c.key()], c.key()
         assert c.safe or c.shapes_checked <= 15
@@ -202,22 +245,22 @@ def test_larger_bound_keeps_verdicts():
 
 def test_programs():
     # Flush then signal: the signal is the op after the flush.
-    prog = st.FlushSignal().program(st.Shape(2, 2), "weak", False)
+    prog = pr.FlushSignal().program(pr.Shape(2, 2), "weak", False)
     assert [p.nbytes for p in prog.puts] == [128, 128, 0]
     assert [p.after_flush for p in prog.puts] == [False, False, True]
     assert prog.puts[2].signal == Signal(False)
     # Split contexts: data on 0, bare signals on 1, sequence numbers per context.
-    prog = st.SignalPerPut().program(st.Shape(2, 1), "strong", True)
+    prog = pr.SignalPerPut().program(pr.Shape(2, 1), "strong", True)
     assert [(p.ctx, p.seq, p.nbytes, p.signal is not None) for p in prog.puts] == \
         [(0, 0, 64, False), (1, 0, 0, True), (0, 1, 64, False), (1, 1, 0, True)]
     # Every payload byte differs from the stale fill, so a stale byte shows.
-    for proto in st.PROTOCOLS:
-        prog = proto.program(st.Shape(4, 4), proto.strengths[-1], False)
-        assert st.STALE not in prog.image
+    for proto in pr.PROTOCOLS:
+        prog = proto.program(pr.Shape(4, 4), proto.strengths[-1], False)
+        assert pr.STALE not in prog.image
     # LL lines: 8 data bytes, then the flag; 16-byte segments (8-byte for ll-flag-8B).
-    prog = st.LLFlag().program(st.Shape(1, 2), None, False)
-    assert prog.plan.segs[0] == [(0, 16), (16, 16)] and prog.image[8:16] == st.LL_FLAG
-    assert st.LLFlagTorn().program(st.Shape(1, 1), None, False).plan.segs[0] == [(0, 8), (8, 8)]
+    prog = pr.LLFlag().program(pr.Shape(1, 2), None, False)
+    assert prog.plan.segs[0] == [(0, 16), (16, 16)] and prog.image[8:16] == pr.LL_FLAG
+    assert pr.LLFlagTorn().program(pr.Shape(1, 1), None, False).plan.segs[0] == [(0, 8), (8, 8)]
 
 
 def test_semantics_target_memory():
@@ -264,8 +307,8 @@ def test_cli_text(capsys):
     row = next(line for line in out.splitlines() if line.startswith("counted-writes"))
     assert row.split()[2:] == ["safe", "safe", "safe", "safe", "UNSAFE", "safe", "safe"]
     assert "placed bytes = 128 >= 128" in out and "bound 2x2" in out
-    with pytest.raises(SystemExit):
-        cli_main(["study", "--bound", "4by4"])
+    assert cli_main(["study", "--bound", "4by4"]) == 2
+    assert capsys.readouterr().err == "commref study: error: --bound wants PxS (e.g. 4x4), not '4by4'\n"
 
 
 def test_stress_on_the_proxy_agrees_with_the_explorer():
@@ -273,15 +316,13 @@ def test_stress_on_the_proxy_agrees_with_the_explorer():
     cells proven safe show no corruption, a torn LL line and a bare signal on another
     context show theirs, and every delivery order the proxy produced is one
     semantics.enabled() allows for the explorer's plan of the program."""
-    from commref.collectives import study_stress
-
-    P, M = st.PROTOCOL_BY_NAME, st.MODEL_BY_NAME
+    P, M = pr.PROTOCOL_BY_NAME, pr.MODEL_BY_NAME
     picks = [("last-put", "strong", "unordered"), ("headers", "weak", "unordered+duplicates"),
              ("flush-signal", "weak", "unordered+flush_orders"), ("ll-flag", None, "unordered"),
              ("ll-flag-8B", None, "unordered"), ("signal-per-put", "weak", "unordered/2ctx")]
     cells = []
     for p, s, m in picks:
-        cells += study_stress.run_stress([P[p]], [M[m]], [s] if s else None, seeds=2, messages=4)
+        cells += stress.run_stress([P[p]], [M[m]], [s] if s else None, seeds=2, messages=4)
     by = {c.key(): c for c in cells}
     assert len(by) == len(picks)
     for p, s, m in picks:
@@ -293,7 +334,7 @@ def test_stress_on_the_proxy_agrees_with_the_explorer():
             assert c.corrupted == 0, c
         else:
             assert c.corrupted > 0 and c.example, c
-    text = study_stress.format_stress(cells, 2, 4, st.DEFAULT_BOUND)
+    text = report.format_stress(cells, 2, 4, pr.DEFAULT_BOUND)
     assert "0 not allowed" in text and "disagreements (a safe cell corrupted, or an order the model forbids): none" in text
 
 
@@ -327,11 +368,13 @@ def test_stress_under_mpirun_agrees_with_the_explorer(network, shm_leak_check):
     assert elapsed < 30, elapsed
 
 
-def test_stress_np_and_network_checks():
-    """--np is for --stress only, and 2 ranks only; the mpi wire needs MPI."""
-    with pytest.raises(SystemExit, match="--np needs --stress"):
-        cli_main(["study", "--np", "2", "--protocol", "last-put"])
-    with pytest.raises(SystemExit, match="--np must be 2"):
-        cli_main(["study", "--stress", "--np", "3"])
-    with pytest.raises(SystemExit, match="--network mpi needs --np 2"):
-        cli_main(["study", "--stress", "--network", "mpi", "--protocol", "last-put"])
+def test_stress_np_and_network_checks(capsys):
+    """--np is for --stress only, and 2 ranks only; the mpi wire needs MPI. Each is one
+    line `commref study: error: ...` and exit status 2, before anything runs."""
+    for argv, message in [(["--np", "2", "--protocol", "last-put"], "--np needs --stress"),
+                          (["--stress", "--np", "3"], "--np must be 2"),
+                          (["--stress", "--network", "mpi", "--protocol", "last-put"], "--network mpi needs --np 2")]:
+        assert cli_main(["study", *argv]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"commref study: error: {message}") and captured.err.count("\n") == 1
+        assert captured.out == ""
