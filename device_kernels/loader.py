@@ -111,16 +111,20 @@ def _compiler_version(cxx: str) -> str:
 
 def _hash_inputs(cxx: str, sources: list[Path], include_dirs: tuple[Path, ...], flags: tuple[str, ...],
                  defines: tuple[str, ...]) -> str:
+    """A key of the build: the contents (and names) of every source and of every header
+    under `include_dirs`, the compiler and its version, the flags and the defines. Where
+    the files lie does not count, so that checkouts of the same sources share builds."""
     h = hashlib.sha256()
-    files = [*sources]
+    named = [(src.name, src) for src in sources]
     for d in include_dirs:
-        files += sorted(p for p in Path(d).rglob("*") if p.is_file() and p.suffix in (".h", ".hpp", ".cuh"))
-    for f in files:
-        h.update(str(f.name).encode())
-        h.update(Path(f).read_bytes())
+        named += [(str(f.relative_to(d)), f) for f in sorted(Path(d).rglob("*"))
+                  if f.is_file() and f.suffix in (".h", ".hpp", ".cuh")]
+    for name, f in named:
+        h.update(f"{name}\0{f.stat().st_size}\0".encode())
+        h.update(f.read_bytes())
     h.update(cxx.encode())
     h.update(_compiler_version(cxx).encode())
-    h.update(repr((flags, defines, [str(d) for d in include_dirs], [str(s) for s in sources])).encode())
+    h.update(repr((flags, defines)).encode())
     return h.hexdigest()[:20]
 
 
@@ -132,8 +136,9 @@ def build_library(name: str, sources: list[Path], flags: tuple[str, ...] = CPU_F
                   include_dirs=()) -> Path:
     """Compiles `sources` (C++; `.cu` files too) as separate translation units and links
     them into one shared library `lib<name>-<hash>.so` under cache_dir(), or finds it
-    there. The key hashes every source, every header under `include_dirs`, the compiler
-    and its version, the flags and the defines; ranks building the same key wait on a
+    there. The key hashes every source, every header under `include_dirs` (so headers
+    the sources include must lie there), the compiler and its version, the flags and
+    the defines; ranks building the same key wait on a
     file lock and reuse one build. `flags` apply to compiling and linking (they should
     hold -shared and -fPIC); `defines` are given as "NAME" or "NAME=VALUE"."""
     cxx = host_compiler()

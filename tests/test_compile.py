@@ -101,6 +101,58 @@ def test_kernel_names_are_the_library_kernels(cxx_table):
     assert set(loader.gpu_sources()) == {loader.kernel_files()[n] for n in abi.KERNEL_NAMES}
 
 
+def test_gpu_loader_loads_every_kernel_eagerly(monkeypatch):
+    """CudaKernels with a stand-in for CuPy: prepare() builds one module per (kernel
+    file, specialization) and loads every kernel of abi.KERNEL_NAMES in it, so that a
+    later launch(name, ...) compiles and loads nothing; each kernel comes from the
+    module of the file that defines it."""
+    import sys
+    import types
+
+    built, loaded = [], []
+
+    class RawModule:
+        def __init__(self, code, options):
+            self.code, self.options = code, options
+
+        def compile(self):
+            built.append(self)
+
+        def get_function(self, name):
+            assert f"COMMREF_KERNEL({name}," in self.code, f"{name} is not in this module's source"
+            loaded.append((name, self.options))
+            return lambda grid, block, args, stream=None: None
+
+    class Device:
+        def __init__(self, device_id):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = types.ModuleType("cupy")
+    fake.RawModule = RawModule
+    fake.cuda = types.SimpleNamespace(Device=Device)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    kernels = loader.CudaKernels(0)
+    specs = [None, (abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"])]
+    kernels.prepare(specs)
+    assert len(built) == len(specs) * len(loader.gpu_sources())
+    for spec in specs:
+        options = (*loader.NVRTC_OPTIONS, f"-I{loader.INCLUDE_DIR}", *(f"-D{d}" for d in loader.specialization(spec)))
+        assert sorted(n for n, o in loaded if o == options) == sorted(abi.KERNEL_NAMES), spec
+    before = (len(built), len(loaded))
+    args = np.zeros(1, dtype=abi.COLL_ARGS)
+    for name in abi.KERNEL_NAMES:
+        assert kernels.launch(name, 1, 1, args, spec=specs[1]) == abi.LAUNCH_OK
+    assert len(built) == before[0], "a launch after prepare() compiled a module"
+    with pytest.raises(loader.KernelError, match="no GPU kernel"):
+        kernels.launch("commref_copy", 1, 1, args)
+
+
 def test_abi_numpy_dtypes_are_c_layouts():
     """abi.py's dtypes are aligned like C structs (so a record's bytes are the struct),
     without implicit padding (explicit pad fields, as cpu/abi.cpp asserts for C++)."""
