@@ -1,7 +1,7 @@
 """GIN proxy rate and GIN-vs-LSA bandwidth, 2 ranks (or the MPI job's ranks).
 
-    mpiexec -n 2 python -m mpi4py bench/gin_rate.py [--small-iters 3000] [--bytes 16M] [--iters 10]
-    python bench/gin_rate.py ...            # without mpiexec: 2 ranks as threads (ThreadWorld)
+    mpiexec -n 2 python -m mpi4py -m commref.bench.gin_rate [--small-iters 3000] [--bytes 16M] [--iters 10]
+    python -m commref.bench.gin_rate ...    # without mpiexec: 2 ranks as threads (ThreadWorld)
 
 - rate: AllReduce of 2 float32 elements (8 bytes) over path="gin", backend "proxy" on
   the shm wire (the proxy writes into the peer's mapped window), strong signals, for
@@ -31,10 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
-
-from commref.collectives.communicator import Communicator  # noqa: E402
-from commref.transports.world import MPIWorld, ThreadWorld  # noqa: E402
+from commref.collectives.communicator import Communicator
+from commref.transports.world import MPIWorld, ThreadWorld
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
