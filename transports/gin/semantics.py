@@ -1,9 +1,9 @@
 """GIN delivery semantics, defined once.
 
-The runtime wire (transports/gin/proxy.py) and the ordering explorer
-(collectives/study.py) both ask the same question — given what a source rank posted
-to one target and what has landed there so far, which pieces may land next? — and
-both get the answer from :func:`enabled`. The runtime picks one enabled event (the
+The runtime proxy's delivery scheduler (transports/gin/scheduler.py) and the ordering
+study's explorer (transports/gin/study/explorer.py) both ask the same question — given
+what a source rank posted to one target and what has landed there so far, which pieces
+may land next? — and both get the answer from :func:`enabled`. The runtime picks one enabled event (the
 FIFO head on an ordered wire, a seeded random choice on an unordered one); the
 explorer tries every one.
 
@@ -19,7 +19,7 @@ Transport axes: ordered vs unordered delivery between operations; segment placem
 within a put (any order, or in order inside each aligned 128-byte block); duplicate
 placement of a segment; and whether a local completion (flush) orders later writes.
 
-Also here, for the ordering explorer (collectives/study.py) and anyone who models a
+Also here, for the ordering explorer (transports/gin/study/) and anyone who models a
 target: TargetMemory (a byte-level model of the target window, signal slots and a
 counted-writes byte counter), apply() (lands one event on it) and first_disallowed()
 (checks a delivery order against enabled()). They add no rule: enabled() alone says
@@ -188,7 +188,7 @@ def enabled(transport: Transport, plan: Plan, landed, strong_always: bool = Fals
     return out
 
 
-# --- Additions for the ordering explorer (collectives/study.py); enabled() is unchanged. ---
+# --- Additions for the ordering explorer (transports/gin/study/); enabled() is unchanged. ---
 
 SIGNAL_MASK = (1 << 64) - 1
 
