@@ -11,7 +11,7 @@
 //   - commref_kernel_abort() (a wait's deadline, a mismatch, the job's abort flag)
 //     ends the whole launch: the failing fiber unwinds, the block's other fibers are
 //     abandoned, the other blocks stop at their next spin pause, and
-//     commref_cpu_launch() returns 1. The device code has already filled the
+//     commref_cpu_launch() returns kLaunchFailed. The device code has already filled the
 //     ErrorRecord that the host turns into an exception.
 // Under ThreadSanitizer (-fsanitize=thread) fiber switches are announced to TSan, and a
 // switch synchronizes (fibers of one block are sequential on one OS thread).
