@@ -49,7 +49,10 @@ from typing import Any, Callable
 import numpy as np
 
 from commref.collectives import verify
+from commref.collectives.options import KEYWORDS, Algorithm, CommOptions, Device, StreamStores, resolve_device
 from commref.collectives.verify import DTYPES, OPS
+from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
+from commref.transports.options import OptionError, bounded
 
 from . import plugins
 from .baselines import BaselineUnavailable, make_baseline
@@ -57,12 +60,13 @@ from .bound import BoundMeter, BoundTimes, bound_busbw
 from .environment import LINKS, environment
 
 SCHEMA = "commref-bench/2"
-# Communicator's path options (GIN: backend, wire ordering model, network under it, signal protocol).
-PATHS = ("lsa", "gin", "auto")
-BACKENDS = ("auto", "proxy", "gda", "rc")
-WIRES = ("ordered", "unordered")
-NETWORKS = ("auto", "shm", "mpi")
-PROTOCOLS = ("strong", "weak")
+# Communicator's path options (GIN: backend, wire ordering model, network under it, signal
+# protocol): the words of the typed options (collectives/options.py, transports/gin/options.py).
+PATHS = Path.words()
+BACKENDS = Backend.words()
+WIRES = Wire.words()
+NETWORKS = Network.words()
+PROTOCOLS = GinProtocol.words()
 PROGRESS_ENV = "COMMREF_BENCH_PROGRESS"  # set by the launching process: "bar" or "bar+rows"
 
 # nccl-tests' type names, and the numpy names commref uses.
@@ -128,14 +132,47 @@ def parse_dtype(text: str) -> str:
     return key
 
 
-def _list_of(choices: tuple[str, ...], what: str):
-    def parse(text: str) -> list[str]:
-        items = [t.strip().lower() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or text!r}; choose from "
-                                             f"{', '.join(choices)} (comma-separated for several)")
-        return items
+def option_type(keyword: str, many: bool = False) -> Callable[[str], Any]:
+    """An argparse type for Communicator option `keyword` (collectives.options.KEYWORDS):
+    the value is checked by CommOptions itself, so a bad one gets the API's message.
+    `many`: a comma-separated list, each item checked (bench measures them side by side)."""
+    def one(text: str):
+        value: Any = text.strip()
+        if value.lstrip("-").isdigit():
+            value = int(value)
+        else:
+            value = value.lower()
+        try:
+            CommOptions.from_kwargs(**{keyword: value})
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e) + (" (comma-separated for several)" if many else "")) from None
+        return value
+
+    def parse(text: str):
+        if not many:
+            return one(text)
+        items = [one(t) for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected one or more comma-separated values, got {text!r}")
+        return list(dict.fromkeys(items))
+
+    parse.__name__ = keyword  # argparse names the type in "invalid <type> value"
+    return parse
+
+
+def int_type(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type for an integer in [low, high] (transports.options.bounded's
+    check; argparse names the flag: "argument --np: must be >= 1, got 0")."""
+    def parse(text: str) -> int:
+        value: Any = text.strip()
+        if value.lstrip("-").isdigit():
+            value = int(value)
+        try:
+            return bounded(value, "value", low, high)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("value ")) from None
+
+    parse.__name__ = "integer"
     return parse
 
 
@@ -165,12 +202,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("32M"), help="last size (default 32M)")
     g.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this (default 2)")
     g.add_argument("-i", "--stepbytes", type=parse_size, default=0, help="add this to the size (when -f 1)")
-    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
-    g.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first (default 5)")
+    g.add_argument("-n", "--iters", type=int_type(1), default=20, help="timed iterations per size (default 20)")
+    g.add_argument("-w", "--warmup_iters", type=int_type(0), default=5,
+                   help="untimed iterations first (default 5)")
     g.add_argument("-c", "--check", type=int, default=1, choices=[0, 1], help="count wrong elements (default 1)")
     g.add_argument("-o", "--op", default="sum", choices=list(OPS), help="reduction op (default sum)")
     g.add_argument("-d", "--datatype", type=parse_dtype, default="float32", help="dtype (default float32)")
-    g.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
+    g.add_argument("-r", "--root", type=int_type(0), default=0, help="root of broadcast and reduce (default 0)")
     g.add_argument("-z", "--blocking", type=int, default=0, choices=[0, 1],
                    help="accepted for compatibility: CPU calls are synchronous, GPU calls synchronized per iteration")
     g.add_argument("-R", "--local_register", type=_registrations, default=[0],
@@ -178,29 +216,34 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "allreduce, reduce_scatter and allgather then run direct kernels); comma-separated "
                         "values are measured side by side (default 0; nccl-tests' 1, local registration, "
                         "has no commref counterpart)")
-    g.add_argument("-t", "--nthreads", type=int, default=1, help="ranks as threads of this process (ThreadWorld; default 1)")
+    g.add_argument("-t", "--nthreads", type=int_type(1), default=1,
+                   help="ranks as threads of this process (ThreadWorld; default 1)")
     c = p.add_argument_group("commref")
-    c.add_argument("--np", type=int, default=None, help="MPI ranks (relaunches under mpiexec)")
-    c.add_argument("--path", type=_list_of(PATHS, "path"), default=["lsa"],
-                   help="lsa, gin or auto; several comma-separated are measured side by side (default lsa)")
-    c.add_argument("--backend", type=_list_of(BACKENDS, "backend"), default=None,
-                   help="GIN backends: auto, proxy, gda, rc (comma-separated; Communicator's default if omitted)")
-    c.add_argument("--wire", type=_list_of(WIRES, "wire"), default=None,
-                   help="GIN wire ordering: ordered, unordered (comma-separated)")
-    c.add_argument("--network", type=_list_of(NETWORKS, "network"), default=None,
-                   help="what carries GIN traffic: auto, shm, mpi (comma-separated)")
-    c.add_argument("--gin-protocol", type=_list_of(PROTOCOLS, "GIN protocol"), default=None,
-                   help="GIN signals: strong, weak (comma-separated)")
-    c.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree", "direct"],
+    c.add_argument("--np", type=int_type(1), default=None, help="MPI ranks (relaunches under mpiexec)")
+    c.add_argument("--path", type=option_type("path", many=True), default=["lsa"],
+                   help=f"{', '.join(PATHS)}; several comma-separated are measured side by side (default lsa)")
+    c.add_argument("--backend", type=option_type("backend", many=True), default=None,
+                   help=f"GIN backends: {', '.join(BACKENDS)} (comma-separated; Communicator's default if omitted)")
+    c.add_argument("--wire", type=option_type("wire", many=True), default=None,
+                   help=f"GIN wire ordering: {', '.join(WIRES)} (comma-separated)")
+    c.add_argument("--network", type=option_type("network", many=True), default=None,
+                   help=f"what carries GIN traffic: {', '.join(NETWORKS)} (comma-separated)")
+    c.add_argument("--gin-protocol", type=option_type("gin_protocol", many=True), default=None,
+                   help=f"how a GIN connection publishes a slot: {', '.join(PROTOCOLS)} (comma-separated; "
+                        "only strong is safe on every wire)")
+    c.add_argument("--algorithm", default="auto", type=option_type("algorithm"), choices=Algorithm.words(),
                    help="auto picks direct for symmetric buffers (-R 2), else ring or tree (default auto)")
-    c.add_argument("--stream-stores", type=_list_of(("auto", "on", "off"), "stream-stores"), default=None,
-                   help="CPU: store what another core reads next past the cache: auto (measure both, the "
-                        "default), on, off; comma-separated values are measured side by side")
-    c.add_argument("--seed", type=int, default=1, help="seed of the exact-checkable inputs and of GIN's unordered wire (default 1)")
-    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
-    c.add_argument("--slot-bytes", type=int, default=None, help="FIFO slot size in bytes")
-    c.add_argument("--threads", type=int, default=None, help="threads per block")
+    c.add_argument("--stream-stores", type=option_type("stream_stores", many=True), default=None,
+                   help=f"CPU: store what another core reads next past the cache: {', '.join(StreamStores.words())} "
+                        "(auto measures both, the default); comma-separated values are measured side by side")
+    c.add_argument("--seed", type=option_type("seed"), default=1,
+                   help="seed of the exact-checkable inputs and of GIN's unordered wire (default 1)")
+    c.add_argument("--device", default="auto", type=option_type("device"), choices=Device.words())
+    c.add_argument("--channels", type=option_type("max_channels"), default=None,
+                   help="max channels (blocks) per launch")
+    c.add_argument("--slot-bytes", type=option_type("slot_bytes"), default=None,
+                   help="FIFO slot size in bytes (a positive multiple of 64)")
+    c.add_argument("--threads", type=option_type("threads"), default=None, help="threads per block")
     c.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="measure MPI (CPU) or NCCL (GPU) in the same sweep (default on)")
     c.add_argument("--bound", action=argparse.BooleanOptionalAction, default=True,
@@ -278,6 +321,8 @@ def communicator_kwargs(args, series: Series) -> dict:
         return kw
     wanted = {"path": series.path, **series.gin_options()}
     params = inspect.signature(Communicator).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        params = {**params, **KEYWORDS}  # Communicator(world, device, **kwargs): CommOptions' keywords
     missing = [k for k in wanted if k not in params]
     if missing:
         flags = " ".join(f"{GIN_FLAGS.get(k, '--' + k)} {wanted[k]}" for k in wanted)
@@ -290,19 +335,27 @@ def communicator_kwargs(args, series: Series) -> dict:
 
 
 def validate(args) -> None:
-    """Checks that need no ranks; raises ValueError/NotAvailable with the reason."""
+    """Every check that needs no ranks (the parser's types check each flag; this checks
+    them together, and again for args built by hand); raises ValueError (OptionError,
+    NotAvailable) with a one-line reason."""
     if args.iters < 1:
         raise ValueError(f"-n must be >= 1, got {args.iters}")
     if args.warmup_iters < 0:
         raise ValueError(f"-w must be >= 0, got {args.warmup_iters}")
     if args.nthreads < 1:
         raise ValueError(f"-t must be >= 1, got {args.nthreads}")
+    if args.np is not None and args.np < 1:
+        raise ValueError(f"--np must be >= 1, got {args.np}")
     if args.nthreads > 1 and args.np and args.np > 1:
         raise ValueError("-t (rank threads) and --np (MPI ranks) do not combine; choose one")
     sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     for s in series_of(args):
-        communicator_kwargs(args, s)
-    if args.root < 0 or (args.np and args.root >= args.np) or (args.nthreads > 1 and args.root >= args.nthreads):
+        CommOptions.from_kwargs(device=args.device, **communicator_kwargs(args, s))
+    from commref.transports.world import MPIWorld
+
+    # Ranks of this run: --np, else -t, else (under an mpiexec started by hand) unknown here.
+    nranks = args.np or (None if MPIWorld.launched_under_mpi() else args.nthreads)
+    if args.root < 0 or (nranks is not None and args.root >= nranks):
         raise ValueError(f"-r {args.root} is not a rank of this run")
 
 
@@ -643,9 +696,7 @@ def setup_device(world, device: str):
     """(device, device_id, xp, sync) for this rank: numpy on the CPU; on CUDA, CuPy on
     GPU local_rank % count with a stream of this rank's own. Ranks sharing a GPU get
     NCCL_MULTI_RANK_GPU_ENABLE=1 before NCCL starts."""
-    from commref.collectives.communicator import _resolve_device
-
-    device = _resolve_device(device)
+    device = resolve_device(device)
     if device != "cuda":
         return device, None, np, (lambda: None)
     import cupy
@@ -804,39 +855,46 @@ def exit_code(doc: dict) -> int:
     return 1 if bad else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`commref bench ...` (argv without the leading 'bench')."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    try:
-        validate(args)
-    except ValueError as e:  # NotAvailable included
-        print(f"commref bench: error: {e}", file=sys.stderr)
-        return 2
-
+def run(args) -> int:
+    """The benchmark on the ranks of this process, for validated `args`: the MPI world
+    this process was started in (mpiexec), else -t ranks as threads (one by default).
+    Returns the exit status (1 when an element was wrong). Starts no job: with --np,
+    commref.cli relaunches under mpiexec and the ranks call this."""
     from commref.transports.world import MPIWorld, ThreadWorld
 
-    if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
-        from commref.cli import _strip_np, relaunch_under_mpi
-
-        mode = progress_mode()
-        if mode:
-            os.environ[PROGRESS_ENV] = mode
-        return relaunch_under_mpi(args.np, ["bench", *_strip_np(argv)])
+    def out(line: str) -> None:
+        print(line, flush=True)
 
     if MPIWorld.launched_under_mpi():
         world = MPIWorld()
-        doc = run_rank(world, args, out=lambda s: print(s, flush=True))
+        doc = run_rank(world, args, out=out)
         if world.rank == 0:
             write_outputs(doc, args)
         return exit_code(doc)
     if args.nthreads > 1:
-        docs = ThreadWorld.run(args.nthreads, run_rank, args, out=lambda s: print(s, flush=True))
-        write_outputs(docs[0], args)
-        return exit_code(docs[0])
-    doc = run_rank(ThreadWorld.single(), args, out=lambda s: print(s, flush=True))
+        doc = ThreadWorld.run(args.nthreads, run_rank, args, out=out)[0]
+    else:
+        doc = run_rank(ThreadWorld.single(), args, out=out)
     write_outputs(doc, args)
     return exit_code(doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`commref bench ...` in this process (argv without the leading 'bench'): parse,
+    validate, run. --np N > 1 needs the `commref bench` command (commref.cli), which
+    relaunches under mpiexec."""
+    from commref.transports.world import MPIWorld
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        validate(args)
+        if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
+            raise ValueError(f"--np {args.np} starts MPI ranks: run `commref bench ... --np {args.np}`")
+    except ValueError as e:  # NotAvailable and OptionError included
+        print(f"commref bench: error: {e}", file=sys.stderr)
+        return 2
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -1,79 +1,122 @@
 """The `commref` command line.
 
   commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--count ...]
-  commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py)
-  commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress [--np 2] [--network shm|mpi]]   (collectives/study.py)
+  commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py's flags)
+  commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress [--np 2] [--network shm|mpi]]
 
-With --np N outside an MPI job, commref relaunches itself under mpiexec with N ranks
-(one process each, `python -m mpi4py` so that an exception on one rank aborts the
-job); inside mpiexec/mpirun it uses the MPI world it was started in.
+Every argument (and COMMREF_TIMEOUT) is parsed and validated here, before any rank
+starts, with the typed options' own checks and messages (collectives/options.py,
+transports/gin/options.py); a bad one ends the command with one line
+`commref <command>: error: ...` on stderr and exit status 2.
+
+This is the one place that starts ranks: with --np N outside an MPI job, commref
+relaunches itself under mpiexec with N ranks (transports/launch.py: one process each,
+`python -m mpi4py -m commref.cli`, so that an exception on one rank aborts the job; a
+failed job's shared-memory segments are removed); inside mpiexec/mpirun it uses the MPI
+world it was started in.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
-import subprocess
+import re
 import sys
 import time
 
-from commref.collectives.verify import COLLECTIVES, DTYPES, OPS
+from commref.bench import harness
+from commref.collectives import catalogue
+from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.options import CommOptions, Device
+from commref.collectives.verify import DTYPES, OPS
+from commref.transports import launch
+from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
+from commref.transports.world import MPIWorld, default_timeout
 
 
-def find_mpiexec() -> str:
-    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    for name in ("mpiexec", "mpirun"):
-        exe = shutil.which(name, path=path)
-        if exe:
-            return exe
-    raise SystemExit("commref: --np needs mpiexec (pip install 'commref[mpich]' or use your MPI's launcher)")
+def _study():
+    """The ordering study: a module with add_arguments(parser) and run(args)."""
+    from commref.transports.gin.study import report as study
+
+    return study
 
 
-def relaunch_under_mpi(nranks: int, argv: list[str]) -> int:
-    """Runs this command again as `nranks` MPI processes and returns their exit code."""
-    cmd = [find_mpiexec(), "-n", str(nranks), sys.executable, "-m", "mpi4py", "-m", "commref.cli", *argv]
-    env = dict(os.environ, COMMREF_UNDER_MPIEXEC="1")
-    return subprocess.run(cmd, env=env).returncode
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, `PROG: error: MESSAGE`, and exit
+    status 2 (no usage block); its subcommands' parsers are Parsers too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
-def _strip_np(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--np":
-            skip = True
-            continue
-        if a.startswith("--np="):
-            continue
-        out.append(a)
-    return out
+def one_line(message) -> str:
+    return re.sub(r"\s*\n\s*", " ", str(message).strip())
 
 
-def _world(args):
-    from commref.transports.world import MPIWorld, ThreadWorld
-
-    if MPIWorld.launched_under_mpi():
-        return MPIWorld()
-    return ThreadWorld.single()
+# ---------------------------------------------------------------------------------------
+# commref check
+# ---------------------------------------------------------------------------------------
 
 
-def cmd_check(args, argv) -> int:
-    from commref.transports.world import MPIWorld
+def _collective(name: str) -> str:
+    """A collective of `commref check`: nccl4py's name (allreduce) or nccl-tests' (all_reduce)."""
+    try:
+        return catalogue.get(name).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
-    if args.np and args.np > 1 and not MPIWorld.launched_under_mpi():
-        return relaunch_under_mpi(args.np, _strip_np(argv))
-    from commref.device_kernels import abi
 
+def add_check_arguments(c: argparse.ArgumentParser) -> None:
+    option = harness.option_type
+    c.add_argument("collectives", nargs="*", type=_collective, metavar="collective",
+                   help=f"collectives to check (default: all of {', '.join(COLLECTIVES)}; "
+                        "nccl-tests' names such as all_reduce work too)")
+    c.add_argument("--np", type=harness.int_type(1), default=None,
+                   help="number of ranks (relaunches under mpiexec)")
+    c.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    c.add_argument("--op", nargs="+", default=list(OPS), choices=list(OPS))
+    c.add_argument("--algorithm", nargs="+", default=[], choices=list(catalogue.ALGORITHMS),
+                   help="algorithms (default: every one implemented for each collective)")
+    c.add_argument("--count", nargs="+", type=harness.int_type(0), default=[0, 1, 7, 1001],
+                   help="element counts")
+    c.add_argument("--seed", type=option("seed"), default=1, help="seed of the inputs and of the unordered GIN wire")
+    c.add_argument("--device", default="auto", type=option("device"), choices=Device.words())
+    c.add_argument("--channels", type=option("max_channels"), default=None, help="max channels (blocks) per launch")
+    c.add_argument("--slot-bytes", type=option("slot_bytes"), default=None,
+                   help="FIFO slot size in bytes (a positive multiple of 64)")
+    c.add_argument("--threads", type=option("threads"), default=None, help="threads per block")
+    c.add_argument("--path", default="lsa", type=option("path"), choices=Path.words(),
+                   help="peers by load/store (lsa), through the GIN proxy (gin), or LSA where mapped (auto)")
+    c.add_argument("--backend", default="auto", type=option("backend"), choices=Backend.words(), help="GIN backend")
+    c.add_argument("--wire", default="ordered", type=option("wire"), choices=Wire.words(),
+                   help="GIN wire ordering model (unordered: seeded by --seed)")
+    c.add_argument("--network", default="auto", type=option("network"), choices=Network.words(),
+                   help="GIN wire network")
+    c.add_argument("--gin-protocol", default="strong", type=option("gin_protocol"), choices=GinProtocol.words(),
+                   help="how a GIN connection publishes a slot (only strong is safe on every wire)")
+
+
+def check_options(args) -> dict:
+    """The Communicator keywords of `commref check`'s flags."""
+    return {"max_channels": args.channels, "slot_bytes": args.slot_bytes, "threads": args.threads,
+            "path": args.path, "backend": args.backend, "wire": args.wire, "network": args.network,
+            "seed": args.seed, "gin_protocol": args.gin_protocol}
+
+
+def validate_check(args) -> None:
+    CommOptions.from_kwargs(device=args.device, **check_options(args))
+
+
+def run_check(args) -> int:
+    """The verification sweep on this process's ranks (the MPI world under mpiexec, else one rank)."""
     from commref.collectives import check
     from commref.collectives.communicator import Communicator
+    from commref.device_kernels import abi
+    from commref.transports.world import ThreadWorld
 
-    world = _world(args)
-    comm = Communicator(world, args.device, max_channels=args.channels, slot_bytes=args.slot_bytes,
-                        threads=args.threads, path=args.path, backend=args.backend, wire=args.wire,
-                        network=args.network, seed=args.seed, gin_protocol=args.gin_protocol)
+    world = MPIWorld() if MPIWorld.launched_under_mpi() else ThreadWorld.single()
+    comm = Communicator(world, args.device, **check_options(args))
     colls = list(dict.fromkeys(args.collectives)) or list(COLLECTIVES)
     direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
     case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
@@ -93,24 +136,54 @@ def cmd_check(args, argv) -> int:
     return 0 if ok else 1
 
 
-def cmd_study(args, argv) -> int:
-    """`commref study`; with --np 2 (or under mpiexec -n 2) --stress runs the proxy and
-    the receiver as two processes (collectives/study_stress.py). Only rank 0 prints."""
-    import contextlib
+# ---------------------------------------------------------------------------------------
+# commref bench (flags, validation and the ranks' work: bench/harness.py)
+# ---------------------------------------------------------------------------------------
 
-    from commref.transports.world import MPIWorld
 
-    from commref.transports.gin.study import report as study
+def run_bench(args) -> int:
+    return harness.run(args)
 
+
+# ---------------------------------------------------------------------------------------
+# commref study
+# ---------------------------------------------------------------------------------------
+
+
+def add_study_arguments(st: argparse.ArgumentParser) -> None:
+    _study().add_arguments(st)
+    st.add_argument("--np", type=int, default=None,
+                    help="with --stress: run the stress as 2 MPI processes (relaunches under mpiexec; 2 only)")
+    st.add_argument("--network", default="shm", choices=[Network.SHM.value, Network.MPI.value],
+                    help="with --stress: the proxy's wire (mpi: MPI messages to the receiver's proxy; needs --np 2 "
+                         "or mpiexec)")
+
+
+def _study_error(e: SystemExit) -> ValueError:
+    """The study's own SystemExit("commref study: ...") as a ValueError without the prefix."""
+    return ValueError(re.sub(r"^commref study( --\w+)?: ", "", str(e.code)))
+
+
+def validate_study(args) -> None:
     if args.np is not None and args.np != 2:
-        raise SystemExit("commref study: --np must be 2 (a sender and a receiver)")
+        raise ValueError(f"--np must be 2 (a sender and a receiver), got {args.np}")
     if args.np and not args.stress:
-        raise SystemExit("commref study: --np needs --stress (the explorer runs in one process)")
+        raise ValueError("--np needs --stress (the explorer runs in one process)")
+    if args.network == Network.MPI and args.stress and not args.np and not MPIWorld.launched_under_mpi():
+        raise ValueError("--network mpi needs --np 2 (or mpiexec -n 2)")
+    try:
+        _study().parse_bound(args.bound)
+    except SystemExit as e:
+        raise _study_error(e) from None
+    if args.stress and (args.seeds < 1 or args.messages < 1):
+        raise ValueError("--seeds and --messages must be at least 1")
+
+
+def run_study(args) -> int:
+    """`commref study`; under mpiexec (--np 2) --stress runs the proxy and the receiver
+    as two processes. Only rank 0 prints."""
+    study = _study()
     if not MPIWorld.launched_under_mpi():
-        if args.network == "mpi" and args.stress and not args.np:
-            raise SystemExit("commref study: --network mpi needs --np 2 (or mpiexec -n 2)")
-        if args.np:
-            return relaunch_under_mpi(args.np, _strip_np(argv))
         return study.run(args)
     from mpi4py import MPI
 
@@ -122,69 +195,65 @@ def cmd_study(args, argv) -> int:
         return study.run(args)
 
 
-def _collective(name: str) -> str:
-    """A collective of `commref check`: nccl4py's name (allreduce) or nccl-tests' (all_reduce)."""
-    by_key = {c.replace("_", ""): c for c in COLLECTIVES}
-    key = name.lower().replace("_", "")
-    if key not in by_key:
-        raise argparse.ArgumentTypeError(f"unknown collective {name!r}; choose from {', '.join(COLLECTIVES)}")
-    return by_key[key]
+# ---------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------
+
+# command -> (add its arguments, validate (ValueError), run on this process's ranks)
+COMMANDS = {
+    "check": (add_check_arguments, validate_check, run_check),
+    "bench": (harness.add_arguments, harness.validate, run_bench),
+    "study": (add_study_arguments, validate_study, run_study),
+}
+HELP = {
+    "check": "run the verification sweep and report wrong elements per case",
+    "bench": "nccl-tests-style sweep with baselines and a bound (commref bench -h for its flags)",
+    "study": "ordering study: protocol x transport model x signal strength -> safe/unsafe (docs/ordering.md)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="commref", description="Collective-communication kernels: reference and tests.")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="run the verification sweep and report wrong elements per case")
-    c.add_argument("collectives", nargs="*", type=_collective, metavar="collective",
-                   help=f"collectives to check (default: all of {', '.join(COLLECTIVES)}; "
-                        "nccl-tests' names such as all_reduce work too)")
-    c.add_argument("--np", type=int, default=None, help="number of ranks (relaunches under mpiexec)")
-    c.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    c.add_argument("--op", nargs="+", default=list(OPS), choices=list(OPS))
-    c.add_argument("--algorithm", nargs="+", default=[], choices=["ring", "tree", "direct"],
-                   help="algorithms (default: every one implemented for each collective)")
-    c.add_argument("--count", nargs="+", type=int, default=[0, 1, 7, 1001], help="element counts")
-    c.add_argument("--seed", type=int, default=1, help="seed of the inputs and of the unordered GIN wire")
-    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    c.add_argument("--channels", type=int, default=None, help="max channels (blocks) per launch")
-    c.add_argument("--slot-bytes", type=int, default=None, help="FIFO slot size in bytes")
-    c.add_argument("--threads", type=int, default=None, help="threads per block")
-    c.add_argument("--path", default="lsa", choices=["lsa", "gin", "auto"],
-                   help="peers by load/store (lsa), through the GIN proxy (gin), or LSA where mapped (auto)")
-    c.add_argument("--backend", default="auto", choices=["auto", "proxy", "rc", "gda"], help="GIN backend")
-    c.add_argument("--wire", default="ordered", choices=["ordered", "unordered"],
-                   help="GIN wire ordering model (unordered: seeded by --seed)")
-    c.add_argument("--network", default="auto", choices=["auto", "shm", "mpi"], help="GIN wire network")
-    c.add_argument("--gin-protocol", default="strong",
-                   choices=["strong", "weak-last", "signal-per-put", "flush-signal"],
-                   help="how a GIN connection publishes a slot (only strong is safe on every wire)")
-    from commref.transports.gin.study import report as study
-
-    st = sub.add_parser("study", help="ordering study: protocol x transport model x signal strength -> safe/unsafe "
-                                      "(docs/ordering.md)")
-    study.add_arguments(st)
-    st.add_argument("--np", type=int, default=None,
-                    help="with --stress: run the stress as 2 MPI processes (relaunches under mpiexec; 2 only)")
-    st.add_argument("--network", default="shm", choices=["shm", "mpi"],
-                    help="with --stress: the proxy's wire (mpi: MPI messages to the receiver's proxy; needs --np 2 "
-                         "or mpiexec)")
-    sub.add_parser("bench", add_help=False,
-                   help="nccl-tests-style sweep with baselines and a bound (commref bench -h for its flags)")
+    p = Parser(prog="commref", description="Collective-communication kernels: reference and tests.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{check,bench,study}")
+    p.commands = {name: sub.add_parser(name, help=HELP[name], description=HELP[name]) for name in COMMANDS}
+    for name, (add_arguments, _, _) in COMMANDS.items():
+        add_arguments(p.commands[name])
     return p
+
+
+def validate(args) -> None:
+    """Every check that needs no rank; ValueError (OptionError included) with one line."""
+    default_timeout()  # COMMREF_TIMEOUT, which every rank's waits use
+    COMMANDS[args.command][1](args)
+
+
+def relaunch(args, argv: list[str]) -> int:
+    """Runs this command line (without --np) as args.np MPI ranks; the job's status."""
+    env = {}
+    if args.command == "bench":  # the ranks' streams are pipes: this terminal decides the progress bar
+        env[harness.PROGRESS_ENV] = harness.progress_mode() or ""
+    return launch.relaunch(args.np, launch.strip_np(argv), env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # the bench layer parses its own (nccl-tests) flags
-        from commref.bench.harness import main as bench_main
-
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "check":
-        return cmd_check(args, argv)
-    if args.command == "study":
-        return cmd_study(args, argv)
-    return 2
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command's parser (commref check: error: ...)
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # a usage error (one line printed) or --help
+        return e.code if isinstance(e.code, int) else 2
+    command = args.command
+    try:
+        validate(args)
+        if args.np is not None and args.np > 1 and not MPIWorld.launched_under_mpi():
+            return relaunch(args, argv)
+    except (ValueError, launch.LaunchError) as e:  # OptionError and NotAvailable are ValueErrors
+        print(f"commref {command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    del args.command  # not one of the command's own flags (bench writes its flags to JSON)
+    return COMMANDS[command][2](args)
 
 
 if __name__ == "__main__":
