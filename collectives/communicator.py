@@ -95,7 +95,7 @@ class Communicator:
             raise CapabilityError(
                 f"rank {self.rank}: ranks {missing} cannot map this rank's window (not in its LSA team "
                 f"{self.window.lsa_ranks}); the LSA path needs every rank on one host (use path='auto' or 'gin')")
-        self.proxy = self.gin.start_proxy(world, self.window, layout, getattr(self.kernels, "_lib", None))
+        self.proxy = self.gin.start_proxy(world, self.window, layout)
         self._host = HostWords(world.abort_word, self.device)
         self._record = LaunchRecord()
         a = self._record.record
