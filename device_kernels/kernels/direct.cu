@@ -36,8 +36,7 @@ static __device__ void directEnter(const CollArgs& a, const KernelEnv& env) {
 // out[0, n) = fold over k of in[k][0, n), k < nin (nin >= 1); divisor != 0 divides
 // the result (avg). At most three inputs per pass fold into `out`, over pieces small
 // enough to stay in cache between passes (nothing reads `out` soon, so it is folded
-// in place rather than off the cache: that measured faster in every placement of the
-// development host, in place most of all, where the output lines are the input lines).
+// in place rather than off the cache; docs/performance.md, "Streamed stores").
 template <typename T, typename Op>
 static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n, int divisor) {
   const uint64_t piece = nin <= 3 ? (n ? n : 1) : 16384;

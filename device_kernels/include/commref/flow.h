@@ -36,10 +36,8 @@ class Prims {
   // `bytes`: what this channel's receive steps store into the recvbuf over the whole
   // call, on lines the call has not read itself (not in place). With streamStores, from
   // COMMREF_RECEIVED_STREAM_MIN_BYTES per thread on, the receive steps stream those
-  // stores. On the development host (2 ranks, stores on, interleaved A/B) that took
-  // 8-31% off out-of-place all_reduce and all_gather from 8 MiB in both placements,
-  // did nothing at 4 MiB, and cost all_gather 7-9% at 2 MiB (its result still fits in
-  // the cache), hence the threshold.
+  // stores; below it the result still fits in the cache and streaming it costs
+  // (docs/performance.md, "Streamed stores").
   __device__ void streamReceived(uint64_t bytes) {
     streamReceived_ = a.streamStores && bytes / blockDim.x >= COMMREF_RECEIVED_STREAM_MIN_BYTES;
   }

@@ -9,15 +9,14 @@
 // agent: a peer's FIFO slot, GIN staging (the proxy). With streamStores they are
 // written with non-temporal stores (streamBytes) from COMMREF_HANDOFF_STREAM_MIN_BYTES
 // per thread on, and stores into user buffers (this rank's or, in the direct kernels, a
-// peer's) from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination: 8 MiB
-// copies ran 1.2x to 1.7x memcpy's speed); a ring's receive steps, which store into the
+// peer's) from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination); a ring's receive steps, which store into the
 // recvbuf a step at a time, go by the call's received bytes per thread instead, from
 // COMMREF_RECEIVED_STREAM_MIN_BYTES on (Prims::streamReceived). Whether that pays
 // depends on where the cores sit: a core hands lines dirty in its cache to a core that
-// shares its L3 quickly, and to one across the machine slowly. On the 2-core
-// development host, whose two vCPUs move between such placements every few minutes, a
-// FIFO of 256 KiB slots moved 14 GB/s memcpy'd and 12 streamed at some times, 4.5 and
-// 19 at others. So the host measures both and picks per call (tuner.StoreChooser).
+// shares its L3 quickly, and to one across the machine slowly, and a virtual machine's
+// cores can move between such placements. So the host measures both and picks per
+// call (tuner.StoreChooser). The measurements behind the thresholds are in
+// docs/performance.md ("Streamed stores").
 #pragma once
 #include "reduce.h"
 
@@ -134,7 +133,7 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
 
 // out[k] = in for every k < nout (outputs equal to `in` are skipped), reading `in`
 // once: on the CPU a piece at a time, each piece copied to every output while it sits
-// in this core's L2 (256 KiB pieces ran as fast as 16 KiB ones or faster); on the GPU
+// in this core's L2; on the GPU
 // each element is loaded once and stored nout times. Outputs from index `handoff` on
 // are streamed (CPU) when this thread's share is at least `streamMin` bytes.
 template <typename T>
