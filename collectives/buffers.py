@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import catalogue
+from .catalogue import RECV, SEND
 from .verify import DTYPES, dtype_name
 
 _SUPPORTED = frozenset(DTYPES.values())
@@ -78,33 +79,40 @@ class BufferChecker:
     def call(self, spec: catalogue.Collective, sendbuf, recvbuf, root: int) -> tuple[Buffer, Buffer, int]:
         """(sendbuf, recvbuf, NCCL count) of one call of `spec`. A buffer only the
         root passes (spec.root_only) is not looked at on other ranks: the other
-        buffer stands in for it."""
-        on_root = not spec.rooted or self.rank == root
-        s = self.buffer(sendbuf, catalogue.SEND) if on_root or spec.root_only != catalogue.SEND else None
-        r = self.buffer(recvbuf, catalogue.RECV, write=True) if on_root or spec.root_only != catalogue.RECV else None
-        if s is None or r is None:
-            s = s or r
-            return s, s, s.count
+        buffer stands in for it. (On every call's path: kept lean.)"""
+        if spec.rooted and self.rank != root and spec.root_only:
+            b = (self.buffer(recvbuf, RECV, write=True) if spec.root_only == SEND
+                 else self.buffer(sendbuf, SEND))
+            return b, b, b.count
+        s = self.buffer(sendbuf, SEND)
+        r = self.buffer(recvbuf, RECV, write=True)
         if s.dtype != r.dtype:
             raise TypeError(f"rank {self.rank}: sendbuf dtype {s.dtype} differs from recvbuf dtype {r.dtype}")
-        count = s.count if spec.scaled == catalogue.RECV else r.count
-        want = spec.counts(count, self.nranks)
-        if (s.count, r.count) != want:
-            n = self.nranks
-            if spec.scaled == catalogue.SEND:
-                what = f"sendbuf of nranks * recvcount = {n} * {count} = {want[0]} elements, got {s.count}"
-            elif spec.scaled == catalogue.RECV:
-                what = f"recvbuf of nranks * sendcount = {n} * {count} = {want[1]} elements, got {r.count}"
-            else:
-                what = f"sendbuf and recvbuf of equal count, got {s.count} and {r.count}"
-            raise ValueError(f"rank {self.rank}: {spec.name}{' root' if spec.rooted else ''} needs {what}")
-        at = spec.in_place_at(self.rank, count) * s.dtype.itemsize
-        in_place = (r.address == s.address + at if spec.scaled == catalogue.SEND
-                    else s.address == r.address + at)
-        if s.overlaps(r) and not in_place:
-            raise ValueError(f"rank {self.rank}: {spec.name} buffers overlap but are not in place "
-                             f"({spec.in_place_layout})")
+        scaled, n = spec.scaled, self.nranks
+        if scaled is None:
+            count, fits = r.count, s.count == r.count
+        elif scaled == SEND:
+            count, fits = r.count, s.count == r.count * n
+        else:
+            count, fits = s.count, r.count == s.count * n
+        if not fits:
+            self._count_error(spec, s, r, count)
+        if s.overlaps(r):
+            at = spec.in_place_at(self.rank, count) * s.dtype.itemsize
+            if not (r.address == s.address + at if scaled == SEND else s.address == r.address + at):
+                raise ValueError(f"rank {self.rank}: {spec.name} buffers overlap but are not in place "
+                                 f"({spec.in_place_layout})")
         return s, r, count
+
+    def _count_error(self, spec: catalogue.Collective, s: Buffer, r: Buffer, count: int):
+        n = self.nranks
+        if spec.scaled == SEND:
+            what = f"sendbuf of nranks * recvcount = {n} * {count} = {n * count} elements, got {s.count}"
+        elif spec.scaled == RECV:
+            what = f"recvbuf of nranks * sendcount = {n} * {count} = {n * count} elements, got {r.count}"
+        else:
+            what = f"sendbuf and recvbuf of equal count, got {s.count} and {r.count}"
+        raise ValueError(f"rank {self.rank}: {spec.name}{' root' if spec.rooted else ''} needs {what}")
 
     def _host_address(self, arr: np.ndarray) -> int:
         """arr's data address. Looking it up costs microseconds, a noticeable part of a

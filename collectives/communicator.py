@@ -163,7 +163,7 @@ class Communicator:
             raise CommAborted(f"rank {self.rank}: communicator unusable after an earlier failure: {self._broken}",
                               rank=self.rank, origin_rank=None, reason=self._broken)
         sym = None
-        if self._symmetric and self._direct_possible and "direct" in spec.algorithms:
+        if self._symmetric.windows and self._direct_possible and "direct" in spec.kernels:
             sym = self._symmetric.direct(spec, s, r)
         key = (coll, algorithm or self.algorithm, count, s.dtype, op, root, sym is not None)
         plan = self._calls.get(key)
@@ -172,17 +172,17 @@ class Communicator:
         record = self._record
         if plan.direct:
             record.set_symmetric(sym)
-        record.set_call(plan, s.address, r.address, spec.kernel_count(count, s.dtype.itemsize))
         if self.device == "cpu":
             big = s.nbytes >= tuner.STORE_CHOOSER_MIN_BYTES  # small calls skip the placement test
             streamed, store_key = self._stores.choose(plan.kernel, s.nbytes, big and s.overlaps(r))
-            record.set_stream_stores(streamed)
+            record.set_call(plan, s.address, r.address, streamed)
             t0 = time.perf_counter()
             status = self.kernels.launch(plan.kernel, plan.nchannels, self.threads, record.args, stream, plan.spec,
                                          record.address)
             if store_key is not None and not status:
                 self._stores.record(store_key, streamed, time.perf_counter() - t0, s.nbytes)
         else:
+            record.set_call(plan, s.address, r.address)
             status = self.kernels.launch(plan.kernel, plan.nchannels, self.threads, record.args, stream, plan.spec,
                                          record.address)
         if self.proxy is not None and self.proxy.error is not None:
@@ -209,7 +209,7 @@ class Communicator:
         fields32 = plan_fields(root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize)
         desc = abi.pack_call(spec.name, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
         return CallPlan(spec.kernels[plan.algorithm], plan.nchannels, self.kernel_spec(spec.name, dname, op),
-                        fields32, desc, plan.algorithm == "direct")
+                        fields32, desc, spec.kernel_count(count, dtype.itemsize), plan.algorithm == "direct")
 
     @staticmethod
     def kernel_spec(coll: str, dtype: str, op: str | None):

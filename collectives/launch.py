@@ -23,13 +23,15 @@ _INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "streamStores")
 @dataclass(frozen=True)
 class CallPlan:
     """What a call's signature decides: its kernel, channels, (dtype, op)
-    specialization (None: data movement), the int32 fields and the call descriptor."""
+    specialization (None: data movement), the int32 fields, the call descriptor and
+    the kernel's count."""
 
     kernel: str
     nchannels: int
     spec: tuple[int, int] | None
     fields32: np.ndarray  # _INT32_FIELDS, streamStores last (set per call on the CPU)
     desc: int
+    count: int  # CollArgs.count (catalogue.Collective.kernel_count)
     direct: bool  # a direct kernel: the symmetric buffer fields are read
 
 
@@ -49,15 +51,14 @@ class LaunchRecord:
         assert [f[k][1] for k in _INT32_FIELDS] == [f["root"][1] + 4 * i for i in range(len(_INT32_FIELDS))]
         self._sym = f["symSend"][1] // 8  # symSend.peerTable, .offset, symRecv.peerTable, .offset
 
-    def set_call(self, plan: CallPlan, send: int, recv: int, count: int) -> None:
-        self._u64[self._send] = send
-        self._u64[self._recv] = recv
-        self._u64[self._count] = count
-        self._u64[self._desc] = plan.desc
-        self._i32[self._fields32 : self._fields32 + len(_INT32_FIELDS)] = plan.fields32
-
-    def set_stream_stores(self, on: int) -> None:
-        self._i32[self._fields32 + len(_INT32_FIELDS) - 1] = on
+    def set_call(self, plan: CallPlan, send: int, recv: int, stream_stores: int = 0) -> None:
+        u64, i32, at = self._u64, self._i32, self._fields32
+        u64[self._send] = send
+        u64[self._recv] = recv
+        u64[self._count] = plan.count
+        u64[self._desc] = plan.desc
+        i32[at : at + len(_INT32_FIELDS)] = plan.fields32
+        i32[at + len(_INT32_FIELDS) - 1] = stream_stores
 
     def set_symmetric(self, sym: tuple[int, int, int, int]) -> None:
         """symSend and symRecv: (peer table, offset, peer table, offset)."""
