@@ -16,6 +16,7 @@ nranks * count elements, the other count elements.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -67,8 +68,14 @@ class Collective:
     def call(self, comm, sendbuf, recvbuf, op: str | None, root: int, **kwargs) -> None:
         """One call of this collective on `comm` (a Communicator, or anything with
         nccl4py's method names and argument order)."""
-        args = (sendbuf, recvbuf) + ((op,) if self.reducing else ()) + ((root,) if self.rooted else ())
-        getattr(comm, self.name)(*args, **kwargs)
+        method = getattr(comm, self.name)
+        self.call_form(functools.partial(method, **kwargs) if kwargs else method, sendbuf, recvbuf, op, root)
+
+    @property
+    def call_form(self) -> Callable[..., None]:
+        """f(method, sendbuf, recvbuf, op, root) calls `method` with this collective's
+        arguments in nccl4py's order (sendbuf, recvbuf[, op][, root])."""
+        return _CALL_FORMS[self.reducing, self.rooted]
 
     def buffers(self, mem, x, count: int, rank: int, nranks: int, in_place: bool) -> "CallBuffers":
         """One rank's buffers for a call on input `x` (host, sendbuf's count), in `mem`
@@ -88,6 +95,15 @@ class Collective:
         at = self.in_place_at(rank, count)
         recv = whole[at : at + count] if self.scaled == SEND else whole
         return CallBuffers(whole, recv, recv, mem.restorer(whole, x))
+
+
+# nccl4py's argument order, by (reducing, rooted): (sendbuf, recvbuf[, op][, root]).
+_CALL_FORMS = {
+    (False, False): lambda f, s, r, op, root: f(s, r),
+    (True, False): lambda f, s, r, op, root: f(s, r, op),
+    (False, True): lambda f, s, r, op, root: f(s, r, root),
+    (True, True): lambda f, s, r, op, root: f(s, r, op, root),
+}
 
 
 @dataclass
