@@ -759,12 +759,10 @@ def setup_communicators(world, args, device: str, device_id: int | None, plugin,
 def symmetric_memory(args, plugin, dtype, nranks: int, xp, runners) -> dict:
     """A SymmetricMemory for each -R 2 series, sized for the largest size's send and
     recv buffers (collective: every rank allocates in the same order)."""
-    from commref.collectives.symmetric import SymmetricArena
-
     out = {}
     largest = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)[-1]
     c = plugin.counts(largest, dtype.itemsize, nranks)
-    capacity = (c.send + c.recv) * dtype.itemsize + 2 * SymmetricArena.ALIGN
+    capacity = plugins.SymmetricMemory.capacity(c.send, c.recv, dtype.itemsize)
     for s, comm in runners:
         if s.register == 2:
             out[s.label] = plugins.SymmetricMemory(comm, xp, capacity)

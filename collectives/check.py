@@ -10,7 +10,6 @@ import numpy as np
 
 from . import catalogue, verify
 from .memory import Memory, SymmetricMemory, array_module
-from .symmetric import SymmetricArena
 from .verify import DTYPES, OPS
 
 DEFAULT_COUNTS = (0, 1, 7, 1001)
@@ -77,10 +76,8 @@ def run_case(comm, case: Case, stream=None, memory: Memory | None = None) -> int
 
 
 def _direct_bytes(case: Case, nranks: int) -> int:
-    """Symmetric bytes run_case takes for a direct case: its two buffers, each
-    page-aligned."""
-    send, recv = catalogue.get(case.coll).counts(case.count, nranks)
-    return (send + recv) * DTYPES[case.dtype].itemsize + 2 * SymmetricArena.ALIGN
+    """Symmetric bytes run_case takes for a direct case."""
+    return SymmetricMemory.capacity(*catalogue.get(case.coll).counts(case.count, nranks), DTYPES[case.dtype].itemsize)
 
 
 def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:

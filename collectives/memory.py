@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .symmetric import SymmetricArena
+
 SENTINEL = 0x5A  # byte pattern of a buffer before a call: a write that never happened shows
 
 
@@ -59,10 +61,14 @@ class SymmetricMemory(Memory):
     (collective)."""
 
     def __init__(self, comm, xp, capacity: int):
-        from .symmetric import SymmetricArena
-
         super().__init__(xp)
         self.arena = SymmetricArena(comm, capacity)
+
+    @staticmethod
+    def capacity(send: int, recv: int, itemsize: int) -> int:
+        """Bytes one call's buffers (catalogue.Collective.buffers: a sendbuf of `send`
+        and a recvbuf of `recv` elements at most, each page-aligned) take from the arena."""
+        return (send + recv) * itemsize + 2 * SymmetricArena.ALIGN
 
     def reset(self) -> None:
         self.arena.reset()

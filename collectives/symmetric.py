@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .launch import address_of
+
 
 class SymmetricArena:
     ALIGN = 4096
@@ -88,8 +90,6 @@ class SymmetricWindows:
 
     def of(self, b) -> tuple[int, int] | None:
         """(peer table address, offset) of a buffer inside a window, or None."""
-        from .launch import address_of
-
         for win in self.windows:
             if win.address <= b.address and b.address + b.nbytes <= win.address + win.nbytes:
                 return address_of(win.peer_table), b.address - win.address
