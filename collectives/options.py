@@ -10,6 +10,7 @@ everywhere.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 
 from commref.device_kernels import abi
@@ -118,21 +119,28 @@ KEYWORDS: dict[str, tuple[str, str]] = {
 }
 
 
+def cuda_available() -> bool:
+    """Whether CuPy is installed and sees a CUDA device. False without a driver too
+    (CuPy 13.0's is_available() raises there instead of answering)."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return bool(cupy.is_available())
+    except Exception:  # noqa: BLE001 - cudaErrorInsufficientDriver and kin: no usable device
+        return False
+
+
 def resolve_device(device) -> str:
     """"cpu" or "cuda" for a Device choice: auto is cuda where CuPy sees a GPU. Raises
     CapabilityError when cuda is asked for and cannot be had."""
     device = choice(Device, device, "device")
     if device == Device.AUTO:
-        try:
-            import cupy
-        except ImportError:
-            return "cpu"
-        return "cuda" if cupy.is_available() else "cpu"
+        return "cuda" if cuda_available() else "cpu"
     if device == Device.CUDA:
-        try:
-            import cupy
-        except ImportError as e:
-            raise CapabilityError("device='cuda' needs CuPy (pip install 'commref[cuda12]' or '[cuda13]')") from e
-        if not cupy.is_available():
+        if importlib.util.find_spec("cupy") is None:
+            raise CapabilityError("device='cuda' needs CuPy (pip install 'commref[cuda12]' or '[cuda13]')")
+        if not cuda_available():
             raise CapabilityError("device='cuda' but no CUDA device is available")
     return device.value

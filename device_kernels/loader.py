@@ -4,13 +4,13 @@
   and the ABI table (cpu/abi.cpp) are compiled with the host C++ compiler as separate
   translation units into one shared library, called through ctypes.
 - GPU: each kernel file that holds kernels of abi.KERNEL_NAMES is compiled by NVRTC
-  through ``cupy.RawModule``, one module per (file, specialization), and every kernel
-  of a module is loaded as soon as the module is built.
+  (CuPy's bindings) into a cubin, one module per (file, specialization), loaded with
+  every kernel in it resolved at once, and launched through the driver.
 
-Builds are cached: the CPU library under ``$COMMREF_CACHE_DIR`` (default
-``~/.cache/commref``) keyed by a hash of every source file, the compiler, and the
-flags (build_library); CuPy keys its own cache by source and options. Concurrent ranks
-building the same key wait on a file lock and reuse one build.
+Builds are cached under ``$COMMREF_CACHE_DIR`` (default ``~/.cache/commref``), keyed
+by a hash of every source file and header, the compiler and its version, and the
+flags (build_key): the CPU library, and each GPU image. Concurrent ranks building the
+same key wait on a file lock and reuse one build.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ ABI_SOURCE = SOURCE_DIR / "cpu" / "abi.cpp"  # the ABI table; CPU build only
 CPU_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-strict-aliasing")
 # ThreadSanitizer build of the same sources (tests/test_tsan.py).
 TSAN_FLAGS = ("-O1", "-g", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fsanitize=thread")
-NVRTC_OPTIONS = ("-std=c++17",)
+
 
 class KernelError(RuntimeError):
     """A kernel could not be built or launched (not a communication failure)."""
@@ -109,11 +109,11 @@ def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
 
 
-def _hash_inputs(cxx: str, sources: list[Path], include_dirs: tuple[Path, ...], flags: tuple[str, ...],
-                 defines: tuple[str, ...]) -> str:
-    """A key of the build: the contents (and names) of every source and of every header
-    under `include_dirs`, the compiler and its version, the flags and the defines. Where
-    the files lie does not count, so that checkouts of the same sources share builds."""
+def build_key(sources: list[Path], include_dirs: tuple[Path, ...], *settings) -> str:
+    """A key of a build: the contents (and names) of every source and of every header
+    under `include_dirs`, and the `settings` (compiler and version, flags, defines,
+    target). Where the files lie does not count, so checkouts of the same sources share
+    builds."""
     h = hashlib.sha256()
     named = [(src.name, src) for src in sources]
     for d in include_dirs:
@@ -122,10 +122,26 @@ def _hash_inputs(cxx: str, sources: list[Path], include_dirs: tuple[Path, ...], 
     for name, f in named:
         h.update(f"{name}\0{f.stat().st_size}\0".encode())
         h.update(f.read_bytes())
-    h.update(cxx.encode())
-    h.update(_compiler_version(cxx).encode())
-    h.update(repr((flags, defines)).encode())
+    h.update(repr(settings).encode())
     return h.hexdigest()[:20]
+
+
+def _build_once(target: Path, make) -> Path:
+    """`target`, built by make(path in a private temporary folder) unless it exists.
+    Processes building the same target wait on a file lock and reuse one build; the
+    target appears whole (a rename) or not at all."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=target.name + ".") as tmpdir:
+            tmp = Path(tmpdir) / target.name
+            make(tmp)
+            os.replace(tmp, target)
+    return target
 
 
 def _compile_object(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -135,44 +151,34 @@ def _compile_object(cmd: list[str]) -> subprocess.CompletedProcess:
 def build_library(name: str, sources: list[Path], flags: tuple[str, ...] = CPU_FLAGS, defines=(),
                   include_dirs=()) -> Path:
     """Compiles `sources` (C++; `.cu` files too) as separate translation units and links
-    them into one shared library `lib<name>-<hash>.so` under cache_dir(), or finds it
-    there. The key hashes every source, every header under `include_dirs` (so headers
-    the sources include must lie there), the compiler and its version, the flags and
-    the defines; ranks building the same key wait on a
-    file lock and reuse one build. `flags` apply to compiling and linking (they should
-    hold -shared and -fPIC); `defines` are given as "NAME" or "NAME=VALUE"."""
+    them into one shared library `lib<name>-<key>.so` under cache_dir(), or finds it
+    there. The key (build_key) hashes every source, every header under `include_dirs`
+    (so headers the sources include must lie there), the compiler and its version, the
+    flags and the defines. `flags` apply to compiling and linking (they should hold
+    -shared and -fPIC); `defines` are given as "NAME" or "NAME=VALUE"."""
     cxx = host_compiler()
     sources = [Path(s) for s in sources]
     include_dirs = tuple(Path(d) for d in include_dirs)
     flags, defines = tuple(flags), tuple(defines)
-    key = _hash_inputs(cxx, sources, include_dirs, flags, defines)
-    out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"lib{name}-{key}.so"
-    if lib.exists():
-        return lib
-    with open(out_dir / f"lib{name}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.exists():
-            return lib
-        common = [*flags, *(f"-D{d}" for d in defines), *(a for d in include_dirs for a in ("-I", str(d)))]
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=f"lib{name}-{key}.") as tmpdir:
-            objects = [Path(tmpdir) / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
-            cmds = [[cxx, *common, "-c", "-x", "c++", str(src), "-x", "none", "-o", str(obj)]
-                    for src, obj in zip(sources, objects)]
-            workers = max(1, min(len(cmds), os.cpu_count() or 1))
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                procs = list(pool.map(_compile_object, cmds))
-            for cmd, proc in zip(cmds, procs):
-                if proc.returncode != 0:
-                    raise KernelError(f"building {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-            tmp = Path(tmpdir) / f"lib{name}.so"
-            cmd = [cxx, *flags, *map(str, objects), "-o", str(tmp)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+    key = build_key(sources, include_dirs, cxx, _compiler_version(cxx), flags, defines)
+    common = [*flags, *(f"-D{d}" for d in defines), *(a for d in include_dirs for a in ("-I", str(d)))]
+
+    def make(lib: Path) -> None:
+        objects = [lib.parent / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
+        cmds = [[cxx, *common, "-c", "-x", "c++", str(src), "-x", "none", "-o", str(obj)]
+                for src, obj in zip(sources, objects)]
+        workers = max(1, min(len(cmds), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            procs = list(pool.map(_compile_object, cmds))
+        for cmd, proc in zip(cmds, procs):
             if proc.returncode != 0:
-                raise KernelError(f"linking {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-            os.replace(tmp, lib)
-    return lib
+                raise KernelError(f"building {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        cmd = [cxx, *flags, *map(str, objects), "-o", str(lib)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelError(f"linking {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+
+    return _build_once(cache_dir() / f"lib{name}-{key}.so", make)
 
 
 def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ...] = ()) -> Path:
@@ -247,17 +253,6 @@ def cpu_kernels(defines: tuple[str, ...] = ()) -> CpuKernels:
         return _cpu_kernels(tuple(defines))
 
 
-def gpu_source(path: Path) -> str:
-    """The text NVRTC compiles for one kernel file. It starts with a hash of every
-    source file, so that CuPy's cache (keyed by the text and the options) misses when a
-    header changes."""
-    h = hashlib.sha256()
-    for f in source_files():
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return f'// commref sources {h.hexdigest()[:20]}\n#line 1 "{path.name}"\n' + path.read_text()
-
-
 # The functor that serves each reduction operator (COMMREF_FOR_OP in reduce.h; avg
 # reduces with OpSum and divides at the end), and the op codes each functor serves.
 _FUNCTOR_OF_OP = {"sum": "OpSum", "prod": "OpProd", "max": "OpMax", "min": "OpMin", "avg": "OpSum"}
@@ -291,55 +286,220 @@ def all_specializations() -> list[tuple[str, ...]]:
     return sorted(specs)
 
 
+# ---- GPU: NVRTC (through CuPy), images cached on disk, launched through the driver ----
+
+# NVRTC options of every GPU module. Denormals are kept and divisions and square roots
+# rounded as IEEE 754 says (CuPy's own RawModule cache adds -ftz=true, which would flush
+# float32 and bfloat16 denormals and break the bit-exact contract); no multiply-add
+# contraction, so results do not depend on what the compiler fuses.
+NVRTC_OPTIONS = ("-std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false")
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    """CuPy's NVRTC bindings, with a library loaded: the one CuPy finds (CUDA_PATH, the
+    system, CuPy 14's search), else the one cuda-pathfinder finds (the NVIDIA wheel that
+    the cuda12 and cuda13 extras install, which CuPy 13 does not look for)."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as e:
+        raise KernelError("the GPU loader needs CuPy (pip install 'commref[cuda12]' or '[cuda13]')") from e
+    try:
+        nvrtc.getVersion()
+    except RuntimeError as e:
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            load_nvidia_dynamic_lib("nvrtc")
+            nvrtc.getVersion()
+        except Exception as e2:  # noqa: BLE001 - any failure here means: no NVRTC
+            raise KernelError(f"no NVRTC library: CuPy says {e}; cuda-pathfinder says {e2} "
+                              f"(pip install nvidia-cuda-nvrtc-cu12 or nvidia-cuda-nvrtc, or set CUDA_PATH)") from None
+    return nvrtc
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_target(compute_capability: int) -> tuple[str, str]:
+    """(NVRTC's --gpu-architecture option, "cubin" or "ptx") for a device: machine code
+    for its architecture where this NVRTC knows it, else PTX of the newest architecture
+    NVRTC knows below it, which the driver compiles at load time."""
+    supported = [int(a) for a in _nvrtc().getSupportedArchs()]
+    if compute_capability in supported:
+        return f"--gpu-architecture=sm_{compute_capability}", "cubin"
+    older = [a for a in supported if a < compute_capability]
+    if not older:
+        raise KernelError(f"NVRTC {nvrtc_version()} cannot compile for compute capability {compute_capability} "
+                          f"(it supports {supported})")
+    return f"--gpu-architecture=compute_{max(older)}", "ptx"
+
+
+def nvrtc_options(target: str, defines: tuple[str, ...], include_dir: Path = INCLUDE_DIR) -> tuple[str, ...]:
+    return (*NVRTC_OPTIONS, target, f"-I{include_dir}", *(f"-D{d}" for d in defines))
+
+
+def gpu_image_path(path: Path, defines: tuple[str, ...], target: str, kind: str,
+                   include_dir: Path = INCLUDE_DIR) -> Path:
+    """Where the cache keeps the image of one kernel file for one specialization and
+    target. The key hashes the kernel file, every header under `include_dir`, the
+    options and the NVRTC version: editing a header builds anew."""
+    key = build_key([path], (include_dir,), "nvrtc", nvrtc_version(), nvrtc_options(target, defines, Path("include")))
+    arch = target.split("=")[1]
+    return cache_dir() / "gpu" / f"{path.stem}-{arch}-{key}.{kind}"
+
+
+def compile_gpu_image(path: Path, defines: tuple[str, ...], target: str, kind: str,
+                      include_dir: Path = INCLUDE_DIR) -> bytes:
+    """Compiles one kernel file with NVRTC: a cubin or PTX (NUL-terminated, as the
+    driver loads it)."""
+    nvrtc = _nvrtc()
+    options = nvrtc_options(target, defines, include_dir)
+    prog = nvrtc.createProgram(path.read_text(), path.name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise KernelError(f"NVRTC {nvrtc_version()} failed on {path.name} ({e}), options "
+                              f"{' '.join(options)}:\n{log[-6000:]}") from None
+        return nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog).rstrip(b"\0") + b"\0"
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def build_gpu_image(path: Path, spec, compute_capability: int, include_dir: Path = INCLUDE_DIR) -> Path:
+    """The cached image of kernel file `path` for `spec` (see specialization()) and a
+    device of `compute_capability` (e.g. 90), compiled if the cache lacks it. Needs NVRTC,
+    not a GPU."""
+    target, kind = gpu_target(compute_capability)
+    defines = specialization(spec)
+    return _build_once(gpu_image_path(path, defines, target, kind, include_dir),
+                       lambda out: out.write_bytes(compile_gpu_image(path, defines, target, kind, include_dir)))
+
+
+def _build_gpu_image_args(args) -> str:
+    return str(build_gpu_image(*args))
+
+
+def build_gpu_images(specs, compute_capability: int, workers: int | None = None) -> list[Path]:
+    """Builds (or finds) every GPU module of `specs` for `compute_capability`, one
+    process per NVRTC compile: what ranks on a fresh machine would otherwise compile
+    one by one at their first calls."""
+    jobs = [(path, spec, compute_capability) for spec in dict.fromkeys(specs) for path in gpu_sources()]
+    workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        return [Path(p) for p in pool.map(_build_gpu_image_args, jobs)]
+
+
+def launch_arguments(function: int, grid: int, block: int, stream: int, param: ctypes.c_void_p) -> tuple:
+    """The arguments of CuPy's driver.launchKernel (cuLaunchKernel) for a kernel whose
+    one parameter is a struct: kernelParams is an array of one pointer, to the struct's
+    bytes, which `param` holds (the caller keeps it alive until the call returns; the
+    driver copies the struct at launch). Integers only: no CuPy version converts them
+    differently."""
+    return (function, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(param), 0)
+
+
+def stream_handle(stream) -> int:
+    """A CUstream handle: a CuPy stream's `ptr`, an integer handle, or 0 (None)."""
+    if stream is None:
+        return 0
+    return int(getattr(stream, "ptr", stream))
+
+
 class CudaKernels:
-    """The kernels compiled by NVRTC for the current CUDA device (through CuPy, which
-    caches binaries on disk keyed by source and options). One module per (kernel file,
-    specialization), compiled on first use or by prepare(); building a module loads
-    every kernel in it."""
+    """The kernels of one CUDA device: one module per (kernel file, specialization),
+    compiled by NVRTC into the image cache (build_gpu_image) and loaded on first use or
+    by prepare(); loading a module resolves every kernel in it. Launches go through the
+    driver (launch_arguments)."""
 
     device = "cuda"
 
     def __init__(self, device_id: int):
+        import cupy
+        from cupy.cuda import driver, runtime
+
+        dev = cupy.cuda.Device(device_id)
         self.device_id = device_id
-        self._modules: dict[tuple[Path, tuple[str, ...]], object] = {}
-        self._fn: dict[tuple, object] = {}
+        self.compute_capability = int(dev.compute_capability)
+        self.sm_count = int(dev.attributes["MultiProcessorCount"])
+        self._driver, self._runtime = driver, runtime
+        self._modules: dict[tuple[Path, object], object] = {}
+        self._fn: dict[tuple[str, object], int] = {}
         self._lock = threading.Lock()
 
-    def module(self, path: Path, defines: tuple[str, ...]):
+    def _load(self, path: Path, spec) -> None:
+        """Loads the module of (path, spec) and resolves its kernels."""
         with self._lock:
-            mod = self._modules.get((path, defines))
-            if mod is None:
-                import cupy
+            if (path, spec) in self._modules:
+                return
+            image = build_gpu_image(path, spec, self.compute_capability).read_bytes()
+            import cupy
+            from cupy.cuda import function
 
-                options = (*NVRTC_OPTIONS, f"-I{INCLUDE_DIR}", *(f"-D{d}" for d in defines))
-                names = [n for n, f in kernel_files().items() if f == path and n in abi.KERNEL_NAMES]
-                with cupy.cuda.Device(self.device_id):
-                    mod = cupy.RawModule(code=gpu_source(path), options=options)
-                    mod.compile()
-                    for name in names:  # load every entry point now, not mid-collective
-                        mod.get_function(name)
-                self._modules[(path, defines)] = mod
-            return mod
+            with cupy.cuda.Device(self.device_id):
+                mod = function.Module()
+                mod.load(image)
+                for name, where in kernel_files().items():
+                    if where == path and name in abi.KERNEL_NAMES:
+                        self._fn[(name, spec)] = int(mod.get_function(name).ptr)
+            self._modules[(path, spec)] = mod
+
+    def function(self, name: str, spec=None) -> int:
+        """The CUfunction of kernel `name` in the module of `spec`, loading it if needed."""
+        fn = self._fn.get((name, spec))
+        if fn is None:
+            path = kernel_files().get(name)
+            if path is None or name not in abi.KERNEL_NAMES:
+                raise KernelError(f"no GPU kernel named {name!r} (abi.KERNEL_NAMES)")
+            self._load(path, spec)
+            fn = self._fn[(name, spec)]
+        return fn
 
     def prepare(self, specs) -> None:
         """Compiles and loads the modules for these (dtype code, op code) specs (None:
         data movement), every kernel file each. Call it while no collective kernel runs:
         loading a module can wait for running kernels, which may be waiting for this rank."""
+        specs = list(dict.fromkeys(specs))
+        missing = [s for s in specs for p in gpu_sources() if (p, s) not in self._modules]
+        if len(missing) > 1:
+            build_gpu_images(missing, self.compute_capability)
         for spec in specs:
             for path in gpu_sources():
-                self.module(path, specialization(spec))
+                self._load(path, spec)
+
+    def max_threads(self, name: str, spec=None) -> int:
+        """The most threads per block kernel `name` can be launched with (its registers decide)."""
+        d = self._driver
+        return d.funcGetAttribute(d.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function(name, spec))
+
+    def max_active_blocks(self, name: str, spec, threads: int) -> int:
+        """How many blocks of kernel `name` with `threads` threads each fit on one SM at
+        once; 0 when the kernel cannot be launched with that many threads."""
+        if threads > self.max_threads(name, spec):
+            return 0
+        return self._driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function(name, spec), threads, 0)
 
     def launch(self, name: str, grid: int, block: int, args: np.ndarray, stream=None,
                spec: tuple[int, int] | None = None, address: int | None = None) -> int:
-        """Enqueues kernel `name` on `stream`; failures surface at synchronization."""
-        key = (name, spec)
-        fn = self._fn.get(key)
-        if fn is None:
-            path = kernel_files().get(name)
-            if path is None or name not in abi.KERNEL_NAMES:
-                raise KernelError(f"no GPU kernel named {name!r} (abi.KERNEL_NAMES)")
-            fn = self._fn[key] = self.module(path, specialization(spec)).get_function(name)
-        fn((grid,), (block,), (args[0],), stream=stream)
+        """Enqueues kernel `name` on `stream` (a CuPy stream or a CUstream handle; None:
+        the legacy default stream) with the one-record array `args` (`address`: its
+        address, if known). A failed kernel writes its ErrorRecord and returns; the
+        launch itself raises only for launch errors."""
+        fn = self._fn.get((name, spec)) or self.function(name, spec)
+        param = ctypes.c_void_p(address or args.ctypes.data)
+        current = self._runtime.getDevice()
+        if current != self.device_id:
+            self._runtime.setDevice(self.device_id)
+        try:
+            self._driver.launchKernel(*launch_arguments(fn, grid, block, stream_handle(stream), param))
+        finally:
+            if current != self.device_id:
+                self._runtime.setDevice(current)
         return abi.LAUNCH_OK
 
 
@@ -348,7 +508,7 @@ _cuda_modules: dict[int, CudaKernels] = {}
 
 
 def cuda_kernels(device_id: int) -> CudaKernels:
-    """The module for `device_id`, compiled once per process (ThreadWorld ranks share it)."""
+    """The kernels of `device_id`, one instance per process (ThreadWorld ranks share it)."""
     with _cuda_lock:
         mod = _cuda_modules.get(device_id)
         if mod is None:
@@ -376,6 +536,24 @@ def nvcc_compile_check(arch: str = "sm_90", nvcc: str | None = None,
         stderr="".join(f"== {c[-1]}\n{p.stderr}" for c, p in zip(cmds, procs) if p.stderr))
 
 
-if __name__ == "__main__":  # python -m commref.device_kernels.loader: build the CPU library
-    print(build_cpu_library())
-    sys.exit(0)
+def _main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m commref.device_kernels.loader",
+                                description="Builds the CPU library, or with --gpu the GPU images, into the cache.")
+    p.add_argument("--gpu", type=int, metavar="CC", help="compute capability to build GPU images for (e.g. 90)")
+    p.add_argument("--dtype", nargs="*", default=[], choices=sorted(abi.DTYPE_CODES), help="reduction dtypes")
+    p.add_argument("--op", nargs="*", default=["sum", "prod", "max", "min"], choices=sorted(abi.OP_CODES))
+    args = p.parse_args(argv)
+    if args.gpu is None:
+        print(build_cpu_library())
+        return 0
+    specs = [None, *((abi.DTYPE_CODES[d], abi.OP_CODES[o]) for d in args.dtype for o in args.op)]
+    specs = list({specialization(s): s for s in specs}.values())  # avg shares sum's module
+    for path in build_gpu_images(specs, args.gpu):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

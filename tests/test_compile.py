@@ -6,8 +6,8 @@
   dtypes and constants (test_abi_table_matches_python); the kernels the library
   defines are exactly abi.KERNEL_NAMES and abi.ENGINE_KERNEL_NAMES.
 - Every kernel compiles for sm_90: with nvcc (loader.nvcc_compile_check) when nvcc is
-  on PATH, else with NVRTC through cuda-python (cuda.bindings.nvrtc) or CuPy when one
-  is importable; skipped only when none of them exists. The modules are the GPU
+  on PATH, else with the GPU loader's NVRTC (CuPy's bindings); skipped only when
+  neither exists. The modules are the GPU
   loader's per-(dtype, op) specialisations of every kernel file (see gpu_modules()
   for which, and COMMREF_TEST_ALL_GPU_MODULES=1 for all of them plus the full build).
 """
@@ -101,58 +101,6 @@ def test_kernel_names_are_the_library_kernels(cxx_table):
     assert set(loader.gpu_sources()) == {loader.kernel_files()[n] for n in abi.KERNEL_NAMES}
 
 
-def test_gpu_loader_loads_every_kernel_eagerly(monkeypatch):
-    """CudaKernels with a stand-in for CuPy: prepare() builds one module per (kernel
-    file, specialization) and loads every kernel of abi.KERNEL_NAMES in it, so that a
-    later launch(name, ...) compiles and loads nothing; each kernel comes from the
-    module of the file that defines it."""
-    import sys
-    import types
-
-    built, loaded = [], []
-
-    class RawModule:
-        def __init__(self, code, options):
-            self.code, self.options = code, options
-
-        def compile(self):
-            built.append(self)
-
-        def get_function(self, name):
-            assert f"COMMREF_KERNEL({name}," in self.code, f"{name} is not in this module's source"
-            loaded.append((name, self.options))
-            return lambda grid, block, args, stream=None: None
-
-    class Device:
-        def __init__(self, device_id):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    fake = types.ModuleType("cupy")
-    fake.RawModule = RawModule
-    fake.cuda = types.SimpleNamespace(Device=Device)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    kernels = loader.CudaKernels(0)
-    specs = [None, (abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"])]
-    kernels.prepare(specs)
-    assert len(built) == len(specs) * len(loader.gpu_sources())
-    for spec in specs:
-        options = (*loader.NVRTC_OPTIONS, f"-I{loader.INCLUDE_DIR}", *(f"-D{d}" for d in loader.specialization(spec)))
-        assert sorted(n for n, o in loaded if o == options) == sorted(abi.KERNEL_NAMES), spec
-    before = (len(built), len(loaded))
-    args = np.zeros(1, dtype=abi.COLL_ARGS)
-    for name in abi.KERNEL_NAMES:
-        assert kernels.launch(name, 1, 1, args, spec=specs[1]) == abi.LAUNCH_OK
-    assert len(built) == before[0], "a launch after prepare() compiled a module"
-    with pytest.raises(loader.KernelError, match="no GPU kernel"):
-        kernels.launch("commref_copy", 1, 1, args)
-
-
 def test_abi_numpy_dtypes_are_c_layouts():
     """abi.py's dtypes are aligned like C structs (so a record's bytes are the struct),
     without implicit padding (explicit pad fields, as cpu/abi.cpp asserts for C++)."""
@@ -192,67 +140,13 @@ def test_wait_what_describes_every_wait_code():
 
 # ---- GPU compile (no GPU needed) ----
 
-def nvrtc_backend() -> tuple[tuple[str, object] | None, list[str]]:
-    """(('cuda-python' | 'cupy', module) or None, why each candidate is unusable)."""
-    why = []
-    for modname in ("cuda.bindings.nvrtc", "cuda.nvrtc"):
-        try:
-            mod = __import__(modname, fromlist=["nvrtcCreateProgram"])
-            err, _major, _minor = mod.nvrtcVersion()  # loads libnvrtc: fails if it is missing
-            if _ok(mod, err):
-                return ("cuda-python", mod), why
-            why.append(f"{modname}: nvrtcVersion() returned {err}")
-        except Exception as e:  # noqa: BLE001 - not importable or no libnvrtc: try the next
-            why.append(f"{modname}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+def nvrtc_available() -> str | None:
+    """None when the loader can compile with NVRTC (CuPy's bindings), else why not."""
     try:
-        from cupy.cuda import compiler
-
-        compiler._get_nvrtc_version()
-        return ("cupy", compiler), why
-    except Exception as e:  # noqa: BLE001
-        why.append(f"cupy: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    return None, why
-
-
-def _ok(nvrtc, err) -> bool:
-    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-
-
-def nvrtc_options(defines: tuple[str, ...]) -> list[str]:
-    """The loader's NVRTC options (CudaKernels.module) for one specialization."""
-    return [*loader.NVRTC_OPTIONS, f"-I{loader.INCLUDE_DIR}", *(f"-D{d}" for d in defines)]
-
-
-def compile_cuda_python(nvrtc, path: Path, defines: tuple[str, ...]) -> tuple[int, str]:
-    """Compiles one kernel file to an sm_90 cubin with cuda-python's NVRTC; returns (size, log)."""
-    err, prog = nvrtc.nvrtcCreateProgram(loader.gpu_source(path).encode(), path.name.encode(), 0, [], [])
-    assert _ok(nvrtc, err), err
-    try:
-        opts = [o.encode() for o in (*nvrtc_options(defines), f"--gpu-architecture={ARCH}")]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        _, log_size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * log_size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log_text = log.decode(errors="replace").rstrip("\x00 \n")
-        assert _ok(nvrtc, err), f"NVRTC failed for {path.name} ({err}):\n{log_text[-6000:]}"
-        err, size = nvrtc.nvrtcGetCUBINSize(prog)
-        assert _ok(nvrtc, err), err
-        cubin = b" " * size
-        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
-        assert _ok(nvrtc, err), err
-        assert size > 0 and cubin[:4] == b"\x7fELF", "NVRTC returned no sm_90 cubin"
-        return size, log_text
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def compile_cupy(compiler, path: Path, defines: tuple[str, ...]) -> tuple[int, str]:
-    """Compiles one kernel file with CuPy's NVRTC wrapper for sm_90 (a cubin, or PTX
-    where this NVRTC cannot emit an sm_90 cubin); returns (size, kind)."""
-    out = compiler.compile_using_nvrtc(loader.gpu_source(path), tuple(nvrtc_options(defines)), arch=ARCH[3:],
-                                       filename=path.name)
-    assert out, "CuPy's NVRTC returned nothing"
-    return len(out), ("cubin" if isinstance(out, bytes) and out[:4] == b"\x7fELF" else "ptx")
+        loader._nvrtc()
+        return None
+    except loader.KernelError as e:
+        return str(e)
 
 
 def nvcc_with_size_probe(tmp_path: Path) -> tuple[str, Path]:
@@ -317,17 +211,10 @@ def test_every_kernel_compiles_for_sm90(which, tmp_path):
         size = sum(sizes)
         print(f"nvcc {ARCH} {which}: {len(sizes)} cubins, {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
         return
-    backend, why = nvrtc_backend()
-    if backend is None:
-        pytest.skip("neither nvcc nor NVRTC (cuda-python's cuda.bindings.nvrtc or CuPy) is available: "
-                    + "; ".join(why))
-    kind, mod = backend
-    size, what = 0, "cubin"
-    for path in loader.kernel_sources():
-        if kind == "cuda-python":
-            size += compile_cuda_python(mod, path, defines)[0]
-        else:
-            n, what = compile_cupy(mod, path, defines)
-            size += n
+    why = nvrtc_available()
+    if why is not None:
+        pytest.skip(f"neither nvcc nor NVRTC is available: {why}")
+    target = f"--gpu-architecture={ARCH}"
+    size = sum(len(loader.compile_gpu_image(path, defines, target, "cubin")) for path in loader.kernel_sources())
     elapsed = time.perf_counter() - t0
-    print(f"NVRTC ({kind}) {ARCH} {which}: {what} {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
+    print(f"NVRTC {loader.nvrtc_version()} {ARCH} {which}: {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")

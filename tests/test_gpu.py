@@ -6,11 +6,12 @@ import pytest
 from commref.collectives import check
 from commref.collectives.communicator import Communicator
 from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.options import cuda_available
 from commref.transports.world import ThreadWorld
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
-if not cupy.is_available():
+if not cuda_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 
