@@ -31,12 +31,15 @@ class Case:
     in_place: bool
     root: int
     seed: int
+    values: str = "small"  # verify.VALUES: "small" integers, or "denormal"
 
 
 def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True),
-          direct: bool = True):
+          direct: bool = True, denormals: bool = True):
     """Every case of the sweep, in a fixed order (all ranks enumerate the same list).
-    `direct`: include the direct kernels (a communicator whose peers are all LSA)."""
+    `direct`: include the direct kernels (a communicator whose peers are all LSA).
+    `denormals`: after the cases of each count, one out of place on denormal inputs
+    where the dtype and op have them (verify.has_denormal_case)."""
     out = []
     for coll in collectives:
         for algo in algorithms_for(coll, direct):
@@ -45,10 +48,12 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
             for di, dtype in enumerate(dtypes):
                 for oi, op in enumerate(ops if catalogue.get(coll).reducing else [None]):
                     for count in counts:
+                        root = (count + di + oi) % nranks
                         for ip in in_place:
-                            root = (count + di + oi) % nranks
-                            s = seed * 1_000_003 + len(out)
-                            out.append(Case(coll, algo, dtype, op, count, ip, root, s))
+                            out.append(Case(coll, algo, dtype, op, count, ip, root, seed * 1_000_003 + len(out)))
+                        if denormals and verify.has_denormal_case(DTYPES[dtype], op):
+                            out.append(Case(coll, algo, dtype, op, count, False, root, seed * 1_000_003 + len(out),
+                                            "denormal"))
     return out
 
 
@@ -65,8 +70,8 @@ def run_case(comm, case: Case, stream=None, memory: Memory | None = None) -> int
         memory = Memory(array_module(comm.device))
     if isinstance(memory, SymmetricMemory):
         memory.reset()
-    x = verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count)
-    expected = verify.expected_output(case.coll, dt, case.op, case.seed, r, n, case.count, case.root)
+    x = verify.make_input(case.coll, dt, case.op, case.seed, r, n, case.count, case.values)
+    expected = verify.expected_output(case.coll, dt, case.op, case.seed, r, n, case.count, case.root, case.values)
     b = spec.buffers(memory, x, case.count, r, n, case.in_place)
     before = memory.to_host(b.out).copy() if expected is None else None
     spec.call(comm, b.send, b.recv, case.op, case.root, algorithm=case.algorithm, stream=stream)
@@ -104,7 +109,7 @@ def summary_rows(case_list, wrong):
     """Rows (collective, algorithm, dtype, {op: (cases, wrong elements)})."""
     table: dict = {}
     for case, w in zip(case_list, wrong):
-        key = (case.coll, case.algorithm, case.dtype)
+        key = (case.coll, case.algorithm, case.dtype if case.values == "small" else f"{case.dtype} {case.values}")
         cell = table.setdefault(key, {}).setdefault(case.op or "copy", [0, 0])
         cell[0] += 1
         cell[1] += w
@@ -113,10 +118,10 @@ def summary_rows(case_list, wrong):
 
 def format_table(rows, nranks: int, device: str) -> str:
     cols = list(OPS) + ["copy"]
-    head = f"{'collective':<15}{'algo':<8}{'dtype':<10}" + "".join(f"{c:>9}" for c in cols)
+    head = f"{'collective':<15}{'algo':<8}{'dtype':<18}" + "".join(f"{c:>9}" for c in cols)
     lines = [f"# commref check: {nranks} ranks, device {device}; wrong elements per collective x dtype x op",
              head, "-" * len(head)]
     for coll, algo, dtype, cells in rows:
         vals = "".join(f"{(str(cells[c][1]) if c in cells else '-'):>9}" for c in cols)
-        lines.append(f"{coll:<15}{algo:<8}{dtype:<10}{vals}")
+        lines.append(f"{coll:<15}{algo:<8}{dtype:<18}{vals}")
     return "\n".join(lines)

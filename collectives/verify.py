@@ -9,7 +9,11 @@ integers chosen so that every reduction is exact in every dtype and in any order
 - prod: values in {-1, 1, 2} (unsigned: {1, 2}); products stay within 2^8 in magnitude
   for up to 8 ranks (exact in every float type; int8/uint8 wrap exactly like numpy);
 - allgather and broadcast move data only: integers that use the whole type (integers)
-  or its exactly representable range (floats), so a misplaced shard shows.
+  or its exactly representable range (floats), so a misplaced shard shows;
+- denormal inputs (values="denormal", floating dtypes, sum/avg/min/max): the sum
+  inputs times the dtype's smallest subnormal, so results stay exact and subnormal,
+  in float32 too for float16 and bfloat16 (their compute type). A build that flushes
+  denormals to zero (CuPy's -ftz=true) returns zeros there.
 
 The reference arithmetic follows include/commref/reduce.h: integer sum/prod wrap,
 float16/bfloat16 reduce in float32 and round once, avg is sum then one division
@@ -67,10 +71,29 @@ def _hash(seed: int, rank: int, n: int, salt: int = 0) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def input_values(dtype, op: str | None, seed: int, rank: int, n: int) -> np.ndarray:
+# The exponent of each floating dtype's smallest subnormal (2**e).
+SUBNORMAL_EXPONENT = {"float16": -24, "bfloat16": -133, "float32": -149, "float64": -1074}
+# The kinds of input: "small" (the exact small integers above) and "denormal".
+VALUES = ("small", "denormal")
+DENORMAL_OPS = ("sum", "avg", "max", "min")
+
+
+def has_denormal_case(dtype, op: str | None) -> bool:
+    """Whether (dtype, op) has denormal inputs (values="denormal")."""
+    return op in DENORMAL_OPS and dtype_name(dtype) in SUBNORMAL_EXPONENT
+
+
+def input_values(dtype, op: str | None, seed: int, rank: int, n: int, values: str = "small") -> np.ndarray:
     """Rank `rank`'s n input elements. `op` None means a data-movement collective."""
     dt = np.dtype(dtype)
     h = _hash(seed, rank, n)
+    if values == "denormal":
+        if not has_denormal_case(dt, op):
+            raise ValueError(f"no denormal inputs for {dtype_name(dt)} with op {op!r}")
+        small = (h % np.uint64(17)).astype(np.int64) - 8
+        return np.ldexp(small.astype(np.float64), SUBNORMAL_EXPONENT[dtype_name(dt)]).astype(dt)
+    if values != "small":
+        raise ValueError(f"unknown input values {values!r}; known: {', '.join(VALUES)}")
     signed = dt.kind == "i" or _is_float(dt)
     if op is None:  # data movement: use the type's range
         if _is_float(dt):
@@ -117,20 +140,21 @@ def reduce_reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
     return acc.astype(dt)
 
 
-def make_input(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int) -> np.ndarray:
+def make_input(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int,
+               values: str = "small") -> np.ndarray:
     """Rank `rank`'s sendbuf for a call of `coll` with NCCL count `count`."""
     c = catalogue.get(coll)
-    return input_values(dtype, op if c.reducing else None, seed, rank, c.counts(count, nranks)[0])
+    return input_values(dtype, op if c.reducing else None, seed, rank, c.counts(count, nranks)[0], values)
 
 
 def expected_output(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int,
-                    root: int = 0) -> np.ndarray | None:
+                    root: int = 0, values: str = "small") -> np.ndarray | None:
     """What rank `rank`'s recvbuf must hold; None where the collective leaves it alone
     (the recvbuf of a non-root rank where only the root's counts)."""
     c = catalogue.get(coll)
     if c.root_only == catalogue.RECV and rank != root:
         return None
-    ins = [make_input(coll, dtype, op, seed, r, nranks, count) for r in range(nranks)]
+    ins = [make_input(coll, dtype, op, seed, r, nranks, count, values) for r in range(nranks)]
     if c.reducing:
         out = reduce_reference(ins, op)
         at = c.in_place_at(rank, count) if c.scaled == catalogue.SEND else 0

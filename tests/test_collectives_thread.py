@@ -9,6 +9,7 @@ process) to exercise the multi-channel split on small counts.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -75,7 +76,10 @@ def test_sweep(nranks, geometry, many_channels):
     assert {(c.coll, c.algorithm) for c in case_list} >= {("allreduce", "direct"), ("reduce_scatter", "direct"),
                                                            ("allgather", "direct")}
     reducing, moving = 6, 3
-    assert len(case_list) == (reducing * len(OPS) + moving) * len(DTYPES) * len(counts) * 2
+    floats = [d for d in DTYPES if d in verify.SUBNORMAL_EXPONENT]
+    denormal = reducing * len(verify.DENORMAL_OPS) * len(floats) * len(counts)
+    assert len(case_list) == (reducing * len(OPS) + moving) * len(DTYPES) * len(counts) * 2 + denormal
+    assert sum(c.values == "denormal" for c in case_list) == denormal
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:5]}"
 
@@ -228,3 +232,24 @@ def test_single_slot_fifo_is_rejected():
         return True
 
     assert all(ThreadWorld.run(2, fn, timeout=5.0))
+
+
+@pytest.mark.parametrize("dtype", sorted(verify.SUBNORMAL_EXPONENT))
+@pytest.mark.parametrize("op", verify.DENORMAL_OPS)
+def test_denormal_cases_catch_flush_to_zero(dtype, op):
+    """The denormal inputs give exact, nonzero, subnormal results (in the compute type
+    too for float16 and bfloat16): a build that flushes denormals to zero returns zeros
+    and the check counts each of them wrong."""
+    nranks, count = 4, 1000
+    ins = [verify.make_input("allreduce", dtype, op, 5, r, nranks, count, "denormal") for r in range(nranks)]
+    expected = verify.expected_output("allreduce", dtype, op, 5, 0, nranks, count, values="denormal")
+    wide = expected.astype(np.float64)
+    smallest_normal = float(ml_dtypes.finfo(verify.DTYPES[dtype]).smallest_normal)
+    nonzero = wide[wide != 0]
+    assert nonzero.size > count // 2 and np.all(np.abs(nonzero) < smallest_normal), "results are not subnormal"
+    if dtype in ("bfloat16", "float32"):  # computed in float32: subnormal there as well
+        assert np.all(np.abs(nonzero) < float(np.finfo(np.float32).smallest_normal))
+    if op == "sum":
+        assert np.array_equal(sum(x.astype(np.float64) for x in ins), wide), "the sum is not exact"
+    flushed = np.where(np.abs(wide) < smallest_normal, np.copysign(0.0, wide), wide).astype(expected.dtype)
+    assert verify.count_wrong(flushed, expected) == nonzero.size
