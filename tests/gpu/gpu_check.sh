@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, for a machine with one NVIDIA GPU (see README "GPU").
-# Wheels missing on that machine travel in .whl/ (mpich for mpiexec, nccl4py).
+# Wheels missing on that machine travel in .whl/ (tests/gpu/fetch_wheels.sh fetches them).
 # Usage: bash tests/gpu/gpu_check.sh   (from the repository root; ~5 minutes)
 set -u
 cd "$(dirname "$0")/../.."
@@ -12,7 +12,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 [ -n "$MPIEXEC" ] || MPIEXEC=/tmp/site/bin/mpiexec
 PY=$(command -v python3)  # absolute: the launcher's PATH may find another python3
-export PYTHONPATH=$PWD:${PYTHONPATH:-} COMMREF_TIMEOUT=${COMMREF_TIMEOUT:-60} NCCL_MULTI_RANK_GPU_ENABLE=1
+# commref itself, editable and offline (its dependencies are the machine's or the wheels').
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || { echo "gpu_check: cannot install commref"; exit 1; }
+export PYTHONPATH=${PYTHONPATH:-} COMMREF_TIMEOUT=${COMMREF_TIMEOUT:-60} NCCL_MULTI_RANK_GPU_ENABLE=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 MPIFLAGS=""
 if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
@@ -24,10 +26,11 @@ status=0
 step() { echo; echo "=== $1"; shift; local t0=$SECONDS; "$@"; local rc=$?; echo "=== rc=$rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1; }
 nvidia-smi -L
 python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
-# Compile once (NVRTC through CuPy's cache) before the ranks start, so they share it.
-step "compile kernels (NVRTC)" timeout 300 python3 -c "
-import time; t=time.time()
-from commref.device_kernels import loader; loader.cuda_kernels(0); print('compiled in %.1f s' % (time.time()-t))"
+# Build every GPU module the checks below use into the image cache before any rank
+# starts (one NVRTC process per module); the ranks then only load them.
+CC=$(python3 -c "import cupy; print(cupy.cuda.Device(0).compute_capability)")
+step "compile kernels for sm_$CC (NVRTC)" timeout 300 python3 -m commref.device_kernels.loader --gpu "$CC" \
+  --dtype float32 bfloat16 float16 float64 int32 int8 uint8 --op sum prod max min
 step "GPU tests (pytest -m gpu)" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider
 step "4 ranks in ThreadWorld on one GPU" timeout 120 python3 tests/gpu/thread_world_gpu.py --np 4
 step "2 MPI ranks on one GPU through CUDA IPC" timeout 200 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m commref.cli check \
