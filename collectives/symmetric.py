@@ -14,6 +14,19 @@ import numpy as np
 from .launch import address_of
 
 
+def describe_unmapped(rank: int, everyone: list[dict]) -> str:
+    """One line from every rank's {peer: why its window is not mapped}: this rank's
+    reasons (or the first rank's that has some), then which other ranks have any."""
+    first = rank if everyone[rank] else next(r for r, m in enumerate(everyone) if m)
+    by_why: dict[str, list[int]] = {}
+    for peer, why in everyone[first].items():
+        by_why.setdefault(why, []).append(peer)
+    text = "; ".join(f"rank {first} cannot map the window of rank{'s' if len(ps) > 1 else ''} "
+                     f"{', '.join(map(str, ps))}: {why}" for why, ps in by_why.items())
+    others = [r for r, m in enumerate(everyone) if m and r != first]
+    return text + (f" (ranks {others} cannot map some peers' windows either)" if others else "")
+
+
 class SymmetricArena:
     ALIGN = 4096
 
@@ -59,7 +72,8 @@ class SymmetricWindows:
         return len(self.windows)
 
     def alloc(self, count, dtype):
-        """Collective: a zeroed array of `count` elements in a new window every LSA peer maps."""
+        """Collective: a zeroed array of `count` elements in a new window every LSA peer
+        maps; CapabilityError on every rank when some rank could not map a peer's."""
         from commref.transports.errors import CapabilityError
         from commref.transports.windows import register_window
 
@@ -69,24 +83,37 @@ class SymmetricWindows:
         nbytes = int(count) * dt.itemsize
         win = register_window(self.world, max(nbytes, 64), self.device, self.device_id)
         peers = self._connection.peer_addresses
-        unmapped = [r for r in range(self.world.size) if peers[r] and not win.peer_addresses[r]]
-        if unmapped:
-            win.close()
-            raise CapabilityError(f"rank {self.rank}: ranks {unmapped} could not map a symmetric window")
+        unmapped = {r: win.unmapped.get(r, "not mapped") for r in range(self.world.size)
+                    if peers[r] and not win.peer_addresses[r]}
+        everyone = self.world.allgather(unmapped, what="symmetric window mappings")
+        if any(everyone):
+            self._release(win)
+            raise CapabilityError(f"rank {self.rank}: a symmetric window could not be mapped: "
+                                  f"{describe_unmapped(self.rank, everyone)}")
         self.windows.append(win)
         self._cache.clear()
         return win.local[:nbytes].view(dt)
 
     def free(self, address: int) -> None:
         """Collective: releases the window at `address`; every rank must free the same
-        (the n-th allocation on every rank), else ValueError on every rank."""
+        (the n-th allocation on every rank), else ValueError on every rank. The caller
+        has waited for every kernel of this rank that uses it (Communicator.free_symmetric
+        synchronizes)."""
         mine = next((i for i, w in enumerate(self.windows) if w.address == address), None)
-        every = self.world.allgather(mine, what="free_symmetric")
+        every = self.world.allgather(mine, what="free_symmetric")  # also: every rank's kernels are done
         if mine is None or len(set(every)) != 1:
             raise ValueError(f"rank {self.rank}: free_symmetric needs the same array from alloc_symmetric on every "
                              f"rank; allocation indices by rank (None: not such an array): {every}")
-        self.windows.pop(mine).close()
         self._cache.clear()
+        self._release(self.windows.pop(mine))
+
+    def _release(self, win) -> None:
+        """Collective: unmaps the peers' buffers of `win`, and once every rank has (a
+        barrier), frees this rank's own, which CUDA IPC requires. If the barrier fails,
+        the buffer stays allocated rather than freed under a peer."""
+        win.close_peers()
+        self.world.barrier(what="symmetric window unmapped")
+        win.free()
 
     def of(self, b) -> tuple[int, int] | None:
         """(peer table address, offset) of a buffer inside a window, or None."""
@@ -112,7 +139,21 @@ class SymmetricWindows:
         self._cache[where] = sym
         return sym
 
-    def close(self) -> None:
+    def close_peers(self) -> None:
+        """Drops this rank's mappings of the peers' buffers of every window (see
+        Communicator.close for the order)."""
         for win in self.windows:
-            win.close()
+            win.close_peers()
+
+    def free_all(self) -> None:
+        """Frees this rank's buffers of every window, once every peer has unmapped them."""
+        for win in self.windows:
+            win.free()
         self.windows.clear()
+        self._cache.clear()
+
+    def close(self) -> None:
+        """close_peers() then free(), without waiting for the peers (CPU windows, whose
+        memory stays valid for as long as a peer maps it)."""
+        self.close_peers()
+        self.free_all()
