@@ -9,6 +9,8 @@ fields, the call descriptor) is planned once per signature (CallPlan).
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,30 +71,65 @@ def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsi
     return np.array([root, dtype_code, op_code, nchannels, itemsize, 0], np.int32)
 
 
+# CUDA runtime flags and codes used here (cudaHostAllocPortable | cudaHostAllocMapped have
+# the same values as cudaHostRegisterPortable | cudaHostRegisterMapped).
+CUDA_HOST_PORTABLE_MAPPED = 1 | 2
+CUDA_HOST_MEMORY_ALREADY_REGISTERED = 712
+_PAGE = 4096
+
+
 class HostWords:
     """The error record the kernels write on failure and the abort word they poll, in
-    host memory; on a GPU registered so the device can reach them."""
+    host memory; on a GPU mapped into every device's address space.
 
-    def __init__(self, abort_word: np.ndarray, device: str):
-        self.error = np.zeros(1, dtype=abi.ERROR_RECORD)
+    On a GPU the error record is this communicator's own pinned allocation
+    (cudaHostAlloc, portable and mapped: thread ranks on other GPUs reach it too); the
+    world's abort word, shared by a ThreadWorld's ranks, is registered once per process
+    (portable and mapped) and unregistered when the last communicator using it closes
+    (`MappedHostWords`). close() releases both; call it only when no kernel can still
+    write them."""
+
+    def __init__(self, abort_word: np.ndarray, device: str, device_id: int = 0):
         self.abort = abort_word
+        self._release: list = []
         if device == "cuda":
+            import cupy
             from cupy.cuda import runtime
 
-            for arr in (self.error, self.abort):
+            with cupy.cuda.Device(device_id):
+                nbytes = abi.ERROR_RECORD.itemsize
+                ptr = runtime.hostAlloc(nbytes, CUDA_HOST_PORTABLE_MAPPED)
+                self._release.append(lambda: runtime.freeHost(ptr))
                 try:
-                    runtime.hostRegister(arr.ctypes.data, arr.nbytes, 2)  # cudaHostRegisterMapped
-                except runtime.CUDARuntimeError:
-                    pass  # already registered (the world's abort word is shared)
-            self.error_address = _device_pointer_of_host(self.error.ctypes.data)
-            self.abort_address = _device_pointer_of_host(self.abort.ctypes.data)
+                    buf = (ctypes.c_char * nbytes).from_address(ptr)
+                    self.error = np.frombuffer(buf, dtype=abi.ERROR_RECORD, count=1)
+                    self.error[...] = 0  # cudaHostAlloc does not zero
+                    self.error_address = mapped_device_pointer(ptr, device_id, registered=False)
+                    _abort_words.acquire(abort_word)
+                    self._release.append(lambda: _abort_words.release(abort_word))
+                    self.abort_address = mapped_device_pointer(abort_word.ctypes.data, device_id, registered=True)
+                except BaseException:
+                    self.close()
+                    raise
         else:
+            self.error = np.zeros(1, dtype=abi.ERROR_RECORD)
             self.error_address = self.error.ctypes.data
             self.abort_address = self.abort.ctypes.data
+        self._words = self.error.view(np.uint32)  # [0]: ErrorRecord.code (a cheap `failed`)
+        assert abi.ERROR_RECORD.fields["code"][1] == 0
+
+    def close(self) -> None:
+        """Frees the error record and drops this user of the abort word's mapping
+        (GPU; idempotent). Afterwards the record reads as empty."""
+        if self._release:
+            self.error = np.zeros(1, dtype=abi.ERROR_RECORD)  # nothing reads freed memory afterwards
+            self._words = self.error.view(np.uint32)
+        while self._release:
+            self._release.pop()()
 
     @property
     def failed(self) -> bool:
-        return int(self.error[0]["code"]) != abi.ERR_OK
+        return int(self._words[0]) != abi.ERR_OK
 
     def failure(self, rank: int, timeout: float) -> Exception:
         """The exception the error record describes."""
@@ -125,18 +162,88 @@ class HostWords:
         return RuntimeError(f"rank {rank}: kernel failed without a diagnostic (record code {code})")
 
 
-def _device_pointer_of_host(ptr: int) -> int:
-    """The device address of registered host memory (cudaHostGetDevicePointer); with
-    unified addressing and host-pointer support it is the host address itself."""
+class MappedHostWords:
+    """Host memory registered (portable, mapped) once per process however many users
+    it has: registered by the first acquire(), unregistered by the last release().
+    Keyed by page, so that words sharing a page share one registration. A range that
+    something else registered already (cudaErrorHostMemoryAlreadyRegistered) is used as
+    it is and never unregistered here; any other error is raised."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pages: dict[tuple[int, int], list] = {}  # (start, end) -> [users, registered here]
+
+    @staticmethod
+    def _range(arr: np.ndarray) -> tuple[int, int]:
+        start = arr.ctypes.data // _PAGE * _PAGE
+        return start, -(-(arr.ctypes.data + arr.nbytes) // _PAGE) * _PAGE
+
+    def acquire(self, arr: np.ndarray) -> None:
+        from cupy.cuda import runtime
+
+        key = self._range(arr)
+        with self._lock:
+            entry = self._pages.get(key)
+            if entry is not None:
+                entry[0] += 1
+                return
+            try:
+                runtime.hostRegister(key[0], key[1] - key[0], CUDA_HOST_PORTABLE_MAPPED)
+                ours = True
+            except runtime.CUDARuntimeError as e:
+                if getattr(e, "status", None) != CUDA_HOST_MEMORY_ALREADY_REGISTERED:
+                    raise
+                ours = False
+            self._pages[key] = [1, ours]
+
+    def release(self, arr: np.ndarray) -> None:
+        from cupy.cuda import runtime
+
+        key = self._range(arr)
+        with self._lock:
+            entry = self._pages.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._pages[key]
+                if entry[1]:
+                    runtime.hostUnregister(key[0])
+
+    def users(self, arr: np.ndarray) -> int:
+        entry = self._pages.get(self._range(arr))
+        return entry[0] if entry else 0
+
+
+_abort_words = MappedHostWords()
+
+
+def mapped_device_pointer(ptr: int, device_id: int, registered: bool) -> int:
+    """The device address of mapped host memory (what cudaHostGetDevicePointer returns,
+    which CuPy does not wrap). With unified addressing it is the host address itself for
+    cudaHostAlloc'd memory, and for registered memory where the device can use host
+    pointers for it (cudaDevAttrCanUseHostPointerForRegisteredMem); otherwise ask
+    cuda-python, and refuse when it is not installed."""
+    from cupy.cuda import runtime
+
+    if runtime.deviceGetAttribute(runtime.cudaDevAttrUnifiedAddressing, device_id) and (
+            not registered or runtime.deviceGetAttribute(runtime.cudaDevAttrCanUseHostPointerForRegisteredMem,
+                                                         device_id)):
+        return ptr
     try:
         from cuda.bindings import runtime as cudart
-
-        err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
-        if int(err) == 0:
-            return int(dptr)
     except ImportError:
-        pass
-    return ptr
+        try:
+            from cuda import cudart  # cuda-python before 12.6
+        except ImportError:
+            from commref.transports.errors import CapabilityError
+
+            raise CapabilityError(f"device {device_id} cannot use host pointers for mapped host memory and "
+                                  f"cuda-python (for cudaHostGetDevicePointer) is not installed") from None
+    err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostGetDevicePointer of host address {ptr:#x} on device {device_id}: error {err}")
+    return int(dptr)
 
 
 def address_of(table) -> int:
