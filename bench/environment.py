@@ -78,6 +78,45 @@ def describe_link(world, device: str, device_id: int | None, ranks: list[dict]) 
         return "peer"
 
 
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+
+
+def mps_control_pipe() -> str | None:
+    """The MPS control daemon's pipe when one seems to run for this user's clients
+    ($CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps, holding a `control` pipe), else None."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
+    control = os.path.join(pipe_dir, "control")
+    return control if os.path.exists(control) else None
+
+
+def gpu_sharing(ranks: list[dict]) -> list[str]:
+    """What was measured where several ranks use one GPU, one line per such GPU: ranks
+    as threads of one process run their kernels concurrently (every rank's blocks must
+    be resident at once, which the Communicator checks); ranks in separate processes
+    are time-sliced by the driver unless MPS runs, so their timings measure the
+    scheduler as much as the collective."""
+    groups: dict = {}
+    for r in ranks:
+        if r.get("pci_bus"):
+            groups.setdefault((r["host"], r["pci_bus"]), []).append(r)
+    lines = []
+    for (host, bus), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        ids = ",".join(str(r["rank"]) for r in rs)
+        pids = {r["pid"] for r in rs}
+        if len(pids) == 1:
+            lines.append(f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as threads of one process: "
+                         f"concurrent kernels, each rank's blocks on part of the SMs")
+        elif all(r.get("mps") for r in rs):
+            lines.append(f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as {len(pids)} processes under MPS "
+                         f"(control pipe {rs[0]['mps']}): concurrent kernels, each rank's blocks on part of the SMs")
+        else:
+            lines.append(f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as {len(pids)} processes: "
+                         f"time-sliced without MPS, so the times measure the GPU's scheduler as much as the collective")
+    return lines
+
+
 def environment(world, device: str, device_id: int | None, baseline, baseline_error: str | None) -> dict:
     """Versions, hosts and devices of the run (one allgather over the ranks of `world`)."""
     w = world
@@ -90,6 +129,7 @@ def environment(world, device: str, device_id: int | None, baseline, baseline_er
             mine["pci_bus"] = cupy.cuda.runtime.deviceGetPCIBusId(device_id or 0)
         except Exception:
             mine["pci_bus"] = None
+        mine["mps"] = mps_control_pipe()
     ranks = w.allgather(mine, what="bench: environment")
     mpi_lib = None
     try:
@@ -112,4 +152,5 @@ def environment(world, device: str, device_id: int | None, baseline, baseline_er
         env["cupy"] = _version("cupy-cuda12x") or _version("cupy-cuda13x") or _version("cupy")
         env["nccl4py"] = _version("nccl4py")
     env["link"] = describe_link(w, device, device_id, ranks)
+    env["gpu_sharing"] = gpu_sharing(ranks) if device == "cuda" else []
     return env

@@ -606,6 +606,7 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
     lines.append("#")
     paths = ", ".join(s.label for s, _ in runners)
     lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {a.algorithm}; seed {a.seed}")
+    lines.extend(f"# GPU sharing: {line}" for line in env.get("gpu_sharing", ()))
     lines.extend(f"# Skipped {s.label}: {why}" for s, why in skipped)
     if baseline is not None:
         lines.append(f"# Baseline: {baseline.label}, out-of-place, same sweep; ratio = our out-of-place busbw / "
