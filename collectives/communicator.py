@@ -9,11 +9,20 @@ agree across ranks (collective, algorithm, dtype, op, root, count) travel with e
 pipeline step; a rank whose peer called something else fails with CommMismatch
 instead of hanging. A failed wait raises CommTimeout naming rank, peer, what was
 awaited, expected and seen; afterwards the communicator refuses further calls.
+
+On a GPU the calls are asynchronous, as NCCL's: a communicator has a non-blocking
+stream of its own, joined to the caller's stream with events (the caller's stream
+records an event that the communicator's stream waits for, the kernel runs on the
+communicator's stream, which records an event that the caller's stream waits for).
+A kernel that fails leaves its ErrorRecord and returns; the host raises the failure
+at synchronize() or at the next call.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
 import numpy as np
 
@@ -26,8 +35,11 @@ from . import catalogue, topology, tuner
 from .buffers import BufferChecker
 from .launch import CallPlan, HostWords, LaunchRecord, address_of, plan_fields
 from .options import CommOptions, resolve_device
-from .symmetric import SymmetricWindows
+from .symmetric import SymmetricWindows, describe_unmapped
 from .verify import DTYPE_CODES, OPS, dtype_name
+
+LEGACY_STREAMS = (0, 1)  # CUstream handles of CUDA's legacy default stream (0, CU_STREAM_LEGACY)
+CUDA_ERROR_NOT_READY = 600
 
 
 class Communicator:
@@ -71,12 +83,23 @@ class Communicator:
         self.threads = o.threads or defaults.threads
         self.timeout = o.timeout or world.timeout
         self._broken: str | None = None
+        self._closed = False
         self._stores = tuner.StoreChooser(o.stream_stores.value)
+        self._ranks_on_device = 1  # ranks of this process on this rank's GPU (itself included)
         if self.device == "cuda":
             import cupy
 
             self.device_id = cupy.cuda.Device().id if o.device_id is None else o.device_id
             self.kernels = loader.cuda_kernels(self.device_id)
+            self._cupy, self._runtime = cupy, cupy.cuda.runtime
+            with cupy.cuda.Device(self.device_id):
+                self._stream = cupy.cuda.Stream(non_blocking=True)  # every launch of this communicator
+                self._joined = cupy.cuda.Event(disable_timing=True)  # the caller's work before a launch
+                self._done = cupy.cuda.Event(disable_timing=True)  # a launch, for the caller's stream
+            self._stream_ptr, self._joined_ptr, self._done_ptr = (
+                int(self._stream.ptr), int(self._joined.ptr), int(self._done.ptr))
+            self._resident: set = set()  # (kernel, spec, channels) whose residency was checked
+            self._place_on_gpus()
         else:
             self.device_id = None
             self.kernels = loader.cpu_kernels()
@@ -88,15 +111,9 @@ class Communicator:
         layout, nbytes = abi.window_layout(self.max_channels, self.slot_bytes, self.nsteps,
                                            o.gin.queue if self.gin.used else 0, o.gin.counters, self.nranks)
         self.window = register_window(world, nbytes, self.device, self.device_id or 0)
-        missing = [r for r in range(self.nranks) if self.window.peer_addresses[r] == 0 and
-                   not (self.peer_mask >> r) & 1]
-        if missing:
-            self.window.close()
-            raise CapabilityError(
-                f"rank {self.rank}: ranks {missing} cannot map this rank's window (not in its LSA team "
-                f"{self.window.lsa_ranks}); the LSA path needs every rank on one host (use path='auto' or 'gin')")
+        self._refuse_unmapped()
         self.proxy = self.gin.start_proxy(world, self.window, layout)
-        self._host = HostWords(world.abort_word, self.device)
+        self._host = HostWords(world.abort_word, self.device, self.device_id or 0)
         self._record = LaunchRecord()
         a = self._record.record
         a["peerWindows"] = address_of(self.window.peer_table)
@@ -111,6 +128,47 @@ class Communicator:
         self._direct_possible = not self.peer_mask and self.nranks <= abi.DIRECT_MAX_RANKS
         self._calls: dict = {}  # call signature -> CallPlan
         world.barrier(what="communicator ready")
+
+    def _place_on_gpus(self) -> None:
+        """Collective (GPU): where every rank runs. Counts the ranks of this process on
+        this rank's GPU (their blocks must be resident together: _check_residency; a
+        legacy-stream caller is refused when there are several), and on rank 0 warns
+        when ranks in different processes share a GPU (they time-slice without MPS)."""
+        bus = self._runtime.deviceGetPCIBusId(self.device_id)
+        places = self.world.allgather((self.world.host, os.getpid(), bus), what="communicator GPUs")
+        me = places[self.rank]
+        self._ranks_on_device = sum(1 for p in places if p == me)
+        if self.rank != 0:
+            return
+        by_gpu: dict = {}
+        for r, (host, pid, gpu) in enumerate(places):
+            by_gpu.setdefault((host, gpu), {}).setdefault(pid, []).append(r)
+        for (host, gpu), pids in by_gpu.items():
+            if len(pids) > 1:
+                ranks = sorted(r for rs in pids.values() for r in rs)
+                warnings.warn(f"commref: ranks {ranks} share GPU {gpu} on {host} as {len(pids)} processes: without "
+                              f"MPS they time-slice it, so their timings measure the scheduler; with MPS their "
+                              f"kernels must all be resident at once", RuntimeWarning, stacklevel=3)
+
+    def _refuse_unmapped(self) -> None:
+        """Collective: every rank refuses (CapabilityError) when any rank could not map
+        the window of a peer it reaches over LSA, naming why (not on one host, no peer
+        access between two GPUs, CUDA IPC failed)."""
+        win = self.window
+        missing = {r: win.unmapped.get(r, f"not in its LSA team {win.lsa_ranks}") for r in range(self.nranks)
+                   if win.peer_addresses[r] == 0 and not (self.peer_mask >> r) & 1}
+        everyone = self.world.allgather(missing, what="window mappings")
+        if not any(everyone):
+            return
+        win.close_peers()
+        try:
+            self.world.barrier(what="unusable window unmapped")
+            win.free()
+        except Exception:  # a peer failed as well: keep the memory rather than free it under a peer
+            pass
+        raise CapabilityError(f"rank {self.rank}: {describe_unmapped(self.rank, everyone)}; the LSA path needs "
+                              f"every peer's window mapped "
+                              f"(ranks on one host and, on GPUs, peer access; use path='auto' or 'gin')")
 
     # ---- collectives (nccl4py names and argument order) ----
 
@@ -160,7 +218,7 @@ class Communicator:
             root = self._check.root(root)
         s, r, count = self._check.call(spec, sendbuf, recvbuf, root)
         if self._broken:
-            raise CommAborted(f"rank {self.rank}: communicator unusable after an earlier failure: {self._broken}",
+            raise CommAborted(f"rank {self.rank}: communicator unusable: {self._broken}",
                               rank=self.rank, origin_rank=None, reason=self._broken)
         sym = None
         if self._symmetric.windows and self._direct_possible and "direct" in spec.kernels:
@@ -182,14 +240,58 @@ class Communicator:
             if store_key is not None and not status:
                 self._stores.record(store_key, streamed, time.perf_counter() - t0, s.nbytes)
         else:
-            record.set_call(plan, s.address, r.address)
-            status = self.kernels.launch(plan.kernel, plan.nchannels, self.threads, record.args, stream, plan.spec,
-                                         record.address)
+            status = self._launch_gpu(plan, s.address, r.address, stream)
         if self.proxy is not None and self.proxy.error is not None:
-            self._broken = f"GIN proxy failed: {self.proxy.error}"
+            self._broken = f"an earlier call failed: GIN proxy failed: {self.proxy.error}"
             raise self.proxy.error
         if status:
             raise self._failure()
+
+    def _launch_gpu(self, plan: CallPlan, send: int, recv: int, stream) -> int:
+        """Enqueues the call on the communicator's stream, joined to the caller's
+        `stream` (None: CuPy's current stream; a cupy Stream or a CUstream handle).
+
+        Every launch goes on the one communicator stream, so launches from several
+        caller streams run one after another, in call order: they share the window's
+        step counters and FIFOs, which two kernels of one communicator must never
+        drive at once."""
+        if self._host.failed:  # an earlier kernel failed and nobody synchronized since
+            raise self._failure()
+        if stream is None:
+            stream = self._cupy.cuda.get_current_stream()
+        caller = stream if isinstance(stream, int) else int(stream.ptr)
+        if caller in LEGACY_STREAMS and self._ranks_on_device > 1:
+            raise ValueError(
+                f"rank {self.rank}: {self._ranks_on_device} ranks of this process share GPU {self.device_id}, and "
+                f"this call's stream is CUDA's legacy default stream, which would make rank {self.rank}'s work wait "
+                f"for the other ranks' kernels while they wait for it; pass each rank a stream of its own "
+                f"(stream=cupy.cuda.Stream(non_blocking=True)) or make one current "
+                f"(cupy.cuda.Stream(non_blocking=True).use())")
+        self._record.set_call(plan, send, recv)
+        rt, own = self._runtime, self._stream_ptr
+        if caller != own:
+            rt.eventRecord(self._joined_ptr, caller)
+            rt.streamWaitEvent(own, self._joined_ptr, 0)
+        status = self.kernels.launch(plan.kernel, plan.nchannels, self.threads, self._record.args, own, plan.spec,
+                                     self._record.address)
+        if caller != own:
+            rt.eventRecord(self._done_ptr, own)
+            rt.streamWaitEvent(caller, self._done_ptr, 0)
+        return status
+
+    def _check_residency(self, kernel: str, spec, nchannels: int) -> None:
+        """GPU: refuses (CapabilityError) a launch whose blocks, with those of the other
+        ranks of this process on this GPU, cannot all be resident at once (the rule:
+        tuner.residency_problem). Checked once per (kernel, spec, channels)."""
+        key = (kernel, spec, nchannels)
+        if key in self._resident:
+            return
+        per_sm = self.kernels.max_active_blocks(kernel, spec, self.threads)
+        why = tuner.residency_problem(kernel, self._ranks_on_device, nchannels, self.threads, per_sm,
+                                      self.kernels.sm_count)
+        if why:
+            raise CapabilityError(f"rank {self.rank}: GPU {self.device_id}: {why}")
+        self._resident.add(key)
 
     def _plan_call(self, spec: catalogue.Collective, algorithm: str, dtype: np.dtype, count: int, op, root: int,
                    symmetric: bool) -> CallPlan:
@@ -208,8 +310,11 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: {e}") from None
         fields32 = plan_fields(root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize)
         desc = abi.pack_call(spec.name, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
-        return CallPlan(spec.kernels[plan.algorithm], plan.nchannels, self.kernel_spec(spec.name, dname, op),
-                        fields32, desc, spec.kernel_count(count, dtype.itemsize), plan.algorithm == "direct")
+        kernel, kspec = spec.kernels[plan.algorithm], self.kernel_spec(spec.name, dname, op)
+        if self.device == "cuda":
+            self._check_residency(kernel, kspec, plan.nchannels)
+        return CallPlan(kernel, plan.nchannels, kspec, fields32, desc, spec.kernel_count(count, dtype.itemsize),
+                        plan.algorithm == "direct")
 
     @staticmethod
     def kernel_spec(coll: str, dtype: str, op: str | None):
@@ -224,43 +329,125 @@ class Communicator:
         self.world.barrier(what="kernels prepared")
 
     def synchronize(self, stream=None) -> None:
-        """GPU: waits for `stream` and turns a kernel failure into its diagnostic."""
+        """GPU: waits for this communicator's kernels and for `stream` (None: CuPy's
+        current stream), then raises the failure a kernel recorded, if any."""
         if self.device != "cuda":
             return
-        import cupy
-
-        s = stream or cupy.cuda.get_current_stream()
+        if stream is None:
+            stream = self._cupy.cuda.get_current_stream()
+        caller = stream if isinstance(stream, int) else int(stream.ptr)
         try:
-            # Poll rather than block: a blocking wait that holds the GIL would stop the
-            # other ThreadWorld ranks from launching the kernels this one waits for.
-            while not s.done:
-                time.sleep(0)
-            s.synchronize()
-        except cupy.cuda.runtime.CUDARuntimeError as e:
+            self._wait(self._stream_ptr)
+            if caller != self._stream_ptr:
+                self._wait(caller)
+        except self._runtime.CUDARuntimeError as e:
             if self._host.failed:
                 raise self._failure() from e
             raise
+        if self._host.failed:
+            raise self._failure()
+
+    def _wait(self, stream: int, deadline: float | None = None) -> bool:
+        """Waits for a stream (a CUstream handle); a CUDA error on it raises. Polls
+        rather than blocks: a blocking wait that held the GIL would stop the other
+        ThreadWorld ranks from launching the kernels this one waits for. False when
+        `deadline` (time.monotonic()) passed first."""
+        rt = self._runtime
+        while rt.streamQuery(stream) == CUDA_ERROR_NOT_READY:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0)
+        rt.streamSynchronize(stream)  # done or failed: returns at once, or raises the stream's error
+        return True
 
     def _failure(self) -> Exception:
         exc = self._host.failure(self.rank, self.timeout)
-        self._broken = str(exc)
+        self._broken = f"an earlier call failed: {exc}"
         return exc
 
     def close(self) -> None:
-        """Collective when GIN is in use: every rank's proxy delivers what its kernels
-        posted before any proxy stops."""
-        if getattr(self, "proxy", None) is not None:
-            self.proxy.quiesce(self.timeout)
-            self.world.barrier(what="GIN proxies drained")
-            self.proxy.stop()
-            self.proxy = None
-        if getattr(self, "_symmetric", None) is not None:
-            self._symmetric.close()
-        self.window.close()
+        """Collective: releases the communicator's windows and host words; idempotent.
+
+        The order keeps every peer safe: this rank's kernels are waited for (GPU), the
+        GIN proxies deliver what their kernels posted before any proxy stops, every rank
+        reaches a barrier (no kernel of the communicator runs any more), each rank closes
+        its mappings of the peers' windows (CUDA IPC handles; also those of
+        alloc_symmetric's windows), a second barrier, and only then each rank frees its
+        own memory, which no peer maps or writes any longer.
+
+        After a failure close still returns: the barriers have deadlines
+        (the communicator's timeout) and a ThreadWorld whose rank failed ends them at
+        once. Memory a peer might still use (a barrier failed, or this rank's kernels
+        did not finish within twice the timeout) is left allocated, not freed under a
+        peer. Raises the first teardown error (a barrier, the proxy) unless the
+        communicator had already failed."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        gpu, errors = self.device == "cuda", []
+        kernels_done = self._wait_quietly(errors) if gpu else True
+        proxy = getattr(self, "proxy", None)
+        if proxy is not None:
+            try:
+                proxy.quiesce(self.timeout)
+                self.world.barrier(what="GIN proxies drained")
+            except Exception as e:
+                errors.append(e)
+            finally:
+                proxy.stop()
+                self.proxy = None
+        symmetric, window = getattr(self, "_symmetric", None), getattr(self, "window", None)
+        if not gpu:  # launches are synchronous and peers keep their mappings alive themselves
+            if symmetric is not None:
+                symmetric.close()
+            if window is not None:
+                window.close()
+        else:
+            peers_done = self._barrier_quietly("communicator closing: kernels done", errors)
+            if kernels_done:  # our kernels no longer read the peers' windows
+                if symmetric is not None:
+                    symmetric.close_peers()
+                if window is not None:
+                    window.close_peers()
+            peers_done = self._barrier_quietly("communicator closing: peer windows unmapped", errors) and peers_done
+            if kernels_done and peers_done:
+                if symmetric is not None:
+                    symmetric.free_all()
+                if window is not None:
+                    window.free()
+                host = getattr(self, "_host", None)
+                try:
+                    if host is not None:
+                        host.close()
+                except Exception as e:
+                    errors.append(e)
+        broken, self._broken = self._broken, self._broken or "it was closed"
+        if errors and not broken:
+            raise errors[0]
+
+    def _wait_quietly(self, errors: list) -> bool:
+        """close(): waits (bounded) for this rank's kernels; False if they still run."""
+        try:
+            return self._wait(self._stream_ptr, time.monotonic() + 2 * self.timeout + 1)
+        except Exception as e:  # a CUDA error: nothing of ours runs any more
+            errors.append(e)
+            return True
+
+    def _barrier_quietly(self, what: str, errors: list) -> bool:
+        try:
+            self.world.barrier(what=what, timeout=self.timeout)
+            return True
+        except Exception as e:
+            errors.append(e)
+            return False
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:
+                raise  # else the exception in flight is the one to see
 

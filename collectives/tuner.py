@@ -161,3 +161,35 @@ class StoreChooser:
             k.countdown = k.wait
         elif rates[setting] > other * STORE_SWITCH_MARGIN:  # the setting in use slowed down
             k.current, k.wait, k.countdown = 1 - setting, STORE_TRY_EVERY, STORE_TRY_EVERY
+
+
+# ---- residency of co-located ranks on one GPU ----
+
+
+def residency_problem(kernel: str, ranks: int, channels: int, threads: int, blocks_per_sm: int,
+                      sms: int) -> str | None:
+    """Why `ranks` ranks of one process on one GPU cannot each run `kernel` with
+    `channels` blocks of `threads` threads at once, or None when they can.
+
+    The rule: every block of a rank's launch spins on the same channel of its peers. When
+    peers are ranks of this process on this device, their launches run concurrently on
+    their own streams, so all ranks x channels blocks must be resident at once: a
+    resident block waiting for a peer's block that cannot be scheduled until it exits
+    waits until its deadline. That needs blocks_per_sm x sms >= ranks x channels
+    (blocks_per_sm: cuOccupancyMaxActiveBlocksPerMultiprocessor for `threads`).
+    A single rank on its device needs no such room: the blocks of one launch never wait
+    for one another, only for the same channel on peers elsewhere, so a block that is
+    not resident yet starts when an earlier one has finished. Either way a kernel must
+    fit at least one block of `threads` threads (blocks_per_sm > 0). Blocks of other
+    kernels on the device (the user's, other communicators') are not counted."""
+    if blocks_per_sm <= 0:
+        return (f"{kernel} cannot run {threads} threads per block on this GPU (0 blocks fit an SM); "
+                f"use fewer threads")
+    if ranks <= 1:
+        return None
+    need, room = ranks * channels, blocks_per_sm * sms
+    if room >= need:
+        return None
+    return (f"{ranks} ranks of this process share this GPU: {ranks} ranks x {channels} channels = {need} blocks of "
+            f"{threads} threads must be resident at once, but {kernel} fits {blocks_per_sm} blocks per SM x {sms} "
+            f"SMs = {room}; use fewer max_channels or threads, or fewer ranks per GPU")

@@ -19,10 +19,17 @@ def body(world, args):
     import cupy
 
     with cupy.cuda.Device(0):
-        comm = Communicator(world, "cuda", max_channels=args.channels)
-        cases = check.cases(list(COLLECTIVES), args.dtype, args.op, [], args.count, world.size, 1)
+        # Each rank on a non-blocking stream of its own, current for everything it does:
+        # on CUDA's legacy default stream one rank's work would wait for the other ranks'
+        # spinning kernels (the Communicator refuses that stream when ranks share a GPU).
         stream = cupy.cuda.Stream(non_blocking=True)
-        return cases, check.run_sweep(comm, cases, stream=stream)
+        stream.use()
+        comm = Communicator(world, "cuda", max_channels=args.channels)
+        try:
+            cases = check.cases(list(COLLECTIVES), args.dtype, args.op, [], args.count, world.size, 1)
+            return cases, check.run_sweep(comm, cases, stream=stream)
+        finally:
+            comm.close()
 
 
 def main():
