@@ -24,6 +24,10 @@ OUT_RING, OUT_TREE_PARENT, OUT_TREE_CHILD0, OUT_TREE_CHILD1 = range(4)
 
 # ErrorRecord.code and .what (ErrorCode / WaitWhat in args.h).
 ERR_OK, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED = 0, 1, 2, 3
+# The kernel has no instance for the call's (dtype, op) (a GPU module specialised for
+# others was launched): seen = dtype | op << 32, expected = the module's dtype | op mask
+# << 32 (bit k: op code k), or 2**64 - 1 where every instance was built.
+ERR_NO_INSTANCE = 4
 (WAIT_RECV_READY, WAIT_SEND_CREDIT, CALL_MISMATCH, COUNT_MISMATCH, WAIT_GIN_QUEUE, WAIT_GIN_FLUSH,
  WAIT_LSA_BARRIER, BUFFER_MISMATCH) = range(1, 9)
 WAIT_WHAT = {

@@ -121,6 +121,7 @@ struct Table {
   C(OUT_RING, kOutRing) C(OUT_TREE_PARENT, kOutTreeParent) C(OUT_TREE_CHILD0, kOutTreeChild0)                  \
   C(OUT_TREE_CHILD1, kOutTreeChild1)                                                                           \
   C(ERR_OK, kOk) C(ERR_TIMEOUT, kTimeout) C(ERR_MISMATCH, kMismatch) C(ERR_ABORTED, kAborted)                  \
+  C(ERR_NO_INSTANCE, kNoInstance)                                                                              \
   C(WAIT_RECV_READY, kWaitRecvReady) C(WAIT_SEND_CREDIT, kWaitSendCredit) C(CALL_MISMATCH, kCallMismatch)      \
   C(COUNT_MISMATCH, kCountMismatch) C(WAIT_GIN_QUEUE, kWaitGinQueue) C(WAIT_GIN_FLUSH, kWaitGinFlush)          \
   C(WAIT_LSA_BARRIER, kWaitLsaBarrier) C(BUFFER_MISMATCH, kBufferMismatch)                                     \

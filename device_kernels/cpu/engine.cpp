@@ -8,11 +8,12 @@
 //     switched cooperatively at __syncthreads() and at spin-wait pauses; a block of one
 //     thread runs directly on the OS thread's stack;
 //   - __shared__ is thread_local, so per block; blocks on one OS thread never overlap;
-//   - commref_kernel_abort() (a wait's deadline, a mismatch, the job's abort flag)
-//     ends the whole launch: the failing fiber unwinds, the block's other fibers are
-//     abandoned, the other blocks stop at their next spin pause, and
-//     commref_cpu_launch() returns kLaunchFailed. The device code has already filled the
-//     ErrorRecord that the host turns into an exception.
+//   - __syncthreads_or(p) is __syncthreads() that also ORs p over the block's threads;
+//   - commref_block_exit() (port.h: called by every thread of a block together once
+//     a wait failed, see wait.h) ends the whole launch: the first fiber to call it
+//     unwinds, the block's other fibers are abandoned, the other blocks stop at their
+//     next spin pause, and commref_cpu_launch() returns kLaunchFailed. The device code
+//     has already filled the ErrorRecord that the host turns into an exception.
 // Under ThreadSanitizer (-fsanitize=thread) fiber switches are announced to TSan, and a
 // switch synchronizes (fibers of one block are sequential on one OS thread).
 #include <errno.h>
@@ -75,6 +76,8 @@ struct Block {
   std::vector<FiberState> state;
   ucontext_t home;  // the OS thread's own context, resumed when the block ends
   unsigned cur = 0, nlive = 0, natBarrier = 0;
+  int barrierOr = 0;     // __syncthreads_or: the OR of the barrier being formed
+  int barrierOrDone = 0; // ... and of the one last released (stable until this thread's next barrier)
   bool aborted = false;
 #ifdef COMMREF_TSAN
   void* homeFiber = nullptr;
@@ -127,6 +130,8 @@ void releaseBarrierIfComplete(Block* b) {
     for (unsigned j = 0; j < b->nthreads; j++)
       if (b->state[j] == kAtBarrier) b->state[j] = kRunnable;
     b->natBarrier = 0;
+    b->barrierOrDone = b->barrierOr;
+    b->barrierOr = 0;
   }
 }
 
@@ -287,6 +292,17 @@ void syncthreads() {
     switchTo(b, me, (unsigned)next);
     if (b->aborted || b->launch->failed.load(std::memory_order_relaxed)) throw KernelAbort();
   }
+}
+
+// A released barrier cannot be followed by another release before every thread that
+// waited at it has run again (they are all needed at the next one), so barrierOrDone
+// still holds this barrier's OR when the thread reads it.
+int syncthreads_or(int predicate) {
+  Block* b = tl_block;
+  if (b->nthreads == 1) return predicate;
+  b->barrierOr |= predicate;
+  syncthreads();
+  return b->barrierOrDone;
 }
 
 void spin_pause(uint32_t spins) {

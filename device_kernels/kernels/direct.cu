@@ -28,7 +28,7 @@
 
 // Checks the call with the ring neighbours, then meets every peer at the entry barrier.
 template <typename T, typename Op>
-static __device__ void directEnter(const CollArgs& a, const KernelEnv& env) {
+static __device__ void directEnter(const CollArgs& a, KernelEnv& env) {
   ringHandshake<T, Op>(a, blockIdx.x);
   lsaBarrier(a, blockIdx.x, env, true);
 }
@@ -58,7 +58,7 @@ static __device__ void foldInto(const T* const* in, int nin, T* out, uint64_t n,
 // so that the ranks start on different peers.
 template <typename T, typename Op>
 static __device__ void directReduceScatter(const CollArgs& a) {
-  const KernelEnv env = kernelEnv(a);
+  KernelEnv env = kernelEnv(a);
   const int c = blockIdx.x, n = a.nranks, r = a.rank;
   const Share s = channelShare(a.count, c, a.nchannels);
   directEnter<T, Op>(a, env);
@@ -73,7 +73,7 @@ static __device__ void directReduceScatter(const CollArgs& a) {
 // are shared: the sendbuf may be any buffer. In place (sendbuf is slot r of this
 // rank's recvbuf) the bytes are already in this rank's slot.
 static __device__ void directAllGather(const CollArgs& a) {
-  const KernelEnv env = kernelEnv(a);
+  KernelEnv env = kernelEnv(a);
   const int c = blockIdx.x, n = a.nranks, r = a.rank;
   const uint64_t B = a.count;
   const Share s = channelShare(B, c, a.nchannels);
@@ -91,7 +91,7 @@ static __device__ void directAllGather(const CollArgs& a) {
 // element anywhere.
 template <typename T, typename Op>
 static __device__ void directAllReduce(const CollArgs& a) {
-  const KernelEnv env = kernelEnv(a);
+  KernelEnv env = kernelEnv(a);
   const int c = blockIdx.x, n = a.nranks, r = a.rank;
   directEnter<T, Op>(a, env);
   const uint64_t mine = a.count * r / n;
@@ -110,6 +110,6 @@ static __device__ void directAllReduce(const CollArgs& a) {
 #define DIRECT_ALLREDUCE(T, Op) directAllReduce<T, Op>(args)
 #define DIRECT_REDUCE_SCATTER(T, Op) directReduceScatter<T, Op>(args)
 
-COMMREF_KERNEL(commref_direct_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, DIRECT_ALLREDUCE) }
-COMMREF_KERNEL(commref_direct_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, DIRECT_REDUCE_SCATTER) }
+COMMREF_KERNEL(commref_direct_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_ALLREDUCE) }
+COMMREF_KERNEL(commref_direct_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_REDUCE_SCATTER) }
 COMMREF_KERNEL(commref_direct_allgather, CollArgs, args) { directAllGather(args); }

@@ -107,8 +107,8 @@ static __device__ void ringBroadcast(const CollArgs& a) {
 #define RING_REDUCE_SCATTER(T, Op) ringReduceScatter<T, Op>(args)
 #define RING_REDUCE(T, Op) ringReduce<T, Op>(args)
 
-COMMREF_KERNEL(commref_ring_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, RING_ALLREDUCE) }
-COMMREF_KERNEL(commref_ring_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, RING_REDUCE_SCATTER) }
-COMMREF_KERNEL(commref_ring_reduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, RING_REDUCE) }
+COMMREF_KERNEL(commref_ring_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, RING_ALLREDUCE) }
+COMMREF_KERNEL(commref_ring_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, RING_REDUCE_SCATTER) }
+COMMREF_KERNEL(commref_ring_reduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, RING_REDUCE) }
 COMMREF_KERNEL(commref_ring_allgather, CollArgs, args) { ringAllGather(args); }
 COMMREF_KERNEL(commref_ring_broadcast, CollArgs, args) { ringBroadcast(args); }

@@ -39,4 +39,4 @@ static __device__ void treeAllReduce(const CollArgs& a) {
 }
 
 #define TREE_ALLREDUCE(T, Op) treeAllReduce<T, Op>(args)
-COMMREF_KERNEL(commref_tree_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args.dtype, args.op, TREE_ALLREDUCE) }
+COMMREF_KERNEL(commref_tree_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, TREE_ALLREDUCE) }

@@ -55,8 +55,14 @@ struct ChannelPeers {
 };
 
 // The first failure of a kernel, in host-visible memory: the launcher turns it into
-// an exception naming rank, peer, what was awaited, expected vs seen.
-enum ErrorCode : uint32_t { kOk = 0, kTimeout = 1, kMismatch = 2, kAborted = 3 };
+// an exception naming rank, peer, what was awaited, expected vs seen (wait.h says how
+// a kernel fills it).
+//   kNoInstance: the kernel has no instance for the call's (dtype, op): a GPU module
+//     specialised for other ones was launched (COMMREF_DISPATCH_REDUCTION, reduce.h),
+//     or a code is unknown. seen = dtype | op << 32 (the call's codes); expected = the
+//     module's dtype | op mask << 32 (bit k: op code k), or ~0 where the build holds
+//     every instance; what = 0, peer = -1, channel = the block.
+enum ErrorCode : uint32_t { kOk = 0, kTimeout = 1, kMismatch = 2, kAborted = 3, kNoInstance = 4 };
 enum WaitWhat : uint32_t {
   kWaitRecvReady = 1,   // data of a step from the sending peer
   kWaitSendCredit = 2,  // the receiving peer to free a FIFO slot

@@ -7,6 +7,8 @@
 //   load_acquire(p):     reads after it see everything published by the release
 //                        store it observed.
 //   load_relaxed / store_relaxed: no ordering; for polling or private counters.
+//   load_relaxed_u32 / store_release_u32: the same for a 32-bit word (the ErrorRecord's
+//                        code, wait.h).
 // Scope is the whole system (other GPUs, the host, other processes mapping the page).
 #pragma once
 #include "port.h"
@@ -29,6 +31,15 @@ static __device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
 static __device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+static __device__ __forceinline__ uint32_t load_relaxed_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// Orders this thread's earlier writes before p == v (the writes are its own: no fence).
+static __device__ __forceinline__ void store_release_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 static __device__ __forceinline__ uint64_t fetch_add_relaxed(uint64_t* p, uint64_t v) {
   return atomicAdd((unsigned long long*)p, (unsigned long long)v);
 }
@@ -48,6 +59,8 @@ static inline void store_release(uint64_t* p, uint64_t v) {
 #endif
 }
 static inline void store_relaxed(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+static inline uint32_t load_relaxed_u32(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+static inline void store_release_u32(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 static inline uint64_t fetch_add_relaxed(uint64_t* p, uint64_t v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 static inline bool cas_relaxed(uint32_t* p, uint32_t expected, uint32_t desired) {
   return __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);

@@ -19,6 +19,8 @@
 // Each slot's operations end with a doorbell (gin.h), so an unordered wire reorders
 // within what a step posted, reproducibly for a given seed.
 // Only strong is safe on every wire; the others exist for the ordering experiments.
+// Failure (wait.h): the functions below are thread 0's; once env.failed is set they
+// wait for nothing and post nothing (no header, ready, credit or descriptor).
 // Signals: ready of slot s of inbound (c, k) at (c*4 + k)*nsteps + s of the receiver,
 // credit of outbound (c, j) at creditSignalBase + c*4 + j of the sender. Context = channel.
 #pragma once
@@ -60,7 +62,7 @@ static __device__ SendConnection makeSend(const CollArgs& a, int c, int out, int
   s.stagingOff = stagingOffset(a, c, out);
   s.readySignal = (c * COMMREF_CONN_IN + inAtPeer) * a.layout.nsteps;
   if (s.gin) {
-    const KernelEnv env = kernelEnv(a);
+    KernelEnv env = kernelEnv(a);
     Gin g{a, env};
     s.slots = windowOf(a, a.rank) + s.stagingOff;
     s.ready = nullptr;
@@ -83,7 +85,7 @@ static __device__ RecvConnection makeRecv(const CollArgs& a, int c, int in, int 
   r.slots = windowOf(a, a.rank) + fifoOffset(a, c, in);
   r.creditSignal = a.gin.creditSignalBase + c * COMMREF_CONN_OUT + outAtPeer;
   if (r.gin) {
-    const KernelEnv env = kernelEnv(a);
+    KernelEnv env = kernelEnv(a);
     Gin g{a, env};
     r.ready = g.signals() + (c * COMMREF_CONN_IN + in) * a.layout.nsteps;
     r.credit = nullptr;
@@ -101,7 +103,7 @@ static __device__ __forceinline__ uint32_t signalsPerSlot(const CollArgs& a) {
 
 // Waits until slot `step` of the link is free to fill.
 static __device__ __forceinline__ void connWaitCredit(const SendConnection& s, uint64_t step, const CollArgs& a,
-                                                      const KernelEnv& env) {
+                                                      KernelEnv& env) {
   if (step + 1 > a.layout.nsteps)
     waitAtLeast(s.credit, step + 1 - a.layout.nsteps, env, kWaitSendCredit, s.peer, s.channel);
 }
@@ -111,7 +113,8 @@ static __device__ __forceinline__ char* connSendData(const SendConnection& s, ui
 }
 // Publishes step `step` carrying `bytes` of data. Thread 0, after the block's __syncthreads().
 static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t bytes, const CollArgs& a,
-                                const KernelEnv& env) {
+                                KernelEnv& env) {
+  if (env.failed) return;
   const uint64_t slot = (step % a.layout.nsteps) * slotStride(a);
   uint64_t* h = (uint64_t*)(s.slots + slot);
   h[0] = a.callDesc;
@@ -143,7 +146,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
   g.doorbell(s.channel, s.peer);
 }
 // Waits for step `step` and checks its header. Thread 0.
-static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, const KernelEnv& env) {
+static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
   if (r.gin) {
     waitReached(r.ready + step % a.layout.nsteps, (step / a.layout.nsteps + 1) * signalsPerSlot(a), env,
                 kWaitRecvReady, r.peer, r.channel);
@@ -151,6 +154,7 @@ static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, con
   } else {
     waitAtLeast(r.ready, step + 1, env, kWaitRecvReady, r.peer, r.channel);
   }
+  if (env.failed) return;  // the slot may hold anything: no header check
   const uint64_t* h = (const uint64_t*)(r.slots + (step % a.layout.nsteps) * slotStride(a));
   if (h[0] != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, h[0]);
   if (h[1] != a.count) commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, h[1]);
@@ -160,7 +164,8 @@ static __device__ __forceinline__ const char* connRecvData(const RecvConnection&
 }
 // Returns slot `step` to the sender. Thread 0, after the block's __syncthreads().
 static __device__ __forceinline__ void connRelease(const RecvConnection& r, uint64_t step, const CollArgs& a,
-                                                   const KernelEnv& env) {
+                                                   KernelEnv& env) {
+  if (env.failed) return;
   if (r.gin) {
     Gin g{a, env};
     // A credit publishes no data, so a weak signal suffices (and every backend has one).

@@ -21,7 +21,13 @@
 //
 // `last` marks the step that completes a reduction: avg divides there, once.
 // All threads of the block call the same primitives in the same order; thread 0 does
-// the waits and the posts, the block moves the data between two __syncthreads().
+// the waits and the posts, the block moves the data between two barriers.
+// Failure (wait.h): the barrier after thread 0's waits is leaveIfFailed(env.failed), a
+// __syncthreads_or: if a wait of thread 0 failed (its own deadline, a mismatch, the abort
+// flag, or another block of the launch that failed), every thread of the block leaves
+// the kernel there together, before any of them moves data; thread 0 posts nothing once
+// it has failed (connection.h), and a failure while posting (a GIN queue wait) ends the
+// block at the next step's barrier or at finish().
 // Every step happens on every rank even when n == 0, so step counters stay aligned.
 #pragma once
 #include "connection.h"
@@ -59,7 +65,7 @@ class Prims {
   // Persists the step counters for the next launch (or the next Prims on the same
   // connections in this launch). Call once, after the last step.
   __device__ void finish() {
-    __syncthreads();
+    leaveIfFailed(env.failed);
     if (threadIdx.x == 0) {
       for (int i = 0; i < nrecv; i++) store_relaxed(rx[i].stepState, rxStep[i]);
       for (int i = 0; i < nsend; i++) store_relaxed(tx[i].stepState, txStep[i]);
@@ -85,7 +91,7 @@ class Prims {
         connRelease(rx[i], rxStep[i], a, env);
       }
     }
-    __syncthreads();
+    leaveIfFailed(env.failed);
     for (int i = 0; i < nrecv; i++) rxStep[i]++;
     for (int i = 0; i < nsend; i++) txStep[i]++;
   }
@@ -106,7 +112,7 @@ class Prims {
       for (int i = 0; i < nr; i++) connWaitReady(rx[i], rxStep[i], a, env);
       for (int i = 0; i < ns; i++) connWaitCredit(tx[i], txStep[i], a, env);
     }
-    __syncthreads();
+    leaveIfFailed(env.failed);
     const T* in[3];
     T* out[3];
     int nin = 0, nout = 0;

@@ -75,9 +75,11 @@ static __device__ __forceinline__ GinRemoteAction WeakSignalAdd(uint64_t id, uin
 static __device__ __forceinline__ GinRemoteAction VaSignal(GinRemoteAction r) { r.flags |= kGinVaSignal; return r; }
 static __device__ __forceinline__ GinRemoteAction NoSignal() { return GinRemoteAction{0, 0, 0}; }
 
+// Failure (wait.h): once env.failed is set, post() writes no descriptor and the waits
+// return at once. A slot claimed before a failed queue wait stays unpublished.
 struct Gin {
   const CollArgs& a;
-  const KernelEnv& env;
+  KernelEnv& env;
 
   __device__ GinDescriptor* ring() const { return (GinDescriptor*)(windowOfGin() + a.layout.ginQueueOff); }
   __device__ char* queueHeader() const {
@@ -92,8 +94,12 @@ struct Gin {
   // Posts one descriptor; returns its slot.
   __device__ uint64_t post(uint32_t op, uint32_t flags, int peer, int ctx, uint64_t dst, uint64_t src, uint64_t bytes,
                            uint64_t signal, uint64_t value, uint32_t counter) const {
+    if (env.failed) return 0;
     const uint64_t slot = fetch_add_relaxed(claimed(), 1);
-    if (slot >= a.gin.capacity) waitAtLeast(consumed(), slot + 1 - a.gin.capacity, env, kWaitGinQueue, peer, ctx);
+    if (slot >= a.gin.capacity) {
+      waitAtLeast(consumed(), slot + 1 - a.gin.capacity, env, kWaitGinQueue, peer, ctx);
+      if (env.failed) return slot;
+    }
     GinDescriptor* d = ring() + slot % a.gin.capacity;
     d->op = op;
     d->flags = flags;
@@ -127,6 +133,7 @@ struct Gin {
   // Waits until every operation posted before it (on any context) is locally complete.
   __device__ void flush(int ctx) const {
     const uint64_t slot = post(kGinFlush, 0, -1, ctx, 0, 0, 0, 0, 0, 0);
+    if (env.failed) return;
     waitAtLeast(consumed(), slot + 1, env, kWaitGinFlush, -1, ctx);
   }
 

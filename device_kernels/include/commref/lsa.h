@@ -59,8 +59,9 @@ static __device__ __forceinline__ SyncSlot* syncSlot(const CollArgs& a, int rank
 
 // All threads of the block call it; thread 0 signals and waits. On return every peer's
 // channel c has reached this barrier, and every write the block made before it is
-// visible to the peers' blocks after theirs.
-static __device__ void lsaBarrier(const CollArgs& a, int c, const KernelEnv& env, bool check) {
+// visible to the peers' blocks after theirs. If thread 0's waits or checks failed, the
+// whole block leaves the kernel at the end instead (leaveIfFailed, wait.h).
+static __device__ void lsaBarrier(const CollArgs& a, int c, KernelEnv& env, bool check) {
   __syncthreads();
   if (threadIdx.x == 0) {
     uint64_t* state = &syncSlot(a, a.rank, c, a.nranks)->epoch;
@@ -78,7 +79,7 @@ static __device__ void lsaBarrier(const CollArgs& a, int c, const KernelEnv& env
       const int peer = (a.rank + a.nranks - k) % a.nranks;
       SyncSlot* s = syncSlot(a, a.rank, c, peer);
       waitAtLeast(&s->epoch, epoch, env, kWaitLsaBarrier, peer, c);
-      if (!check) continue;
+      if (!check || env.failed) continue;
       const uint64_t desc = load_relaxed(&s->callDesc), count = load_relaxed(&s->count);
       if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, peer, c, a.callDesc, desc);
       if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, peer, c, a.count, count);
@@ -87,7 +88,7 @@ static __device__ void lsaBarrier(const CollArgs& a, int c, const KernelEnv& env
       if (ro != a.symRecv.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symRecv.offset, ro);
     }
   }
-  __syncthreads();
+  leaveIfFailed(env.failed);
 }
 
 // Rank `rank`'s copy of a symmetric buffer, in this address space.

@@ -2,9 +2,9 @@
 //
 // Kernel code is written in CUDA C++ and uses only what this header provides:
 //   - __global__ / __device__ / __forceinline__, __shared__ (per block)
-//   - threadIdx, blockIdx, blockDim, gridDim, __syncthreads()
+//   - threadIdx, blockIdx, blockDim, gridDim, __syncthreads(), __syncthreads_or(p)
 //   - COMMREF_KERNEL(name, ArgsType, args): a kernel taking one plain struct by value
-//   - commref_now_ns(), commref_spin_pause(spins), commref_kernel_abort()
+//   - commref_now_ns(), commref_spin_pause(spins), commref_block_exit()
 //   - COMMREF_ELEM_STRIDE: the stride of a thread's element loop (see below)
 //
 // On the CPU (COMMREF_CPU defined) the CPU execution engine (cpu/engine.cpp) runs a
@@ -12,9 +12,24 @@
 // thread. Consequences that kernel code may rely on, on both targets:
 //   - __shared__ variables are per block (static thread_local on the CPU: fibers of
 //     one block share an OS thread and blocks never share one at the same time);
-//   - __syncthreads() is a barrier of the live threads of the block;
+//   - __syncthreads() is a barrier of the live threads of the block, and
+//     __syncthreads_or(p) one that returns nonzero to every thread when p was nonzero
+//     in any of them;
 //   - a spin wait must call commref_spin_pause(spins) so that sibling fibers, other blocks
 //     and other ranks (oversubscribed cores) make progress.
+//
+// Failure (the contract of wait.h): a kernel never traps. A failing thread records the
+// error (commref_fail, wait.h) and returns; at the next block-uniform barrier
+// (leaveIfFailed, wait.h: __syncthreads_or of the failure) every thread of the block
+// calls commref_block_exit() together. On the GPU that is the PTX `exit` of every
+// thread of the block: the block ends, the rest of the grid runs on (and stops at its
+// own next wait, which polls the error record), the launch completes normally and the
+// CUDA context stays usable; the host reads the record. On the CPU it throws out of the
+// fiber and the engine ends the launch with kLaunchFailed (cpu/engine.cpp), as it did
+// before the GPU stopped trapping; other blocks stop at their next spin pause.
+// commref_block_exit() must only be called by all threads of a block at once, after a
+// block-uniform decision: had thread 0 (which does the waits) left alone, its siblings
+// would pass the next barrier without it and go on moving data.
 #pragma once
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -58,16 +73,11 @@ static __device__ __forceinline__ uint64_t commref_now_ns() {
 static __device__ __forceinline__ void commref_spin_pause(uint32_t spins) {
   if (spins > 64) __nanosleep(64);
 }
-// The diagnostic is already in host-visible memory; a trap ends the kernel and
-// makes the host's synchronize fail, which the launcher turns into the diagnostic.
-[[noreturn]] static __device__ __forceinline__ void commref_kernel_abort() {
-  __trap();
+// Ends the calling thread; every thread of the block calls it at once (see the top).
+// No __trap(): a trap would poison the CUDA context of every rank on the device.
+[[noreturn]] static __device__ __forceinline__ void commref_block_exit() {
+  asm volatile("exit;" ::: "memory");
   __builtin_unreachable();
-}
-static __device__ __forceinline__ void commref_memcpy(void* dst, const void* src, uint64_t bytes) {
-  char* d = (char*)dst;
-  const char* s = (const char*)src;
-  for (uint64_t i = threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
 }
 
 #else  // COMMREF_CPU
@@ -90,6 +100,7 @@ void syncthreads();
 void spin_pause(uint32_t spins);
 uint64_t now_ns();
 [[noreturn]] void kernel_abort();
+int syncthreads_or(int predicate);
 // Every COMMREF_KERNEL of the library registers itself while the library loads; the
 // ABI table (cpu/abi.cpp) lists what registered.
 typedef void (*KernelFn)(const void* args);
@@ -114,6 +125,7 @@ const KernelInfo& kernel_at(unsigned i);
 #define blockDim (commref_cpu::tl_thread->bdim)
 #define gridDim (commref_cpu::tl_thread->gdim)
 #define __syncthreads() commref_cpu::syncthreads()
+#define __syncthreads_or(p) commref_cpu::syncthreads_or((p) ? 1 : 0)
 #define COMMREF_HD
 #define COMMREF_NOINLINE
 
@@ -133,13 +145,8 @@ const KernelInfo& kernel_at(unsigned i);
 
 static inline uint64_t commref_now_ns() { return commref_cpu::now_ns(); }
 static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(spins); }
-[[noreturn]] static inline void commref_kernel_abort() { commref_cpu::kernel_abort(); }
-static inline void commref_memcpy(void* dst, const void* src, uint64_t bytes) {
-  // Thread t of the block copies its contiguous share.
-  uint64_t nt = blockDim.x, t = threadIdx.x;
-  uint64_t b = bytes * t / nt, e = bytes * (t + 1) / nt;
-  if (e > b) memcpy((char*)dst + b, (const char*)src + b, e - b);
-}
+// Throws out of the fiber: the engine abandons the block and returns kLaunchFailed.
+[[noreturn]] static inline void commref_block_exit() { commref_cpu::kernel_abort(); }
 #endif
 
 // A thread's share of n elements: for (i = begin; i < n_end; i += COMMREF_ELEM_STRIDE).

@@ -136,32 +136,40 @@ struct OpMin {
 // avg's final division: truncation toward zero for integers (C++ semantics).
 template <typename C> static COMMREF_HD __forceinline__ C divideBy(C v, int n) { return (C)(v / (C)n); }
 
-// Calls BODY with the C++ element type and operator for (dtype, op); avg reduces
-// with OpSum and divides once at the end (the caller passes the op code on).
-#define COMMREF_FOR_OP(T, op, BODY)          \
-  switch (op) {                              \
-    case kSum: case kAvg: BODY(T, OpSum); break; \
-    case kProd: BODY(T, OpProd); break;      \
-    case kMax: BODY(T, OpMax); break;        \
-    case kMin: BODY(T, OpMin); break;        \
-    default: break;                          \
+// Calls BODY with the C++ element type and operator for (dtype, op), or FAIL for an
+// unknown op; avg reduces with OpSum and divides once at the end (the caller passes the
+// op code on).
+#define COMMREF_FOR_OP(T, op, BODY, FAIL)            \
+  switch (op) {                                      \
+    case kSum: case kAvg: BODY(T, OpSum); break;     \
+    case kProd: BODY(T, OpProd); break;              \
+    case kMax: BODY(T, OpMax); break;                \
+    case kMin: BODY(T, OpMin); break;                \
+    default: FAIL; break;                            \
   }
+// COMMREF_DISPATCH_REDUCTION(args, BODY): BODY(T, Op) for the launch's (args.dtype,
+// args.op). Where the kernel has no instance for them it does not run silently short:
+// commref_fail_no_instance (wait.h; a kernel file includes both) records kNoInstance
+// (args.h) and every block ends (wait.h's failure contract).
 #if defined(COMMREF_ONLY_T)
 // A specialised build (the GPU loader compiles one module per element type and
 // operator, because every instance costs seconds of ptxas time): only the requested
-// instance exists, and a launch with any other (dtype, op) fails loudly.
-#define COMMREF_DISPATCH_REDUCTION(dtype, op, BODY)                              \
-  if ((dtype) == COMMREF_ONLY_DTYPE && ((1 << (op)) & COMMREF_ONLY_OPMASK)) {    \
-    BODY(COMMREF_ONLY_T, COMMREF_ONLY_OP);                                       \
-  } else {                                                                       \
-    commref_kernel_abort();                                                      \
+// instance exists; a launch with any other (dtype, op) fails with kNoInstance.
+#define COMMREF_INSTANCES ((uint64_t)(uint32_t)(COMMREF_ONLY_DTYPE) | (uint64_t)(uint32_t)(COMMREF_ONLY_OPMASK) << 32)
+#define COMMREF_DISPATCH_REDUCTION(args, BODY)                                                   \
+  if ((args).dtype == COMMREF_ONLY_DTYPE && (uint32_t)(args).op < 32 &&                          \
+      (((uint32_t)COMMREF_ONLY_OPMASK >> (args).op) & 1)) {                                     \
+    BODY(COMMREF_ONLY_T, COMMREF_ONLY_OP);                                                       \
+  } else {                                                                                       \
+    commref_fail_no_instance(args, COMMREF_INSTANCES);                                           \
   }
 #else
-#define COMMREF_DATA_TYPE_CASE(K, code, T, name, op, BODY) \
-  case K: COMMREF_FOR_OP(T, op, BODY) break;
-#define COMMREF_DISPATCH_REDUCTION(dtype, op, BODY)              \
-  switch (dtype) {                                               \
-    COMMREF_DATA_TYPES(COMMREF_DATA_TYPE_CASE, op, BODY)         \
-    default: break;                                              \
+#define COMMREF_INSTANCES (~0ull)  // every (dtype, op)
+#define COMMREF_DATA_TYPE_CASE(K, code, T, name, args, BODY) \
+  case K: COMMREF_FOR_OP(T, (args).op, BODY, commref_fail_no_instance(args, COMMREF_INSTANCES)) break;
+#define COMMREF_DISPATCH_REDUCTION(args, BODY)                          \
+  switch ((args).dtype) {                                               \
+    COMMREF_DATA_TYPES(COMMREF_DATA_TYPE_CASE, args, BODY)              \
+    default: commref_fail_no_instance(args, COMMREF_INSTANCES); break; \
   }
 #endif
