@@ -4,6 +4,8 @@
 //   - __global__ / __device__ / __forceinline__, __shared__ (per block)
 //   - threadIdx, blockIdx, blockDim, gridDim, __syncthreads(), __syncthreads_or(p)
 //   - COMMREF_KERNEL(name, ArgsType, args): a kernel taking one plain struct by value
+//     (on the GPU a __grid_constant__ parameter: `args` and every reference bound to
+//     it read the kernel parameter space, no per-thread copy)
 //   - commref_now_ns(), commref_spin_pause(spins), commref_block_exit()
 //   - COMMREF_ELEM_STRIDE: the stride of a thread's element loop (see below)
 //
@@ -55,8 +57,24 @@ typedef long long int64_t;
 #include <stdint.h>
 #endif
 
+// The most threads per block a kernel is compiled for: __launch_bounds__(512, 1), the
+// GPU default block (collectives/tuner.py). The host refuses more than a kernel's
+// CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, so correctness does not hang on it. ptxas
+// (CUDA 13, sm_90, float32-sum module; registers / stack bytes / spill store+load bytes):
+//                     (1024), by-value args   (512)                (512, 1): chosen
+//   ring allreduce    64 / 1248 / 300+596     64 / 496 / 364+456   96 / 400 / 0
+//   ring allgather    64 / 1216 / 164+288     64 / 464 / 132+292   84 / 400 / 0
+//   tree allreduce    64 / 1968 / 120+184     64 / 1136 / 88+96    85 / 1104 / 0
+//   direct allreduce  64 / 1840 / 20+16       63 / 1440 / 0        78 / 1440 / 0
+// The first column is before __grid_constant__ as well, which alone took ~800 bytes of
+// stack off each kernel. 1024 caps a thread at 64 registers and spills around every
+// step; 512 alone still made ptxas aim at two blocks per SM (64 registers); with
+// minBlocks = 1 it may use up to 128 and spills nothing. What stack is left is the Prims
+// objects (passed by address to the out-of-line step) and the direct kernels' per-peer
+// pointer arrays. tests/test_compile.py checks the ring kernels' stack.
+#define COMMREF_MAX_THREADS 512
 #define COMMREF_KERNEL(name, ArgsType, args) \
-  extern "C" __global__ void __launch_bounds__(1024) name(const ArgsType args)
+  extern "C" __global__ void __launch_bounds__(COMMREF_MAX_THREADS, 1) name(const __grid_constant__ ArgsType args)
 
 // GPU threads stride through elements so that a warp's accesses coalesce.
 #define COMMREF_ELEM_STRIDE (blockDim.x)
@@ -119,6 +137,7 @@ const KernelInfo& kernel_at(unsigned i);
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(x)
+#define __grid_constant__
 #define __shared__ static thread_local
 #define threadIdx (commref_cpu::tl_thread->tid)
 #define blockIdx (commref_cpu::tl_thread->bid)
