@@ -3,7 +3,12 @@
 //
 // Each thread handles its own share of the n elements (elemRange: a contiguous range
 // on the CPU, a stride on the GPU), the same share in every call with the same n, so
-// consecutive calls over the same elements need no barrier between them.
+// consecutive calls over the same elements need no barrier between them. One
+// exception, on the GPU: copies (copyToAll, copyOwnShare: no reduction) move 16-byte
+// vectors (copyBytesToAll), so a thread's share of a copy is not its share of a
+// reduction over the same elements; reduceCopy therefore never copies what it has just
+// reduced (it stores the result to every output in the same element loop), and a copy
+// that reads what a reduction wrote needs a barrier in between.
 //
 // Streamed stores (CPU, CollArgs.streamStores). Some outputs are read next by another
 // agent: a peer's FIFO slot, GIN staging (the proxy). With streamStores they are
@@ -49,6 +54,59 @@ static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
 }
 #endif
 
+#ifdef COMMREF_GPU
+// The block's threads together: thread t moves vectors t, t + blockDim.x, ... of
+// [0, nvec) from `in` to every output but those equal to `in`, four in flight at a time.
+template <typename V>
+static __device__ __forceinline__ void copyVectors(const char* in, char* const* out, int nout, uint64_t at,
+                                                   uint64_t nvec) {
+  const V* src = (const V*)(in + at);
+  const uint64_t B = blockDim.x;
+  uint64_t i = threadIdx.x;
+  for (; i + 3 * B < nvec; i += 4 * B) {
+    V v[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) v[u] = src[i + u * B];
+    for (int k = 0; k < nout; k++) {
+      if (out[k] == in) continue;
+      V* dst = (V*)(out[k] + at);
+#pragma unroll
+      for (int u = 0; u < 4; u++) dst[i + u * B] = v[u];
+    }
+  }
+  for (; i < nvec; i += B) {
+    const V v = src[i];
+    for (int k = 0; k < nout; k++)
+      if (out[k] != in) ((V*)(out[k] + at))[i] = v;
+  }
+}
+
+// out[k][0, bytes) = in[0, bytes) for every k < nout (outputs equal to `in` are
+// skipped), by the whole block, reading `in` once. When every output lies at the same
+// address modulo 16 as `in` (else 8, else 4), the bytes up to in's next 16- (8-, 4-)
+// byte boundary go one per thread, the body as 16- (8-, 4-) byte vectors (uint4, uint2,
+// uint32_t), and what is left one byte per thread; otherwise every byte on its own.
+static __device__ COMMREF_NOINLINE void copyBytesToAll(const char* in, char* const* out, int nout, uint64_t bytes) {
+  uint64_t rel = 0;
+  for (int k = 0; k < nout; k++) rel |= (uint64_t)out[k] ^ (uint64_t)in;
+  const uint64_t width = (rel & 15) == 0 ? 16 : (rel & 7) == 0 ? 8 : (rel & 3) == 0 ? 4 : 1;
+  uint64_t head = (width - ((uint64_t)in & (width - 1))) & (width - 1);
+  if (head > bytes) head = bytes;
+  const uint64_t nvec = (bytes - head) / width, tail = head + nvec * width;
+  const uint64_t t = threadIdx.x, B = blockDim.x;
+  for (uint64_t i = t; i < head; i += B)
+    for (int k = 0; k < nout; k++)
+      if (out[k] != in) out[k][i] = in[i];
+  for (uint64_t i = tail + t; i < bytes; i += B)
+    for (int k = 0; k < nout; k++)
+      if (out[k] != in) out[k][i] = in[i];
+  if (width == 16) copyVectors<uint4>(in, out, nout, head, nvec);
+  else if (width == 8) copyVectors<uint2>(in, out, nout, head, nvec);
+  else if (width == 4) copyVectors<uint32_t>(in, out, nout, head, nvec);
+  else copyVectors<uint8_t>(in, out, nout, head, nvec);
+}
+#endif
+
 #ifdef COMMREF_CPU
 // One thread's copy of `bytes` bytes: streamed (where this build can) or memcpy'd.
 static inline void moveBytes(void* dst, const void* src, uint64_t bytes, bool stream) {
@@ -64,16 +122,17 @@ static inline void moveBytes(void* dst, const void* src, uint64_t bytes, bool st
 #endif
 
 // Copies this thread's share of n elements; streamed (CPU) when the share is at least
-// `streamMin` bytes.
+// `streamMin` bytes. GPU: in 16-byte vectors where the alignment allows (copyBytesToAll).
 template <typename T>
 static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64_t n, uint64_t streamMin = ~0ull) {
-  ElemRange r = elemRange(n);
 #ifdef COMMREF_CPU
+  ElemRange r = elemRange(n);
   const uint64_t bytes = (r.end - r.begin) * sizeof(T);
   if (bytes) moveBytes(dst + r.begin, src + r.begin, bytes, bytes >= streamMin);
 #else
   (void)streamMin;
-  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) dst[i] = src[i];
+  char* out[1] = {(char*)dst};
+  copyBytesToAll((const char*)src, out, 1, n * sizeof(T));
 #endif
 }
 
@@ -133,8 +192,8 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
 
 // out[k] = in for every k < nout (outputs equal to `in` are skipped), reading `in`
 // once: on the CPU a piece at a time, each piece copied to every output while it sits
-// in this core's L2; on the GPU
-// each element is loaded once and stored nout times. Outputs from index `handoff` on
+// in this core's L2; on the GPU each 16-byte vector (where the alignment allows:
+// copyBytesToAll) is loaded once and stored nout times. Outputs from index `handoff` on
 // are streamed (CPU) when this thread's share is at least `streamMin` bytes.
 template <typename T>
 static __device__ COMMREF_NOINLINE void copyToAll(const T* in, T* const* out, int nout, uint64_t n, int handoff,
@@ -149,12 +208,8 @@ static __device__ COMMREF_NOINLINE void copyToAll(const T* in, T* const* out, in
       if (out[k] != in) moveBytes(out[k] + base, in + base, bytes, big && k >= handoff);
   }
 #else
-  (void)handoff, (void)streamMin;
-  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
-    const T v = in[i];
-    for (int k = 0; k < nout; k++)
-      if (out[k] != in) out[k][i] = v;
-  }
+  (void)r, (void)handoff, (void)streamMin;
+  copyBytesToAll((const char*)in, (char* const*)out, nout, n * sizeof(T));
 #endif
 }
 
@@ -200,12 +255,25 @@ static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, 
     copyToAll(in[0], out, nout, n, handoff, streamMin);
     return;
   }
-#ifdef COMMREF_CPU
+#ifdef COMMREF_GPU
+  // One element loop: the fold, rounded to T (the sum is stored as T before avg's
+  // division, as in the CPU's second pass below), then stored to every output. A copy
+  // of out[0] would move vectors, other threads' elements (see the top of this file).
+  (void)handoff, (void)streamMin;
+  typedef Arith<T> A;
+  const ElemRange r = elemRange(n);
+  for (uint64_t i = r.begin; i < r.end; i += COMMREF_ELEM_STRIDE) {
+    typename A::Compute v = A::load(in[0][i]);
+    for (int k = 1; k < nin; k++) v = Op::apply(v, A::load(in[k][i]));
+    T t = A::store(v);
+    if (divisor != 0) t = A::store(divideBy(A::load(t), divisor));
+    for (int k = 0; k < nout; k++) out[k][i] = t;
+  }
+#else
   if (handoff == 0 && streamMin != ~0ull) {  // only other agents read the result: fold it off the cache
     foldPieces<T, Op>(in, nin, out, nout, n, divisor, streamMin);
     return;
   }
-#endif
   T* out0 = out[0];
   if (nin == 1) copyOwnShare(out0, in[0], n);
   else if (nin == 2) reduceInto<T, Op, 2>(in, out0, n);
@@ -216,4 +284,5 @@ static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, 
     foldRange<T, Op, 1>(sum, out0, r.begin, r.end, COMMREF_ELEM_STRIDE, divisor);
   }
   copyToAll((const T*)out0, out + 1, nout - 1, n, handoff - 1, streamMin);
+#endif
 }
