@@ -218,3 +218,114 @@ def test_every_kernel_compiles_for_sm90(which, tmp_path):
     size = sum(len(loader.compile_gpu_image(path, defines, target, "cubin")) for path in loader.kernel_sources())
     elapsed = time.perf_counter() - t0
     print(f"NVRTC {loader.nvrtc_version()} {ARCH} {which}: {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
+
+
+# ---- GPU resources and the failure path (issue 12: findings 4, 7, 13) ----
+
+RING_STACK_BOUND = 640  # bytes per thread; measured 400 (CUDA 13, sm_90), 1248 before __grid_constant__
+
+
+def ptxas_resources(log: str) -> dict[str, dict[str, int]]:
+    """Per entry function of `ptxas -v` output: registers, stack (frame bytes),
+    cumulative stack, spill stores and spill loads."""
+    import re
+
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = out.setdefault(m.group(1), {})
+            continue
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            current = out.get(m.group(1))  # None for device functions: not an entry
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            current["stack"], current["spill_stores"], current["spill_loads"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers.*?(\d+) bytes cumulative stack size", line)
+        if m:
+            current["registers"], current["cumulative_stack"] = map(int, m.groups())
+    return out
+
+
+def test_ring_kernels_stack_stays_small(tmp_path):
+    """Every ring kernel of the float32-sum module, compiled by nvcc for sm_90, keeps
+    its per-thread stack under RING_STACK_BOUND: the launch arguments are read in place
+    (__grid_constant__), not copied to local memory by every thread, and the launch
+    bounds do not force spills."""
+    import subprocess
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not available")
+    ring = loader.kernel_files()["commref_ring_allreduce"]
+    defines = loader.specialization((abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"]))
+    cmd = [nvcc, f"-arch={ARCH}", "-std=c++17", "-cubin", "-Xptxas", "-v", "-I", str(loader.INCLUDE_DIR),
+           *(f"-D{d}" for d in defines), "-o", str(tmp_path / "ring.cubin"), str(ring)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"nvcc failed:\n{proc.stderr[-6000:]}"
+    found = ptxas_resources(proc.stdout + proc.stderr)
+    ring_kernels = sorted(n for n, f in loader.kernel_files().items() if f == ring)
+    assert ring_kernels and sorted(found) == ring_kernels, (sorted(found), ring_kernels)
+    for name in ring_kernels:
+        r = found[name]
+        print(f"{name}: {r['registers']} registers, {r['stack']} bytes stack ({r['cumulative_stack']} cumulative), "
+              f"spills {r['spill_stores']} stored / {r['spill_loads']} loaded")
+    too_big = {n: (found[n]["stack"], found[n]["cumulative_stack"]) for n in ring_kernels
+               if max(found[n]["stack"], found[n]["cumulative_stack"]) >= RING_STACK_BOUND}
+    assert not too_big, f"ring kernels' stack (frame, cumulative) at or above {RING_STACK_BOUND} bytes: {too_big}"
+
+
+def test_kernels_never_trap(tmp_path):
+    """No kernel file compiles a trap (issue 12, finding 7): a failing kernel records the
+    error and its blocks return (wait.h), so the CUDA context stays usable."""
+    import subprocess
+    import concurrent.futures
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not available")
+    defines = loader.specialization((abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"]))
+
+    def ptx(src: Path) -> tuple[Path, subprocess.CompletedProcess]:
+        out = tmp_path / f"{src.stem}.ptx"
+        cmd = [nvcc, f"-arch={ARCH}", "-std=c++17", "-ptx", "-I", str(loader.INCLUDE_DIR),
+               *(f"-D{d}" for d in defines), "-o", str(out), str(src)]
+        return out, subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    sources = loader.kernel_sources()
+    with concurrent.futures.ThreadPoolExecutor(len(sources)) as pool:
+        results = list(pool.map(ptx, sources))
+    for (out, proc), src in zip(results, sources):
+        assert proc.returncode == 0, f"nvcc -ptx failed for {src.name}:\n{proc.stderr[-6000:]}"
+        text = out.read_text()
+        assert "trap;" not in text, f"{src.name} compiles a trap"
+    assert any("exit;" in out.read_text() for out, _ in results), "no kernel leaves through exit on failure"
+
+
+def _no_instance_launch(kernels, name: str, dtype: int, op: int) -> np.ndarray:
+    record = np.zeros(1, dtype=abi.ERROR_RECORD)
+    args = np.zeros(1, dtype=abi.COLL_ARGS)
+    args["errorRecord"] = record.ctypes.data
+    args["rank"], args["nranks"], args["nchannels"] = 3, 4, 2
+    args["dtype"], args["op"] = dtype, op
+    assert kernels.launch(name, 2, 4, args) == abi.LAUNCH_FAILED, name
+    return record[0]
+
+
+def test_reduction_kernel_without_the_instance_records_why():
+    """A reduction kernel launched with a (dtype, op) it has no instance for records
+    ERR_NO_INSTANCE (seen: the call's dtype | op << 32; expected: what the build holds,
+    all ones for the full build) and fails the launch, instead of ending silently."""
+    kernels = loader.cpu_kernels()
+    for name in ("commref_ring_allreduce", "commref_tree_allreduce", "commref_direct_allreduce"):
+        e = _no_instance_launch(kernels, name, 99, abi.OP_CODES["max"])
+        assert int(e["code"]) == abi.ERR_NO_INSTANCE, (name, e)
+        assert int(e["seen"]) == 99 | abi.OP_CODES["max"] << 32 and int(e["expected"]) == 2**64 - 1, (name, e)
+        assert (int(e["rank"]), int(e["peer"])) == (3, -1) and int(e["channel"]) in (0, 1), (name, e)
+        e = _no_instance_launch(kernels, name, abi.DTYPE_CODES["float32"], 77)
+        assert int(e["code"]) == abi.ERR_NO_INSTANCE and int(e["seen"]) == abi.DTYPE_CODES["float32"] | 77 << 32
