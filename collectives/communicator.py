@@ -15,7 +15,9 @@ stream of its own, joined to the caller's stream with events (the caller's strea
 records an event that the communicator's stream waits for, the kernel runs on the
 communicator's stream, which records an event that the caller's stream waits for).
 A kernel that fails leaves its ErrorRecord and returns; the host raises the failure
-at synchronize() or at the next call.
+at synchronize() or at the next call. All launches of one communicator go on its one
+stream, so calls from several caller streams run one at a time, in call order (they
+share the window's step counters and FIFOs).
 """
 
 from __future__ import annotations
@@ -409,7 +411,8 @@ class Communicator:
                     symmetric.close_peers()
                 if window is not None:
                     window.close_peers()
-            peers_done = self._barrier_quietly("communicator closing: peer windows unmapped", errors) and peers_done
+            if peers_done:  # else some peer is gone or failed: nothing will be freed, no second wait
+                peers_done = self._barrier_quietly("communicator closing: peer windows unmapped", errors)
             if kernels_done and peers_done:
                 if symmetric is not None:
                     symmetric.free_all()

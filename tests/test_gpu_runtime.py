@@ -522,3 +522,26 @@ def test_bench_names_how_ranks_share_a_gpu():
     assert "threads of one process" in line
     apart = [dict(r, pci_bus=f"0000:0{i + 1}:00.0") for i, r in enumerate(ranks)]
     assert gpu_sharing(apart) == []
+
+
+def test_close_after_a_peer_failed_returns_and_frees_nothing_a_peer_may_use(fake):
+    seen = {}
+
+    def body(world):
+        comm = Communicator(world, "cuda", max_channels=1)
+        if world.rank == 1:
+            raise RuntimeError("rank 1 fails")
+        time.sleep(0.1)  # rank 1 has failed by now
+        t0 = time.monotonic()
+        try:
+            comm.close()
+        except Exception as e:  # the job is aborting: close says so, after doing what is safe
+            seen["error"] = type(e).__name__
+        seen["seconds"] = time.monotonic() - t0
+        seen["window"] = comm.window.address
+        comm.close()  # a second close does nothing
+
+    with pytest.raises(RuntimeError, match="rank 1 fails"):
+        _run(2, body)
+    assert seen["error"] == "CommAborted" and seen["seconds"] < 5
+    assert ("free", seen["window"]) not in fake.calls("free"), "freed while a failed peer may still map it"

@@ -72,6 +72,7 @@ def main():
             if r == 0:
                 print(f"{coll:<15}{dname:<9}{str(op):<5}count={count:<8} wrong(commref)={w[0]} "
                       f"wrong(nccl)={w[1]} commref!=nccl={w[2]}")
+    comm.close()  # collective: waits, unmaps the peers' CUDA IPC windows, then frees this rank's
     if r == 0:
         print(f"# commref vs NCCL {nccl.get_version()}: {'OK' if failures == 0 else 'MISMATCH'}")
     sys.exit(0 if failures == 0 else 1)
