@@ -1,12 +1,13 @@
 """The ABI shared with the C++ kernels and the CPU engine, defined once in Python.
 
 Kernels take one plain struct by value. The host builds it as a numpy record of the
-dtypes below and hands its bytes to the kernel: CuPy passes a structured scalar by
-value, the CPU engine passes its address. Every struct, constant and code here has a
-C++ twin in include/commref/ (args.h, gin.h, reduce.h); the CPU build exports those
-as one table (``commref_abi_table()``, cpu/abi.cpp), abi_table() builds the same table
-from this module, and ``tests/test_compile.py::test_abi_table_matches_python``
-asserts that the two are equal. A change is one edit here and one in C++.
+dtypes below and hands its address to the launch: the CUDA driver copies the bytes
+as the kernel's by-value parameter (kernelParams), the CPU engine passes the address.
+Every struct, constant and code here has a C++ twin in include/commref/ (args.h, gin.h,
+reduce.h); the CPU build exports those as one table (``commref_abi_table()``,
+cpu/abi.cpp), abi_table() builds the same table from this module, and
+``tests/test_compile.py::test_abi_table_matches_python`` asserts that the two are equal.
+A change is one edit here and one in C++.
 """
 
 from __future__ import annotations
