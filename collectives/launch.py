@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from commref.device_kernels import abi
+from commref.device_kernels.loader import KernelError
 from commref.transports.errors import CommAborted, CommMismatch, CommTimeout, format_seconds
 
 # The int32 fields a call sets, consecutive in CollArgs (checked below).
@@ -159,7 +160,19 @@ class HostWords:
             return CommAborted(f"rank {rank}: collective aborted while waiting for peer {peer} "
                                f"because the job is being torn down", rank=rank, origin_rank=None,
                                reason="abort flag raised")
+        if code == abi.ERR_NO_INSTANCE:
+            return KernelError(f"rank {rank}: the kernel has no instance for {_instance(seen)}; it holds "
+                               f"{'every instance' if expected == 2**64 - 1 else _instance(expected, mask=True)}")
         return RuntimeError(f"rank {rank}: kernel failed without a diagnostic (record code {code})")
+
+
+def _instance(word: int, mask: bool = False) -> str:
+    """ERR_NO_INSTANCE's words: dtype | op << 32, or dtype | op mask << 32."""
+    dtypes = {v: k for k, v in abi.DTYPE_CODES.items()}
+    ops = {v: k for k, v in abi.OP_CODES.items()}
+    dtype, op = word & 0xFFFFFFFF, word >> 32
+    op_names = [ops.get(k, f"#{k}") for k in range(32) if op >> k & 1] if mask else [ops.get(op, f"op #{op}")]
+    return f"dtype {dtypes.get(dtype, f'#{dtype}')} with {', '.join(op_names) or 'no op'}"
 
 
 class MappedHostWords:

@@ -116,21 +116,23 @@ def run_check(args) -> int:
     from commref.transports.world import ThreadWorld
 
     world = MPIWorld() if MPIWorld.launched_under_mpi() else ThreadWorld.single()
-    comm = Communicator(world, args.device, **check_options(args))
-    colls = list(dict.fromkeys(args.collectives)) or list(COLLECTIVES)
-    direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
-    case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
-                            direct=direct)
-    t0 = time.perf_counter()
-    wrong = check.run_sweep(comm, case_list)
-    elapsed = time.perf_counter() - t0
-    if world.rank == 0:
-        rows = check.summary_rows(case_list, wrong)
-        print(check.format_table(rows, world.size, comm.device))
-        bad = sum(1 for w in wrong if w)
-        print(f"# {len(case_list)} cases, counts {list(args.count)}, in-place and out-of-place, "
-              f"{sum(wrong)} wrong elements in {bad} cases, {elapsed:.1f} s")
-        sys.stdout.flush()
+    with Communicator(world, args.device, **check_options(args)) as comm:
+        colls = list(dict.fromkeys(args.collectives)) or list(COLLECTIVES)
+        direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
+        case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
+                                direct=direct)
+        t0 = time.perf_counter()
+        wrong = check.run_sweep(comm, case_list)
+        elapsed = time.perf_counter() - t0
+        if world.rank == 0:
+            rows = check.summary_rows(case_list, wrong)
+            print(check.format_table(rows, world.size, comm.device))
+            bad = sum(1 for w in wrong if w)
+            denormal = sum(c.values == "denormal" for c in case_list)
+            print(f"# {len(case_list)} cases, counts {list(args.count)}, in-place and out-of-place, "
+                  f"{denormal} on denormal inputs, "
+                  f"{sum(wrong)} wrong elements in {bad} cases, {elapsed:.1f} s")
+            sys.stdout.flush()
     ok = sum(wrong) == 0
     world.barrier(what="check done")
     return 0 if ok else 1

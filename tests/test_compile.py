@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from commref.collectives.launch import HostWords
 from commref.device_kernels import abi, loader
 
 ARCH = "sm_90"
@@ -327,5 +328,10 @@ def test_reduction_kernel_without_the_instance_records_why():
         assert int(e["code"]) == abi.ERR_NO_INSTANCE, (name, e)
         assert int(e["seen"]) == 99 | abi.OP_CODES["max"] << 32 and int(e["expected"]) == 2**64 - 1, (name, e)
         assert (int(e["rank"]), int(e["peer"])) == (3, -1) and int(e["channel"]) in (0, 1), (name, e)
+        host = HostWords(np.zeros(1, np.uint64), "cpu")
+        host.error[0] = e
+        exc = host.failure(3, 1.0)
+        assert isinstance(exc, loader.KernelError), exc
+        assert str(exc) == "rank 3: the kernel has no instance for dtype #99 with max; it holds every instance"
         e = _no_instance_launch(kernels, name, abi.DTYPE_CODES["float32"], 77)
         assert int(e["code"]) == abi.ERR_NO_INSTANCE and int(e["seen"]) == abi.DTYPE_CODES["float32"] | 77 << 32
