@@ -292,7 +292,8 @@ class Communicator:
         why = tuner.residency_problem(kernel, self._ranks_on_device, nchannels, self.threads, per_sm,
                                       self.kernels.sm_count)
         if why:
-            raise CapabilityError(f"rank {self.rank}: GPU {self.device_id}: {why}")
+            limit = f" (its limit: {self.kernels.max_threads(kernel, spec)} threads)" if per_sm == 0 else ""
+            raise CapabilityError(f"rank {self.rank}: GPU {self.device_id}: {why}{limit}")
         self._resident.add(key)
 
     def _plan_call(self, spec: catalogue.Collective, algorithm: str, dtype: np.dtype, count: int, op, root: int,

@@ -273,6 +273,9 @@ class FakeKernels:
     def max_active_blocks(self, name, spec, threads):
         return self.fake.blocks_per_sm
 
+    def max_threads(self, name, spec=None):
+        return 512
+
     def prepare(self, specs):
         pass
 
@@ -496,6 +499,13 @@ def test_thread_ranks_whose_blocks_cannot_be_co_resident_are_refused(fake):
     fake.blocks_per_sm, fake.sm_count = 1, 6
     messages = _run(2, _residency, fake)  # 2 ranks x 4 channels = 8 blocks > 1 x 6
     assert all(m is not None and "8 blocks" in m and "6 SMs" in m for m in messages), messages
+    assert not fake.calls("launch")
+
+
+def test_threads_above_the_kernels_limit_are_refused(fake):
+    fake.blocks_per_sm = 0  # what the occupancy query answers above the kernel's max threads per block
+    messages = _run(1, _residency, fake)
+    assert "cannot run 512 threads per block" in messages[0] and "its limit: 512 threads" in messages[0], messages
     assert not fake.calls("launch")
 
 
