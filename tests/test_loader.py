@@ -248,3 +248,15 @@ def test_cuda_kernels_are_shared_by_thread_ranks(monkeypatch, tmp_path):
     for t in threads:
         t.join()
     assert len({id(k) for k in got}) == 1
+
+
+def test_every_gpu_module_builds_with_the_loaders_nvrtc(nvrtc, tmp_path, monkeypatch):
+    """build_gpu_images (what gpu_check.sh runs before any rank starts): every kernel
+    file, for the data-movement module and a reduction module, through the loader's own
+    NVRTC options, in worker processes, into the cache."""
+    monkeypatch.setenv("COMMREF_CACHE_DIR", str(tmp_path))
+    images = loader.build_gpu_images([None, FLOAT32_SUM], 90)
+    assert len(images) == 2 * len(loader.gpu_sources()) == len(set(images))
+    for image in images:
+        assert image.parent == tmp_path / "gpu" and image.read_bytes()[:4] == b"\x7fELF", image
+    assert loader.build_gpu_images([None, FLOAT32_SUM], 90) == images, "a second build did not find the cache"
