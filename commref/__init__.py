@@ -7,6 +7,16 @@ GIN), the worlds that bootstrap ranks (``MPIWorld``, one rank per process;
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
+from pathlib import Path as _Path
+
+# In a source tree the layer folders (collectives/, device_kernels/, transports/, bench/)
+# lie beside this package rather than in it (pyproject's package-dir maps them at
+# install): let commref.<layer> find them there too, so a checkout runs without an
+# install (PYTHONPATH=<checkout>, as tests/gpu/gpu_check.sh does). An installed copy
+# has them inside and no such sibling.
+_TREE = _Path(__file__).resolve().parent.parent
+if (_TREE / "collectives" / "catalogue.py").is_file() and str(_TREE) not in __path__:
+    __path__.append(str(_TREE))
 
 from commref.collectives.communicator import Communicator
 from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -20,7 +21,7 @@ from commref.device_kernels import abi
 from commref.transports import launch
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
 
-from conftest import clean_env, mpiexec, run_cmd
+from conftest import REPO, clean_env, mpiexec, run_cmd
 
 M = abi.MAX_CHANNELS
 
@@ -248,3 +249,18 @@ def test_failed_np_job_exits_with_its_status_and_leaves_nothing():
     assert "device='cuda' needs CuPy" in proc.stderr or "device='cuda' but no CUDA device" in proc.stderr, \
         proc.stderr[-2000:]
     assert not _orphans(before, patience_s=0)
+
+
+def test_a_checkout_runs_without_an_install(tmp_path):
+    """With the checkout on PYTHONPATH and no install (python -S: no site, so no
+    editable finder; the dependencies from site-packages as a plain path), the commref
+    command runs: commref/__init__.py finds the layer folders beside it (what
+    tests/gpu/gpu_check.sh relies on)."""
+    import numpy
+
+    site_packages = os.path.dirname(os.path.dirname(numpy.__file__))
+    env = clean_env(PYTHONPATH=os.pathsep.join([REPO, site_packages]))
+    proc = subprocess.run([sys.executable, "-S", "-m", "commref", "check", "allreduce", "--dtype", "float32", "--op",
+                           "sum", "--count", "7"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "0 wrong elements" in proc.stdout

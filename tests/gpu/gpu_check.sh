@@ -13,12 +13,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 [ -n "$MPIEXEC" ] || MPIEXEC=/tmp/site/bin/mpiexec
 PY=$(command -v python3)  # absolute: the launcher's PATH may find another python3
-# commref itself, offline (its dependencies are the machine's or the wheels'): editable,
-# or, where the machine's setuptools cannot do that, a copy under /tmp/commref-site.
-if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/commref-site . \
-    && export PYTHONPATH=/tmp/commref-site:${PYTHONPATH:-} || { echo "gpu_check: cannot install commref"; exit 1; }
-fi
+# commref itself from this tree, no install (commref/__init__.py finds the layer folders).
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
 python3 -c "import commref; print('commref', commref.__version__, 'from', commref.__file__)" || exit 1
 export PYTHONPATH=${PYTHONPATH:-} COMMREF_TIMEOUT=${COMMREF_TIMEOUT:-60} NCCL_MULTI_RANK_GPU_ENABLE=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
