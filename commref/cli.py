@@ -4,7 +4,7 @@
   commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py's flags)
   commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress [--np 2] [--network shm|mpi]]
 
-Every argument (and COMMREF_TIMEOUT) is parsed and validated here, before any rank
+Every argument (and COMMREF_TIMEOUT, COMMREF_GIN_ENGINE) is parsed and validated here, before any rank
 starts, with the typed options' own checks and messages (collectives/options.py,
 transports/gin/options.py); a bad one ends the command with one line
 `commref <command>: error: ...` on stderr and exit status 2.
@@ -32,6 +32,7 @@ from commref.collectives.options import CommOptions, Device
 from commref.collectives.verify import DTYPES, OPS
 from commref.transports import launch
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
+from commref.transports.gin.plan import gin_engine
 from commref.transports.world import MPIWorld, default_timeout
 
 
@@ -226,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args) -> None:
     """Every check that needs no rank; ValueError (OptionError included) with one line."""
     default_timeout()  # COMMREF_TIMEOUT, which every rank's waits use
+    gin_engine()  # COMMREF_GIN_ENGINE: auto, native or python (transports/gin/plan.py)
     COMMANDS[args.command][1](args)
 
 

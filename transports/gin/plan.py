@@ -9,6 +9,7 @@ machine cannot do with a CapabilityError that names what is missing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from commref.device_kernels import abi
@@ -46,18 +47,47 @@ class GinPlan:
         gin_args["checkHeaders"] = int(o.protocol == GinProtocol.STRONG)
         gin_args["creditSignalBase"] = abi.gin_signals(max_channels, nsteps)[0]
 
-    def start_proxy(self, world, window, layout):
-        """Starts this rank's GIN proxy over `window` (None when GIN is not used)."""
+    def start_proxy(self, world, window, layout, observer=None, engine: str | None = None):
+        """Starts this rank's GIN proxy over `window` (None when GIN is not used): the
+        native engine (native.NativeProxy) for the ordered wire on network shm without an
+        observer, the Python proxy (proxy.GinProxy) otherwise. `engine` (default: the
+        COMMREF_GIN_ENGINE environment variable, see gin_engine()) forces one."""
         if not self.used:
             return None
-        from commref.transports.gin.proxy import GinProxy
+        from commref.transports.gin import native
 
+        engine = gin_engine() if engine is None else check_gin_engine(engine)
+        why_not = native.supports(self.transport, self.network, observer)
+        if engine == "native" and why_not is not None:
+            raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
         o = self.options
-        mpi_comm = world.comm.Dup() if self.network == "mpi" else None
-        proxy = GinProxy(world, window, layout, o.queue, self.backend, self.transport, self.network, o.seed,
-                         o.segment_bytes, mpi_comm)
+        if engine != "python" and why_not is None:
+            proxy = native.NativeProxy(world, window, layout, o.queue, self.backend, self.transport, self.network)
+        else:
+            from commref.transports.gin.proxy import GinProxy
+
+            mpi_comm = world.comm.Dup() if self.network == "mpi" else None
+            proxy = GinProxy(world, window, layout, o.queue, self.backend, self.transport, self.network, o.seed,
+                             o.segment_bytes, mpi_comm, observer)
         proxy.start()
         return proxy
+
+
+ENGINE_ENV = "COMMREF_GIN_ENGINE"
+ENGINES = ("auto", "native", "python")
+
+
+def check_gin_engine(value: str) -> str:
+    """`value` if it names an engine (auto: native where it applies; native: required;
+    python: the Python proxy always); else ValueError with one line."""
+    if value not in ENGINES:
+        raise ValueError(f"{ENGINE_ENV} must be one of {', '.join(ENGINES)}, not {value!r}")
+    return value
+
+
+def gin_engine() -> str:
+    """The GIN engine COMMREF_GIN_ENGINE asks for (unset or empty: auto), validated."""
+    return check_gin_engine(os.environ.get(ENGINE_ENV, "").strip() or "auto")
 
 
 def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps: int) -> GinPlan:

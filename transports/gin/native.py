@@ -1,0 +1,223 @@
+"""The native GIN progress engine (native_engine.cpp) behind GinProxy's interface.
+
+It carries the common case natively: the ORDERED wire on the SHM network (every GIN
+peer's window mapped in this process, window.peer_addresses), without an observer.
+plan.GinPlan.start_proxy picks NativeProxy there and proxy.GinProxy everywhere else
+(unordered wire, MPI network, an observer given, or COMMREF_GIN_ENGINE=python).
+
+One C++ std::thread per rank takes the descriptors in slot order exactly as
+queue.QueueReader does, executes each (data, counter, signal, get) and stores
+consumed = slot + 1 with release; see native_engine.cpp for the memory orders and the
+polling policy, and docs/gin.md ("The native engine").
+
+The library is built like host_atomics.cpp (loader.build_library, cached by source
+hash and flags; loader.TSAN_FLAGS when the process runs under ThreadSanitizer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from pathlib import Path
+
+import numpy as np
+
+from commref.device_kernels import loader
+from commref.transports.gin import semantics
+from commref.transports.gin.backends import Backend
+from commref.transports.gin.wires import ProxyError
+
+__all__ = ["NativeProxy", "ProxyError", "supports", "native_library", "POLLING"]
+
+SOURCE = Path(__file__).resolve().with_name("native_engine.cpp")
+
+# The idle policy (native_engine.cpp's run()): polls with a pause instruction, then polls
+# with sched_yield, then sleeps doubling from 1 us to sleep_max_ns. Measured at 2 ranks
+# on 2 cores (docs/gin.md, "The native engine").
+POLLING = {"spin_polls": 256, "yield_polls": 64, "sleep_max_ns": 50_000}
+
+
+class EngineConfig(ctypes.Structure):
+    """native_engine.cpp's CommrefGinEngineConfig, field for field."""
+
+    _fields_ = [("queueBase", ctypes.c_uint64), ("capacity", ctypes.c_uint64), ("windowBase", ctypes.c_uint64),
+                ("peerWindows", ctypes.c_uint64), ("signalsOff", ctypes.c_uint64), ("countersOff", ctypes.c_uint64),
+                ("abortWord", ctypes.c_uint64), ("nranks", ctypes.c_int32), ("rank", ctypes.c_int32),
+                ("strongSignals", ctypes.c_int32), ("vaSignals", ctypes.c_int32), ("strongAlways", ctypes.c_int32),
+                ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
+                ("yieldPolls", ctypes.c_int32), ("pad", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
+                ("timeoutS", ctypes.c_double), ("backend", ctypes.c_char * 32)]
+
+
+class TraceRecord(ctypes.Structure):
+    _fields_ = [("peer", ctypes.c_int32), ("ctx", ctypes.c_int32), ("seq", ctypes.c_uint64),
+                ("signal", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+
+def _under_tsan() -> bool:
+    return hasattr(ctypes.CDLL(None), "__tsan_init")
+
+
+@functools.lru_cache(maxsize=None)
+def native_library() -> ctypes.CDLL:
+    """The engine's shared library (built or found in the cache on first use)."""
+    flags = loader.TSAN_FLAGS if _under_tsan() else loader.CPU_FLAGS
+    path = loader.build_library("commref_gin_engine", [SOURCE], flags, ("COMMREF_CPU",), (loader.INCLUDE_DIR,))
+    lib = ctypes.CDLL(str(path))
+    vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+    for name, args, res in (("config_size", [], u64), ("trace_record_size", [], u64),
+                            ("create", [ctypes.POINTER(EngineConfig)], vp), ("start", [vp], ctypes.c_int),
+                            ("stop", [vp, ctypes.c_double], ctypes.c_int), ("destroy", [vp], None),
+                            ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
+                            ("error", [vp, ctypes.c_char_p, u64], u64), ("set_trace", [vp, ctypes.c_int], None),
+                            ("take_trace", [vp, ctypes.POINTER(TraceRecord), u64], u64)):
+        f = getattr(lib, f"commref_gin_engine_{name}")
+        f.argtypes, f.restype = args, res
+    assert lib.commref_gin_engine_config_size() == ctypes.sizeof(EngineConfig), "EngineConfig != the C++ struct"
+    assert lib.commref_gin_engine_trace_record_size() == ctypes.sizeof(TraceRecord), "TraceRecord != the C++ struct"
+    return lib
+
+
+def supports(transport: semantics.Transport, network: str, observer=None) -> str | None:
+    """None when the native engine can carry this; else why not (one phrase)."""
+    if network != "shm":
+        return f"network {network!r} (the native engine carries network 'shm' only)"
+    if not transport.ordered:
+        return f"the {transport.name} wire (the native engine carries the ordered wire only)"
+    if observer is not None:
+        return "an observer (the native engine has no observer hooks)"
+    return None
+
+
+class NativeProxy:
+    """GinProxy's interface (start, quiesce, stop, error, stats, pending, trace) over the
+    native engine. Same constructor as GinProxy; refuses what it cannot carry (supports())."""
+
+    def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
+                 transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
+                 mpi_comm=None, observer=None, polling: dict | None = None):
+        why = supports(transport, network, observer)
+        if why is not None:
+            raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
+        self.world, self.rank, self.backend, self.transport, self.network = world, world.rank, backend, transport, network
+        self.window, self.layout, self.capacity = window, layout, capacity
+        self._lib = native_library()
+        self._peers = np.ascontiguousarray(window.peer_addresses, dtype=np.uint64).copy()
+        qbase = int(window.address) + int(layout["ginQueueOff"])
+        poll = {**POLLING, **(polling or {})}
+        caps = backend.caps
+        self._cfg = EngineConfig(
+            queueBase=qbase, capacity=capacity, windowBase=int(window.address), peerWindows=self._peers.ctypes.data,
+            signalsOff=int(layout["ginSignalsOff"]), countersOff=int(layout["ginCountersOff"]),
+            abortWord=world.abort_word_address, nranks=world.size, rank=world.rank,
+            strongSignals=int(caps.strong_signals), vaSignals=int(caps.va_signals),
+            strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,
+            spinPolls=int(poll["spin_polls"]), yieldPolls=int(poll["yield_polls"]),
+            sleepMaxNs=int(poll["sleep_max_ns"]), timeoutS=float(world.timeout), backend=backend.name.encode()[:31])
+        self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
+        if not self._h:
+            raise ProxyError(f"rank {self.rank}: the native GIN engine refused its configuration")
+        self._started = self._stopped = False
+        self._error: BaseException | None = None
+        self._final_stats: dict | None = None
+        self._trace: dict | None = None
+        self._words = (ctypes.c_uint64 * 5)()
+        self._recs = (TraceRecord * 4096)()
+
+    # ---- state ----
+
+    def _poll(self) -> tuple[int, int, int, bool, bool]:
+        """ops, events, claimed, running, failed (from the engine)."""
+        self._lib.commref_gin_engine_stats(self._h, self._words)
+        w = self._words
+        return int(w[0]), int(w[1]), int(w[2]), bool(w[3]), bool(w[4])
+
+    @property
+    def stats(self) -> dict:
+        """{"ops": descriptors taken, "events": puts and signals landed} (a fresh dict)."""
+        if self._final_stats is not None:
+            return dict(self._final_stats)
+        ops, events, *_ = self._poll()
+        return {"ops": ops, "events": events}
+
+    @property
+    def error(self) -> BaseException | None:
+        """The engine's error (a ProxyError with its message), or None."""
+        if self._error is None and self._h and self._poll()[4]:
+            n = int(self._lib.commref_gin_engine_error(self._h, None, 0))
+            buf = ctypes.create_string_buffer(n + 1)
+            self._lib.commref_gin_engine_error(self._h, buf, n + 1)
+            self._error = ProxyError(buf.value.decode(errors="replace"))
+        return self._error
+
+    @property
+    def trace(self) -> dict | None:
+        """Set to {} to record each landing per (peer, ctx) as (seq, "put") or
+        (seq, "put+signal"), seq counting the operations of that (peer, ctx) from 0 (the
+        Python proxy's ordered-wire trace)."""
+        if self._trace is not None and self._h:
+            self._collect_trace()
+        return self._trace
+
+    @trace.setter
+    def trace(self, value: dict | None) -> None:
+        self._trace = value
+        if self._h:
+            self._lib.commref_gin_engine_set_trace(self._h, int(value is not None))
+
+    def _collect_trace(self) -> None:
+        while True:
+            n = int(self._lib.commref_gin_engine_take_trace(self._h, self._recs, len(self._recs)))
+            for r in self._recs[:n]:
+                self._trace.setdefault((r.peer, r.ctx), []).append((int(r.seq), "put+signal" if r.signal else "put"))
+            if n < len(self._recs):
+                return
+
+    def pending(self, peer: int | None = None) -> bool:
+        """Always False: on this wire an operation lands before the engine marks it taken."""
+        return False
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        if self._lib.commref_gin_engine_start(self._h) != 0:
+            raise ProxyError(f"rank {self.rank}: the native GIN engine's thread did not start")
+        self._started = True
+
+    def quiesce(self, timeout: float) -> None:
+        """Waits until every operation claimed so far has been taken and landed; raises
+        ProxyError naming rank, expected and seen at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ops, _, claimed, running, failed = self._poll() if self._h else (0, 0, 0, False, False)
+            if ops >= claimed or failed or not running:
+                return
+            if time.monotonic() > deadline:
+                raise ProxyError(f"rank {self.rank}: native GIN engine did not drain within {timeout} s "
+                                 f"(expected {claimed} operations taken, seen {ops})")
+            time.sleep(50e-6)
+
+    def stop(self) -> None:
+        """Stops and joins the thread (idempotent); keeps stats, error and trace readable."""
+        if self._stopped or not self._h:
+            return
+        self._stopped = True
+        if self._lib.commref_gin_engine_stop(self._h, float(self.world.timeout)) != 0:
+            self._error = self._error or ProxyError(
+                f"rank {self.rank}: the native GIN engine's thread did not end within {self.world.timeout} s")
+            return  # the thread still runs: the engine must outlive it (leaked on purpose)
+        self.error  # noqa: B018 (reads the engine's message before it goes)
+        if self._trace is not None:
+            self._collect_trace()
+        self._final_stats = self.stats
+        self._lib.commref_gin_engine_destroy(self._h)
+        self._h = None
+
+    def __del__(self):
+        try:
+            if getattr(self, "_h", None) and not getattr(self, "_started", False):
+                self._lib.commref_gin_engine_destroy(self._h)
+                self._h = None
+        except Exception:
+            pass
