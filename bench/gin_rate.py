@@ -8,7 +8,9 @@
   each wire ordering. Each proxy's `stats["ops"]` (descriptors it took from its
   queue: a put with its signal, or a bare credit signal) is counted over a timed loop
   of --small-iters collectives; reported per proxy (ops/s), as ops per collective, and
-  as collectives/s.
+  as collectives/s. The report names the engine that carried each (native: the C++
+  engine, transports/gin/native.py, which the ordered shm wire gets by default;
+  python: the Python proxy; COMMREF_GIN_ENGINE=python forces it for comparison).
 - busbw: AllReduce of --bytes (float32) over path="lsa" and over path="gin" (shm wire,
   ordered, strong), built from the same world in the same run and timed alternately:
   per iteration the slowest rank's time after a barrier; the median of --iters
@@ -50,6 +52,7 @@ def _small_rate(world, wire: str, iters: int) -> dict:
     for _ in range(100):  # warmup
         comm.allreduce(x, y)
     world.barrier(what="rate start")
+    engine = _engine(comm)
     ops0 = comm.proxy.stats["ops"]
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -61,7 +64,12 @@ def _small_rate(world, wire: str, iters: int) -> dict:
     ok = bool((y == expected).all())
     world.barrier(what="rate end")
     comm.close()
-    return {"ops": ops, "seconds": elapsed, "ok": ok}
+    return {"ops": ops, "seconds": elapsed, "ok": ok, "engine": engine}
+
+
+def _engine(comm) -> str:
+    """Which GIN engine carries `comm`: "native" (native.NativeProxy) or "python" (proxy.GinProxy)."""
+    return "native" if type(comm.proxy).__name__ == "NativeProxy" else "python"
 
 
 def _time_allreduce(world, comm, x, y) -> float:
@@ -87,10 +95,11 @@ def _busbw(world, nbytes: int, iters: int, warmup: int) -> dict:
     ok = bool((y == expected).all())
     geometry = {k: {"channels_max": c.max_channels, "slot_bytes": c.slot_bytes, "nsteps": c.nsteps}
                 for k, c in comms.items()}
+    engine = _engine(comms["gin"])
     world.barrier(what="busbw end")
     for c in comms.values():
         c.close()
-    return {"times": times, "ok": ok, "geometry": geometry}
+    return {"times": times, "ok": ok, "geometry": geometry, "engine": engine}
 
 
 def measure(world, args) -> dict | None:
@@ -111,6 +120,7 @@ def measure(world, args) -> dict | None:
             "ops_per_s_per_proxy": [o / seconds for o in ops],
             "ops_per_s_all_proxies": sum(ops) / seconds,
             "correct": all(p["ok"] for p in per),
+            "engine": per[0]["engine"],
         }
     factor = 2 * (n - 1) / n
     for name in ("lsa", "gin"):
@@ -121,6 +131,7 @@ def measure(world, args) -> dict | None:
                               "busbw_GBps": factor * args.bytes / med / 1e9,
                               "geometry": gathered[0][1]["geometry"][name]}
     out["busbw"]["bytes"] = args.bytes
+    out["busbw"]["gin_engine"] = gathered[0][1]["engine"]
     out["busbw"]["correct"] = all(g[1]["ok"] for g in gathered)
     return out
 
@@ -130,11 +141,12 @@ def report(out: dict) -> str:
     for wire, r in out["rate"].items():
         ops = ", ".join(f"{v:,.0f}" for v in r["ops_per_s_per_proxy"])
         per = ", ".join(f"{v:.1f}" for v in r["ops_per_collective_per_proxy"])
-        lines.append(f"8-byte AllReduce, {wire:>9} wire: {r['collectives_per_s']:,.0f} collectives/s; "
+        lines.append(f"8-byte AllReduce, {wire:>9} wire, {r['engine']} engine: {r['collectives_per_s']:,.0f} collectives/s; "
                      f"proxy ops/s per rank [{ops}] (all proxies {r['ops_per_s_all_proxies']:,.0f}); "
                      f"ops per collective per proxy [{per}]; correct={r['correct']}")
     b = out["busbw"]
-    lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce (median, slowest rank per iteration), correct={b['correct']}:")
+    lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce (median, slowest rank per iteration), gin on the "
+                 f"{b['gin_engine']} engine, correct={b['correct']}:")
     for name in ("lsa", "gin"):
         r = b[name]
         lines.append(f"  {name}: {r['median_s'] * 1e3:8.2f} ms  algbw {r['algbw_GBps']:6.2f} GB/s  "

@@ -35,7 +35,7 @@ SOURCE = Path(__file__).resolve().with_name("native_engine.cpp")
 # The idle policy (native_engine.cpp's run()): polls with a pause instruction, then polls
 # with sched_yield, then sleeps doubling from 1 us to sleep_max_ns. Measured at 2 ranks
 # on 2 cores (docs/gin.md, "The native engine").
-POLLING = {"spin_polls": 256, "yield_polls": 64, "sleep_max_ns": 50_000}
+POLLING = {"spin_polls": 256, "yield_polls": 2000, "sleep_max_ns": 50_000}
 
 
 class EngineConfig(ctypes.Structure):
