@@ -7,7 +7,9 @@ It ties the parts together:
 - this module turns each into what the wire must do (a put with its remote action, a
   flush, a doorbell, a get), checking it against the backend's capabilities;
 - scheduler.DeliveryScheduler decides what lands when (semantics.enabled(): FIFO on an
-  ordered wire, a seeded choice on an unordered one);
+  ordered wire, a seeded choice on an unordered one, where a put may be held back past
+  later doorbells; when the queue stays empty for scheduler.IDLE_RELEASE_S the proxy
+  releases every held put, so a sender waiting on one is never stuck);
 - a wire (wires.ShmWire or wires.MpiWire) carries each landing to the target;
 - atomics.host_atomics() gives the acquire/release operations on queue words, signals
   and counters; an optional observer.Observer hears of every landing and wire message.
@@ -31,7 +33,7 @@ from commref.transports.gin import semantics
 from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import Backend
 from commref.transports.gin.queue import QueueReader
-from commref.transports.gin.scheduler import DeliveryScheduler
+from commref.transports.gin.scheduler import IDLE_RELEASE_S, DeliveryScheduler
 from commref.transports.gin.wires import MpiWire, ProxyError, ShmWire
 
 __all__ = ["GinProxy", "ProxyError"]
@@ -72,7 +74,8 @@ class GinProxy:
 
     @property
     def trace(self) -> dict | None:
-        """Set to {} to record the landing order per (peer, ctx) (scheduler.DeliveryScheduler)."""
+        """Set to {} to record per (peer, ctx) what was posted and every event the link
+        made happen: segments, signals, counters, gets (scheduler module docstring)."""
         return self.scheduler.trace
 
     @trace.setter
@@ -110,10 +113,17 @@ class GinProxy:
     def _main(self) -> None:
         idle = 0
         drain, deliver, progress = self._drain, self.scheduler.deliver, self.wire.progress
+        scheduler, monotonic = self.scheduler, time.monotonic
+        last_take = monotonic()
         try:
             while not self._stop.is_set():
                 took = drain(DRAIN_BUDGET)
                 landed = deliver() + progress()
+                if took:
+                    last_take = monotonic()
+                elif monotonic() - last_take > IDLE_RELEASE_S and scheduler.held():
+                    # The queue stayed empty: a sender may be waiting for a held put's signal.
+                    landed += scheduler.release_held()
                 if took or landed:
                     idle = 0
                     continue
@@ -151,6 +161,7 @@ class GinProxy:
             raise ProxyError(f"rank {self.rank}: GIN operation {op} names peer {peer} outside [0, {self.world.size})")
         if op == abi.GIN_GET:
             self.wire.get(peer, src, dst, nbytes, self.scheduler.deliver)
+            self.scheduler.record(peer, ctx, ("get", src, dst, nbytes))
             return
         signal = None
         if flags & abi.GIN_HAS_SIGNAL:
@@ -163,9 +174,10 @@ class GinProxy:
             payload = np.zeros(0, np.uint8)
         else:
             raise ProxyError(f"rank {self.rank}: unknown GIN operation {op}")
-        if flags & abi.GIN_HAS_COUNTER:
+        seq = self.scheduler.post(peer, ctx, dst, payload, signal)
+        if flags & abi.GIN_HAS_COUNTER:  # the source was copied above: reusable now
             self._atomic_add(self.counters_base + 8 * counter, 1)
-        self.scheduler.post(peer, ctx, dst, payload, signal)
+            self.scheduler.record(peer, ctx, ("counter", seq, counter))
 
     def _remote_action(self, peer: int, flags: int, sig: int, sigval: int) -> semantics.Signal:
         """The signal a descriptor's flags ask for, as this backend applies it."""

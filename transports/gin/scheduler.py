@@ -3,16 +3,56 @@ and the order in which it lands, by semantics.enabled() (the one definition).
 
 State per link, one link per (peer, context): the puts posted there (semantics.Put
 with per-link sequence numbers), their payloads and segments, the events landed so
-far, and whether a flush of the context came since the link's last put.
+far, whether a flush of the context came since the link's last put, and (doorbell
+mode) the puts held back.
 
 - ordered wire: each (peer, context) is FIFO, so a put and its signal land as soon as
   they are posted (the only enabled event is always the head);
-- unordered wire: events stay pending until the scheduler picks among the enabled ones
-  with a seeded random generator. A link whose kernels ring doorbells (every commref
-  connection) is served at its doorbells only: all that is pending lands, in an order
-  drawn from the link's own random stream, so the order depends only on the seed and
-  the posted sequence. Other links (raw device API use) land at random whenever
-  deliver() runs, some events held back so that later ones can overtake.
+- unordered wire, links whose kernels ring doorbells (every commref connection): the
+  link is served at its doorbells, and it is as adversarial as SRD across them. At
+  doorbell d of a link, with a random stream of its own (seed, rank, peer, context, d):
+  1. each put posted since the previous doorbell is held back with probability
+     HOLD_PROBABILITY, for 1..HOLD_DOORBELLS later doorbells of the link (its bound);
+     a held put lands nothing (neither segments nor signal) until it is released;
+  2. a held put is released (forced) when its bound expires, or when a later put of
+     its link that is not held needs it: a strong signal (enabled() requires every
+     earlier put's data and strong signal first) or, where the backend promises that
+     local completion orders later writes, a put posted after a flush. Releasing a
+     strong (or after-flush) held put releases every earlier held put too. A put that
+     would be forced at its own doorbell is not held;
+  3. the forced held puts land first, in sequence order, each put's events in an order
+     drawn from that put's own random stream (seed, rank, peer, context, seq); then
+     the doorbell's batch (the puts posted since the previous doorbell that are not
+     held) lands, in an order drawn from the doorbell's stream among the events
+     enabled() allows.
+  Liveness: the sender of a held put may post nothing more on its link (it often
+  waits for a credit that depends on this very put's signal), so the proxy calls
+  release_held() when its queue has stayed empty for IDLE_RELEASE_S: every held put
+  lands then, in sequence order, each in its own pre-drawn order (as when forced).
+- unordered wire, links without doorbells (raw device API use, the ordering study's
+  stress): events land at random whenever deliver() runs, from the scheduler's one
+  stream, some held back so that later ones can overtake.
+
+Every landing is an event enabled() allows at that point (tests/test_gin_conformance.py
+replays the trace against semantics.py).
+
+Reproducible (a function of the seed and the posted sequence of the link only, run
+after run, on either network): which puts a doorbell holds and for how many
+doorbells; the order of each doorbell's batch; the order of each held put's own
+events; and the fact that a held put lands no later than the doorbell that forces it.
+Timing-dependent: whether a held put lands at an idle release (the proxy found its
+queue empty for IDLE_RELEASE_S, which depends on how fast the kernels post) or at
+the doorbell that forces it, i.e. where its block of events sits among the link's
+later batches; the interleaving of different links; and what a receiver reads, which
+depends on when it looks. Links without doorbells are not reproducible.
+
+The trace (`trace`, a dict, when set) records per (peer, ctx), in the order they
+happen: ("post", seq, offset, nbytes, signal), ("flush",), ("doorbell", d),
+("hold", seq, until_doorbell), ("release", seq, "expired"|"forced"|"idle"),
+("seg", seq, segment, copy) (a segment placed; copy 1: a duplicate), ("data", seq)
+(ordered wire: a put's whole data in one piece), ("signal", seq) (a signal applied);
+the proxy adds ("counter", seq, index) (a counter bumped) and ("get", src, dst,
+nbytes) (a get landed).
 
 The wire (wires.py) carries each landing; an observer (observer.py) hears of each.
 """
@@ -28,11 +68,17 @@ import numpy as np
 from commref.transports.gin import semantics
 
 
+HOLD_PROBABILITY = 0.25  # of each put posted on a doorbell link (unordered wire)
+HOLD_DOORBELLS = 4  # a held put is released at the latest this many doorbells of its link later
+IDLE_RELEASE_S = 1e-3  # the proxy releases every held put once its queue has stayed empty this long
+
+
 @dataclass
 class Link:
     """What this rank posted to one (peer, context) and has not fully landed yet."""
 
-    rng: random.Random  # the link's own stream (doorbell mode)
+    name: str  # "seed:rank:peer:ctx", the root of the link's random streams
+    rng: random.Random  # the scheduler's stream (links without doorbells)
     puts: list = field(default_factory=list)  # semantics.Put
     payloads: list = field(default_factory=list)  # np.uint8 arrays
     segs: list = field(default_factory=list)
@@ -40,12 +86,13 @@ class Link:
     next_seq: int = 0
     after_flush: bool = False  # a flush of the context came since the last put here
     doorbells: int = 0  # rung so far; > 0 switches the link to doorbell mode
+    held: dict = field(default_factory=dict)  # put seq -> the doorbell by which it is released
+    batch_start: int = 0  # the first put posted since the previous doorbell
 
 
 class DeliveryScheduler:
     """`stats["events"]` counts what landed; `trace`, when set to a dict, records per
-    (peer, ctx) each landing: (put seq, segment, copy) on an unordered wire, (put seq,
-    "put" or "put+signal") on an ordered one."""
+    (peer, ctx) what was posted and each landing (module docstring)."""
 
     def __init__(self, transport: semantics.Transport, strong_always: bool, wire, seed: int, rank: int,
                  segment_bytes: int, stats: dict, observer=None):
@@ -61,7 +108,7 @@ class DeliveryScheduler:
     def link(self, peer: int, ctx: int) -> Link:
         link = self.links.get((peer, ctx))
         if link is None:
-            link = self.links[(peer, ctx)] = Link(random.Random(f"{self.seed}:{self.rank}:{peer}:{ctx}"))
+            link = self.links[(peer, ctx)] = Link(f"{self.seed}:{self.rank}:{peer}:{ctx}", self.rng)
             link.after_flush = ctx in self._flushed_ctx
         return link
 
@@ -69,50 +116,123 @@ class DeliveryScheduler:
         """Whether anything posted (to `peer`, or to any peer) has not fully landed."""
         return any(link.puts for (p, _), link in list(self.links.items()) if peer is None or p == peer)
 
+    def held(self) -> bool:
+        """Whether some put is held back (doorbell mode, unordered wire)."""
+        return any(link.held for link in list(self.links.values()))
+
+    def record(self, peer: int, ctx: int, entry: tuple) -> None:
+        if self.trace is not None:
+            self.trace.setdefault((peer, ctx), []).append(entry)
+
     # ---- what the proxy takes from its queue ----
 
     def flush(self, ctx: int) -> None:
         """A flush of `ctx`: marks the next put of the context on every link (the
         flush_orders_later_writes rule of semantics)."""
-        for (_, c), link in self.links.items():
+        for (peer, c), link in self.links.items():
             if c == ctx:
                 link.after_flush = True
+                self.record(peer, c, ("flush",))
         self._flushed_ctx.add(ctx)
 
-    def post(self, peer: int, ctx: int, offset: int, payload: np.ndarray, signal: semantics.Signal | None) -> None:
+    def post(self, peer: int, ctx: int, offset: int, payload: np.ndarray, signal: semantics.Signal | None) -> int:
         """A put of `payload` to window offset `offset` of `peer` on `ctx` (a bare signal:
-        no bytes), with its remote action."""
+        no bytes), with its remote action; returns its sequence number on the link."""
         link = self.link(peer, ctx)
         seq = link.next_seq
         link.next_seq = seq + 1
         self._flushed_ctx.discard(ctx)
         after_flush, link.after_flush = link.after_flush, False
+        if self.trace is not None:
+            self.record(peer, ctx, ("post", seq, offset, int(payload.size), signal))
         if self.transport.ordered:  # FIFO: the only enabled event is always the head
             wire, obs = self.wire, self.observer
             if payload.size:
                 wire.land_data(peer, offset, payload)
                 if obs is not None:
                     obs.landed(peer, ctx, seq, None, 0)
+                if self.trace is not None:
+                    self.record(peer, ctx, ("data", seq))
             if signal is not None:
                 wire.signal(peer, signal)
                 if obs is not None:
                     obs.landed(peer, ctx, seq, -1, 0)
-            if self.trace is not None:
-                self.trace.setdefault((peer, ctx), []).append((seq, "put+signal" if signal else "put"))
+                if self.trace is not None:
+                    self.record(peer, ctx, ("signal", seq))
             self.stats["events"] += 1
-            return
+            return seq
         put = semantics.Put(ctx, seq, offset, int(payload.size), signal, after_flush)
         link.puts.append(put)
         link.payloads.append(payload)
         link.segs.append(semantics.segments(put, self.segment_bytes))
+        return seq
 
     def doorbell(self, peer: int, ctx: int) -> int:
-        """Lands everything pending on (peer, ctx), at the doorbell's place in the posted
-        sequence (not whenever the proxy next iterates): that is what makes the landing
-        order reproducible. Switches the link to doorbell mode."""
+        """Serves doorbell d of (peer, ctx) at its place in the posted sequence (not
+        whenever the proxy next iterates): holds some of the puts posted since the
+        previous doorbell, lands the held puts this doorbell forces, then the rest of
+        the batch (module docstring). Switches the link to doorbell mode."""
         link = self.link(peer, ctx)
         link.doorbells += 1
-        return self._deliver_link(peer, link)
+        d = link.doorbells
+        self.record(peer, ctx, ("doorbell", d))
+        if not link.puts:
+            link.batch_start = link.next_seq
+            return 0
+        rng = random.Random(f"{link.name}:d{d}")
+        held = link.held
+        batch = [p.seq for p in link.puts if p.seq >= link.batch_start]  # posted since the previous doorbell
+        link.batch_start = link.next_seq
+        started = {link.puts[e.put].seq for e in link.landed}  # before the first doorbell, deliver() may have begun
+        hold = {}
+        for seq in batch:  # one draw per put, whatever is pending: the holds depend on the posted sequence only
+            if rng.random() < HOLD_PROBABILITY:
+                until = d + rng.randint(1, HOLD_DOORBELLS)
+                if seq not in started:
+                    hold[seq] = until
+        # What is released now: expired holds, and whatever a put that lands now needs first.
+        released = {seq for seq, until in held.items() if until <= d}
+        by_seq = {p.seq: p for p in link.puts}
+        while True:
+            landing = [s for s in batch if s not in hold] + sorted(released)
+            needs = max((s for s in landing if self._forcing(by_seq[s])), default=-1)
+            more = {s for s in held if s < needs} - released
+            newly = {s for s in hold if s < needs}
+            if not more and not newly:
+                break
+            released |= more
+            for s in newly:  # forced at its own doorbell: not held after all
+                del hold[s]
+        for seq, until in hold.items():
+            self.record(peer, ctx, ("hold", seq, until))
+        landed = 0
+        for seq in sorted(released):
+            self.record(peer, ctx, ("release", seq, "expired" if held.pop(seq) <= d else "forced"))
+            landed += self._land_put(peer, link, seq)
+        held.update(hold)
+        now = {s for s in batch if s not in hold}
+        landed += self._deliver_link(peer, link, rng, lambda i: link.puts[i].seq in now)
+        self._prune(link)
+        return landed
+
+    def release_held(self) -> int:
+        """Lands every held put (the proxy's queue stayed empty: the sender may be waiting
+        on one of them), per link in sequence order, each in its own pre-drawn order."""
+        landed = 0
+        for (peer, ctx), link in list(self.links.items()):
+            if link.held:
+                for seq in sorted(link.held):
+                    self.record(peer, ctx, ("release", seq, "idle"))
+                    landed += self._land_put(peer, link, seq)
+                link.held.clear()
+                self._prune(link)
+        return landed
+
+    def _forcing(self, put: semantics.Put) -> bool:
+        """Whether landing `put` needs every earlier put of its link landed first."""
+        if put.signal is not None and (put.signal.strong or self.strong_always):
+            return True
+        return self.transport.flush_orders_later_writes and put.after_flush
 
     # ---- landing ----
 
@@ -121,17 +241,32 @@ class DeliveryScheduler:
         landed = 0
         for (peer, _), link in self.links.items():
             if link.puts and not link.doorbells:
-                landed += self._deliver_link(peer, link)
+                landed += self._deliver_link(peer, link, self.rng, None)
+                self._prune(link)
         return landed
 
-    def _deliver_link(self, peer: int, link: Link) -> int:
+    def _land_put(self, peer: int, link: Link, seq: int) -> int:
+        """Lands what is left of put `seq` (a held one), in an order drawn from its own stream."""
+        i = next(k for k, p in enumerate(link.puts) if p.seq == seq)
+        n = self._deliver_link(peer, link, random.Random(f"{link.name}:p{seq}"), lambda k: k == i)
+        if not (semantics.Event(i, -1) in link.landed or link.puts[i].signal is None) or not all(
+                semantics.Event(i, s) in link.landed for s in range(len(link.segs[i]))):
+            raise RuntimeError(f"rank {self.rank}: held put {seq} to peer {peer} could not land "
+                               f"(an earlier put of its link is still pending)")
+        return n
+
+    def _deliver_link(self, peer: int, link: Link, rng: random.Random, only) -> int:
+        """Lands enabled events of the puts `only(index)` accepts (all when None) until
+        none is enabled (doorbell mode) or at random (links without doorbells)."""
         landed = 0
         plan = semantics.Plan(link.puts, link.segs)
         while True:
             choices = semantics.enabled(self.transport, plan, link.landed, self.strong_always)
+            if only is not None:
+                choices = [e for e in choices if only(e.put)]
             if not choices:
                 break
-            ev = (link.rng if link.doorbells else self.rng).choice(choices)
+            ev = rng.choice(choices)
             self._land(peer, link, ev)
             link.landed.add(ev)
             landed += 1
@@ -140,14 +275,13 @@ class DeliveryScheduler:
                     time.sleep(0)  # let a receiver in this process see the state right after a signal
             elif self.rng.random() < 0.5:
                 break
-        self._prune(link)
         self.stats["events"] += landed
         return landed
 
     def _land(self, peer: int, link: Link, ev: semantics.Event) -> None:
         put = link.puts[ev.put]
         if self.trace is not None:
-            self.trace.setdefault((peer, put.ctx), []).append((put.seq, ev.segment, ev.copy))
+            self.record(peer, put.ctx, ("signal", put.seq) if ev.is_signal else ("seg", put.seq, ev.segment, ev.copy))
         if ev.is_signal:
             self.wire.signal(peer, put.signal)
         else:
