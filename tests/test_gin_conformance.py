@@ -1,0 +1,412 @@
+"""GIN conformance: every event the proxy makes happen on a link is one that
+semantics.py allows at that point.
+
+The proxy records, per (peer, ctx) link and in the order they happen, what was posted
+(("post", seq, offset, nbytes, signal)), flushes, and every event the link made
+happen: a segment placed (("seg", seq, segment, copy); copy 1 is a duplicate), a put's
+whole data on an ordered wire (("data", seq): its segments in address order), a
+signal applied, a counter bumped, a get landed (transports/gin/scheduler.py). The
+replay below rebuilds each link's semantics.Plan from the post records alone
+(sequence numbers, after-flush marks and segments computed here) and asks
+semantics.enabled() (bound at import, so a test that patches the scheduler's view of
+the module cannot change the judge) whether each recorded event was enabled.
+
+Coverage: the collectives (ring and tree AllReduce, AllGather, ReduceScatter,
+Broadcast, Reduce) over GIN for every backend x wire the CPU offers (proxy ordered and
+unordered, rc ordered, gda ordered and unordered) with the protocols each backend
+runs (weak-last and flush-signal too: a protocol that corrupts data must still be
+carried by a conforming wire), over several seeds, on network shm in ThreadWorld and
+on network mpi under mpiexec (2 processes; this file is also the MPI job's script).
+Then planted violations: a scheduler that treats strong signals as weak must fail the
+replay. And the planted strong-flag bug of issue 13 (the strong protocol's signals
+posted weak), measured on the adversarial unordered wire.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import numpy as np
+
+from commref.transports.gin import semantics
+from commref.transports.gin.backends import BACKENDS
+from commref.transports.gin.semantics import Event, Plan, Put
+
+MODEL_ENABLED = semantics.enabled  # the judge, bound before any test patches the module
+SEGMENT_BYTES = 64
+SLOT_BYTES = 256
+COUNT = 1001
+
+# (backend, wire, protocol) for every backend x wire the CPU supports
+MATRIX = [
+    ("proxy", "ordered", "strong"),
+    ("proxy", "unordered", "strong"),
+    ("proxy", "unordered", "weak-last"),
+    ("rc", "ordered", "strong"),
+    ("rc", "ordered", "weak-last"),
+    ("gda", "ordered", "signal-per-put"),
+    ("gda", "unordered", "signal-per-put"),
+    ("gda", "unordered", "flush-signal"),
+    ("gda", "unordered", "weak-last"),
+]
+SEEDS = (1, 2, 3, 4, 5, 6)
+
+
+def model_transport(backend: str, wire: str) -> semantics.Transport:
+    """The semantics a backend on a wire promises (the same rule plan.plan_gin applies)."""
+    return semantics.Transport(wire, ordered=wire == "ordered",
+                               flush_orders_later_writes=BACKENDS[backend].caps.local_completion_orders_later_writes)
+
+
+class Disallowed(AssertionError):
+    pass
+
+
+def replay(link, records, transport: semantics.Transport, strong_always: bool, segment_bytes: int) -> dict:
+    """Checks one link's records against semantics.enabled(); returns counts per kind.
+    Raises Disallowed at the first event the model does not allow at its point, or when
+    a posted event never landed."""
+    puts: list[Put] = []  # the live window of the plan (fully landed prefix dropped)
+    segs: list = []
+    landed: set = set()
+    base = 0  # seq of puts[0]
+    next_seq = 0
+    flushed = False
+    counts = {"post": 0, "seg": 0, "dup": 0, "signal": 0, "counter": 0, "get": 0, "hold": 0, "release": 0}
+
+    def check(k: int, ev: Event) -> None:
+        if ev in landed or ev not in MODEL_ENABLED(transport, Plan(puts, segs), landed, strong_always):
+            what = "signal" if ev.is_signal else f"segment {ev.segment} copy {ev.copy}"
+            pending = [(p.seq, sorted(e for e in {Event(i, s) for s in range(len(segs[i]))} if e not in landed))
+                       for i, p in enumerate(puts) if i < ev.put]
+            raise Disallowed(f"link {link}: record {k} ({records[k]}): {what} of put {base + ev.put} "
+                             f"({puts[ev.put].signal}) not enabled; earlier puts with data pending: "
+                             f"{[(s, e) for s, e in pending if e][:5]}")
+        landed.add(ev)
+
+    def index(k: int, seq: int) -> int:
+        i = seq - base
+        if not 0 <= i < len(puts):
+            raise Disallowed(f"link {link}: record {k} ({records[k]}) names put {seq}, not posted or already done")
+        return i
+
+    for k, rec in enumerate(records):
+        kind = rec[0]
+        if kind == "post":
+            _, seq, offset, nbytes, signal = rec
+            if seq != next_seq:
+                raise Disallowed(f"link {link}: post {seq} out of sequence (expected {next_seq})")
+            put = Put(link[1], seq, offset, nbytes, signal, flushed and next_seq > 0)
+            puts.append(put)
+            segs.append(semantics.segments(put, segment_bytes))
+            next_seq, flushed = next_seq + 1, False
+            counts["post"] += 1
+        elif kind == "flush":
+            flushed = True
+        elif kind == "seg":
+            _, seq, s, copy = rec
+            check(k, Event(index(k, seq), s, copy))
+            counts["dup" if copy else "seg"] += 1
+        elif kind == "data":  # ordered wire: the whole data in one piece, segments in address order
+            i = index(k, rec[1])
+            for s in range(len(segs[i])):
+                check(k, Event(i, s))
+                counts["seg"] += 1
+        elif kind == "signal":
+            check(k, Event(index(k, rec[1]), -1))
+            counts["signal"] += 1
+        elif kind == "counter":
+            index(k, rec[1])
+            counts["counter"] += 1
+        elif kind in ("get", "hold", "release"):
+            counts[kind] += 1
+        elif kind != "doorbell":
+            raise Disallowed(f"link {link}: unknown record {rec}")
+        # drop the fully landed prefix (it cannot change what enabled() says of later puts)
+        n = 0
+        while n < len(puts) and all(Event(n, s) in landed for s in range(len(segs[n]))) and (
+                puts[n].signal is None or Event(n, -1) in landed):
+            n += 1
+        if n:
+            del puts[:n], segs[:n]
+            landed = {Event(e.put - n, e.segment, e.copy) for e in landed if e.put >= n}
+            base += n
+    if puts:
+        raise Disallowed(f"link {link}: puts {base}..{next_seq - 1} never fully landed "
+                         f"(first: {puts[0]}, landed {sorted(e for e in landed if e.put == 0)})")
+    return counts
+
+
+def replay_trace(trace: dict, backend: str, wire: str, segment_bytes: int = SEGMENT_BYTES) -> dict:
+    transport = model_transport(backend, wire)
+    total: dict = {}
+    for link, records in trace.items():
+        for key, n in replay(link, records, transport, BACKENDS[backend].strong_always, segment_bytes).items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
+def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network="shm"):
+    """Per seed: (this rank's proxy trace, wrong elements here, strong flags the proxy
+    received) of a reduced sweep of every GIN collective."""
+    from commref.collectives import check
+    from commref.collectives.catalogue import NAMES
+    from commref.collectives.communicator import Communicator
+
+    out = []
+    for seed in seeds:
+        comm = Communicator(world, "cpu", timeout=timeout, path="gin", backend=backend, wire=wire, network=network,
+                            gin_protocol=protocol, seed=seed, max_channels=1, slot_bytes=SLOT_BYTES,
+                            segment_bytes=SEGMENT_BYTES)
+        try:
+            comm.proxy.trace = {}
+            cases = check.cases(list(NAMES), ["float32"], ["sum"], [], [COUNT], world.size, seed,
+                                direct=False, in_place=(False,), denormals=False)
+            wrong = sum(check.run_case(comm, c) for c in cases)
+            world.barrier(what="conformance run done")
+            proxy = comm.proxy
+        finally:
+            comm.close()  # quiesces the proxy: everything posted has landed
+        out.append(({k: list(v) for k, v in proxy.trace.items()}, wrong, getattr(proxy, "strong_seen", 0)))
+    return out
+
+
+def watch_flags(strip_strong: bool):
+    """Wraps GinProxy._execute (the class's, so that no descriptor is taken before the
+    watch starts): each proxy counts in `strong_seen` the descriptors with a strong
+    signal it takes; with `strip_strong` it clears abi.GIN_STRONG from their flags first
+    (the planted bug: the strong protocol posting weak signals), where the proxy decodes
+    them. Returns (the class, the original) for undoing."""
+    from commref.device_kernels import abi
+    from commref.transports.gin.proxy import GinProxy
+
+    original = GinProxy.__dict__["_execute"]
+
+    def watched(self, d):
+        if d.flags & abi.GIN_HAS_SIGNAL and d.flags & abi.GIN_STRONG:
+            self.strong_seen = getattr(self, "strong_seen", 0) + 1
+            if strip_strong:
+                d = d._replace(flags=d.flags & ~abi.GIN_STRONG)
+        original(self, d)
+
+    GinProxy._execute = watched
+    return GinProxy, original
+
+
+# ---------------------------------------------------------------------------------------
+# the MPI job (this file run under mpiexec): network mpi, each rank replays its own trace
+# ---------------------------------------------------------------------------------------
+
+def _mpi_main(seeds: list[int]) -> None:
+    from commref.transports.world import MPIWorld
+
+    world = MPIWorld()
+    for backend, wire, protocol in MATRIX:
+        for seed, (trace, wrong, _) in zip(seeds, collectives_run(world, backend, wire, protocol, seeds,
+                                                                           network="mpi")):
+            try:
+                counts = replay_trace(trace, backend, wire)
+                print(f"rank {world.rank} {backend} {wire} {protocol} seed {seed}: conforms "
+                      f"{counts['seg']} segments {counts['signal']} signals {counts['hold']} holds "
+                      f"wrong {wrong}", flush=True)
+            except Disallowed as e:
+                print(f"rank {world.rank} {backend} {wire} {protocol} seed {seed}: DISALLOWED {e}", flush=True)
+    world.barrier(what="conformance done")
+
+
+if __name__ == "__main__":
+    _mpi_main([int(s) for s in sys.argv[1:]] or list(SEEDS))
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------------------------------
+# the tests
+# ---------------------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+from commref.transports.gin import scheduler  # noqa: E402
+from commref.transports.world import ThreadWorld  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def python_engine(monkeypatch):
+    """The Python proxy carries every link (where a native engine exists it would take the
+    ordered shm links, and its trace records no posts to replay against)."""
+    monkeypatch.setenv("COMMREF_GIN_ENGINE", "python")
+
+
+def _runs(backend, wire, protocol, seeds, strip_strong=False):
+    cls, original = watch_flags(strip_strong)
+    try:
+        results = ThreadWorld.run(2, collectives_run, backend, wire, protocol, list(seeds), timeout=120)
+    finally:
+        cls._execute = original
+    return [[r[i] for r in results] for i in range(len(seeds))]  # per seed, per rank
+
+
+@pytest.mark.parametrize("backend, wire, protocol", MATRIX)
+def test_collectives_over_shm_conform(backend, wire, protocol):
+    seeds = SEEDS if wire == "unordered" else SEEDS[:2]
+    total = {}
+    for seed, ranks in zip(seeds, _runs(backend, wire, protocol, seeds)):
+        for rank, (trace, wrong, _) in enumerate(ranks):
+            assert trace, f"rank {rank} seed {seed}: empty trace"
+            for key, n in replay_trace(trace, backend, wire).items():
+                total[key] = total.get(key, 0) + n
+    assert total["seg"] > 100 and total["signal"] > 20, total
+    if wire == "unordered":
+        assert total["hold"] > 0 and total["release"] == total["hold"], total
+
+
+def test_collectives_over_mpi_conform():
+    from conftest import run_mpi
+
+    from conftest import clean_env
+
+    proc = run_mpi(2, [os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__))),
+                       *map(str, SEEDS[:3])], timeout=120, env={**clean_env(), "COMMREF_GIN_ENGINE": "python"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    bad = re.findall(r"rank \d [^:]*: DISALLOWED.*", proc.stdout)
+    assert not bad, "\n".join(bad[:4])
+    lines = re.findall(r"rank (\d) (\S+) (\S+) (\S+) seed (\d+): conforms", proc.stdout)
+    assert len(set(lines)) == 2 * len(MATRIX) * 3, out[-4000:]
+
+
+def test_replay_catches_a_strong_signal_before_an_earlier_put(monkeypatch):
+    """Planted violation: the scheduler sees every strong signal as weak (it lands once
+    its own data has), and nothing forces a held put. The replay must fail."""
+    def weak_view(transport, plan, landed, strong_always=False):
+        weak = Plan([p if p.signal is None else p.__class__(p.ctx, p.seq, p.offset, p.nbytes,
+                                                            semantics.Signal(False, p.signal.target, p.signal.value),
+                                                            p.after_flush) for p in plan.puts], plan.segs)
+        return MODEL_ENABLED(transport, weak, landed, False)
+
+    monkeypatch.setattr(semantics, "enabled", weak_view)
+    monkeypatch.setattr(scheduler.DeliveryScheduler, "_forcing", lambda self, put: False)
+    caught = []
+    for seed, ranks in zip(SEEDS[:2], _runs("proxy", "unordered", "strong", SEEDS[:2])):
+        for trace, _, _ in ranks:
+            with pytest.raises(Disallowed, match="signal of put") as info:
+                replay_trace(trace, "proxy", "unordered")
+            caught.append(str(info.value))
+    assert len(caught) == 4
+
+
+def test_replay_catches_planted_orders():
+    """The judge itself: on a hand-made link, a strong signal before an earlier put's
+    data, a weak signal before its own data, a segment twice, an event of a put never
+    posted, and a put that never lands all fail; the honest order passes."""
+    sig = semantics.Signal(True, ("index", 0), 1)
+    posts = [("post", 0, 0, 128, None), ("post", 1, 128, 64, sig)]
+    honest = posts + [("seg", 0, 1, 0), ("seg", 1, 0, 0), ("seg", 0, 0, 0), ("signal", 1)]
+    assert replay((1, 0), honest, semantics.UNORDERED, False, 64)["signal"] == 1
+    bad = {
+        "strong early": posts + [("seg", 1, 0, 0), ("signal", 1), ("seg", 0, 0, 0), ("seg", 0, 1, 0)],
+        "twice": posts + [("seg", 0, 0, 0), ("seg", 0, 0, 0)],
+        "unposted": posts + [("seg", 2, 0, 0)],
+        "never lands": posts + [("seg", 0, 0, 0), ("seg", 0, 1, 0), ("seg", 1, 0, 0)],
+        "ordered out of order": [("post", 0, 0, 64, None), ("post", 1, 64, 64, None), ("seg", 1, 0, 0)],
+    }
+    for name, records in bad.items():
+        transport = semantics.ORDERED if name.startswith("ordered") else semantics.UNORDERED
+        with pytest.raises(Disallowed):
+            replay((1, 0), records, transport, False, 64)
+        assert name
+    weak = [("post", 0, 0, 128, semantics.Signal(False)), ("seg", 0, 0, 0), ("signal", 0), ("seg", 0, 1, 0)]
+    with pytest.raises(Disallowed):
+        replay((1, 0), weak, semantics.UNORDERED, False, 64)
+
+
+def test_hold_back_is_reproducible_and_bounded():
+    """The scheduler alone, driven without threads: the same posted sequence and seed give
+    the same trace, holds included, whatever the idle releases; no put is held past
+    HOLD_DOORBELLS doorbells; a strong signal forces every earlier held put first."""
+    class NoWire:
+        def land_data(self, *a):
+            pass
+
+        def signal(self, *a):
+            pass
+
+    def drive(seed, strong, idle_every):
+        stats = {"events": 0}
+        sc = scheduler.DeliveryScheduler(semantics.UNORDERED, False, NoWire(), seed, 0, 64, stats)
+        sc.trace = {}
+        for step in range(120):
+            for i in range(4):
+                sc.post(1, 0, 256 * (step % 4) + 64 * i, np.zeros(64, np.uint8),
+                        semantics.Signal(strong) if i == 3 else None)
+            sc.doorbell(1, 0)
+            if idle_every and step % idle_every == 0:
+                sc.release_held()
+        sc.release_held()
+        assert not sc.pending()
+        return sc.trace[(1, 0)]
+
+    for strong in (False, True):
+        a, b = drive(5, strong, 0), drive(5, strong, 0)
+        assert a == b and a != drive(6, strong, 0)
+        replay((1, 0), a, semantics.UNORDERED, False, 64)
+        holds = {r[1]: r[2] for r in a if r[0] == "hold"}
+        assert len(holds) > 20
+        doorbell = 0
+        for r in a:
+            if r[0] == "doorbell":
+                doorbell = r[1]
+            elif r[0] == "release":
+                assert doorbell <= holds[r[1]] and (r[2] in ("expired", "forced") or doorbell == 120)
+        kinds = {r[2] for r in a if r[0] == "release"} - {"idle"}  # idle: the final release_held()
+        assert kinds == ({"expired", "forced"} if strong else {"expired"})
+        # idle releases move held blocks earlier; everything else is the same
+        c = drive(5, strong, 3)
+        replay((1, 0), c, semantics.UNORDERED, False, 64)
+        assert [r for r in c if r[0] == "hold"] == [r for r in a if r[0] == "hold"]
+
+
+def _as_posted_strong(trace: dict) -> dict:
+    """The trace with every data put's signal marked strong again: what the strong
+    protocol's kernels post (one put per slot with StrongSignalInc; credits are bare weak
+    signals), before the planted bug stripped the flag."""
+    def fix(r):
+        if r[0] == "post" and r[4] is not None and r[3] > 0:
+            return ("post", r[1], r[2], r[3], semantics.Signal(True, r[4].target, r[4].value))
+        return r
+    return {link: [fix(r) for r in records] for link, records in trace.items()}
+
+
+PLANTED_SEEDS = range(4)
+
+
+def test_planted_strong_flag_bug():
+    """Issue 13's planted bug: the strong protocol's signals arrive weak (abi.GIN_STRONG
+    cleared where the proxy takes the descriptors). The proxy receives the strong flags
+    (one per data put); with the flag the traces conform and the data is exact. With it
+    stripped, the adversarial wire lands ready signals before earlier puts of their
+    context within these few seeds, which the strong flags the kernels posted forbid:
+    the replay of such a trace against the posted flags fails. (The data stays exact:
+    one put per slot is covered by its own weak signal too, the study's signal-per-put
+    [weak] on an unordered wire; see docs/gin.md.) The weak-last protocol, whose slot
+    is four puts with a weak signal on the last, corrupts within the same seeds."""
+    strong = _runs("proxy", "unordered", "strong", PLANTED_SEEDS)
+    stripped = _runs("proxy", "unordered", "strong", PLANTED_SEEDS, strip_strong=True)
+    caught = []
+    for seed, with_flag, without in zip(PLANTED_SEEDS, strong, stripped):
+        for rank in range(2):
+            trace, wrong, flags = with_flag[rank]
+            assert flags > 0 and wrong == 0, (seed, rank, flags, wrong)
+            replay_trace(trace, "proxy", "unordered")
+            trace, _, flags_stripped = without[rank]
+            assert flags_stripped == flags  # the same strong flags arrived, then were stripped
+            replay_trace(trace, "proxy", "unordered")  # as the proxy saw it (weak): allowed
+            try:
+                replay_trace(_as_posted_strong(trace), "proxy", "unordered")
+            except Disallowed:
+                caught.append((seed, rank))
+    assert caught, f"stripping the strong flag changed no landing in seeds {list(PLANTED_SEEDS)}"
+    weak_last = _runs("proxy", "unordered", "weak-last", PLANTED_SEEDS)
+    corrupted = [seed for seed, ranks in zip(PLANTED_SEEDS, weak_last) if sum(r[1] for r in ranks)]
+    assert corrupted, f"weak-last on the unordered wire corrupted nothing in seeds {list(PLANTED_SEEDS)}"
