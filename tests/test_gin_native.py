@@ -14,6 +14,7 @@ the ordered wire on network shm.
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -122,7 +123,10 @@ def test_check_over_native_engine_under_mpiexec(shm_leak_check):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "# commref check: 2 ranks, device cpu" in proc.stdout
-    assert " 0 wrong elements in 0 cases" in proc.stdout, out[-4000:]
+    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
+    assert m, out[-4000:]
+    assert int(m.group(1)) == (4 * 2 + 2) * 2 * 4 * 2 + 4 * 2 * 1 * 4, m.group(0)  # ..., + float32 denormal cases
+    assert (int(m.group(2)), int(m.group(3))) == (0, 0), m.group(0)
 
 
 # ---------------------------------------------------------------------------------------

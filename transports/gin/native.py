@@ -70,7 +70,7 @@ def native_library() -> ctypes.CDLL:
                             ("create", [ctypes.POINTER(EngineConfig)], vp), ("start", [vp], ctypes.c_int),
                             ("stop", [vp, ctypes.c_double], ctypes.c_int), ("destroy", [vp], None),
                             ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
-                            ("error", [vp, ctypes.c_char_p, u64], u64), ("set_trace", [vp, ctypes.c_int], None),
+                            ("error", [vp, ctypes.c_char_p, u64], u64), ("failed", [vp], ctypes.c_int), ("set_trace", [vp, ctypes.c_int], None),
                             ("take_trace", [vp, ctypes.POINTER(TraceRecord), u64], u64)):
         f = getattr(lib, f"commref_gin_engine_{name}")
         f.argtypes, f.restype = args, res
@@ -144,7 +144,7 @@ class NativeProxy:
     @property
     def error(self) -> BaseException | None:
         """The engine's error (a ProxyError with its message), or None."""
-        if self._error is None and self._h and self._poll()[4]:
+        if self._error is None and self._h and self._lib.commref_gin_engine_failed(self._h):
             n = int(self._lib.commref_gin_engine_error(self._h, None, 0))
             buf = ctypes.create_string_buffer(n + 1)
             self._lib.commref_gin_engine_error(self._h, buf, n + 1)
@@ -215,9 +215,14 @@ class NativeProxy:
         self._h = None
 
     def __del__(self):
+        """A proxy dropped without stop(): its thread must not outlive the windows it writes."""
         try:
-            if getattr(self, "_h", None) and not getattr(self, "_started", False):
+            if getattr(self, "_h", None) is None:
+                return
+            if self._started:
+                self.stop()
+            else:
                 self._lib.commref_gin_engine_destroy(self._h)
                 self._h = None
-        except Exception:
+        except Exception:  # noqa: BLE001 (nothing to report to at collection time)
             pass

@@ -113,6 +113,8 @@ class Engine {
     out[4] = failed_.load(std::memory_order_acquire);
   }
 
+  int failed() const { return failed_.load(std::memory_order_acquire); }
+
   uint64_t running() const { return thread_.joinable() && !exited_.load(std::memory_order_acquire); }
 
   size_t error(char* buf, size_t n) {
@@ -289,6 +291,7 @@ COMMREF_GIN_API int commref_gin_engine_stop(void* h, double timeoutS) { return s
 COMMREF_GIN_API void commref_gin_engine_destroy(void* h) { delete static_cast<Engine*>(h); }
 // out: ops (descriptors taken), events (puts and signals landed), claimed, running, failed.
 COMMREF_GIN_API void commref_gin_engine_stats(void* h, uint64_t* out) { static_cast<Engine*>(h)->stats(out); }
+COMMREF_GIN_API int commref_gin_engine_failed(void* h) { return static_cast<Engine*>(h)->failed(); }
 COMMREF_GIN_API uint64_t commref_gin_engine_error(void* h, char* buf, uint64_t n) {
   return static_cast<Engine*>(h)->error(buf, n);
 }
