@@ -5,8 +5,14 @@ the ordered wire on network shm.
   unordered wire and with an observer; COMMREF_GIN_ENGINE forces one or is refused;
 - exactness: the collectives over GIN ordered shm on every backend that runs the ordered
   wire (proxy, rc, gda), ThreadWorld 2 and 3 ranks, and 2 MPI ranks (`commref check`);
-- trace: the native engine's landing trace equals the Python proxy's for the same posted
-  sequence (host-posted descriptors, and a collective on one channel);
+- trace: the native engine's trace (post, data, signal, counter, flush, doorbell, get per
+  (peer, ctx)) equals the Python proxy's for the same posted sequence (host-posted
+  descriptors, and a collective on one channel), record for record;
+- conformance: the collectives over GIN ordered shm on the native engine, every backend
+  that runs the ordered wire, ThreadWorld and 2 MPI ranks, each link's native trace
+  replayed against semantics.enabled() by test_gin_conformance.py's replay; a planted
+  violation in the native trace path (a signal decoded before its data) is caught; a
+  trace that overflowed the engine's buffer is refused;
 - refusals: the same messages as proxy.py's _remote_action, with the abort word raised;
 - lifecycle: quiesce names what it waited for at its deadline, stop is idempotent, a dead
   engine makes kernels fail instead of hanging.
@@ -14,7 +20,9 @@ the ordered wire on network shm.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -30,6 +38,7 @@ from commref.transports.world import ThreadWorld
 
 from conftest import clean_env, run_mpi
 from test_gin import _run_sweep, many_channels  # noqa: F401 (a fixture)
+from test_gin_conformance import Disallowed, collectives_run, replay_trace
 
 WORLD_TIMEOUT = 30.0
 
@@ -146,13 +155,13 @@ def _layout():
     return lay, int(lay["ginCountersOff"]) + 64
 
 
-def _posted(world, engine: str, backend: str, posts, quiesce=True, timeout=WORLD_TIMEOUT):
+def _posted(world, engine: str, backend: str, posts, quiesce=True, timeout=WORLD_TIMEOUT, **proxy_kw):
     """Rank 0 runs a proxy of `engine` ("native" or "python") and posts `posts` (QueueWriter.fill
     keyword sets) to its own queue; every rank returns its window (rank 0 also the proxy's
     trace, stats, error and the abort word)."""
     from commref.transports.gin.atomics import host_atomics
     from commref.transports.gin.native import NativeProxy
-    from commref.transports.gin.proxy import GinProxy
+    from commref.transports.gin.proxy import GinProxy, ProxyError
     from commref.transports.gin.queue import QueueWriter
     from commref.transports.windows import register_window
 
@@ -165,7 +174,7 @@ def _posted(world, engine: str, backend: str, posts, quiesce=True, timeout=WORLD
         out = None
         if world.rank == 0:
             cls = NativeProxy if engine == "native" else GinProxy
-            proxy = cls(world, window, lay, CAP, BACKENDS[backend], semantics.ORDERED, "shm", 0, 64)
+            proxy = cls(world, window, lay, CAP, BACKENDS[backend], semantics.ORDERED, "shm", 0, 64, **proxy_kw)
             proxy.trace = {}
             proxy.start()
             q = QueueWriter(local, lay, CAP, host_atomics())
@@ -183,7 +192,11 @@ def _posted(world, engine: str, backend: str, posts, quiesce=True, timeout=WORLD
             proxy.stop()
             proxy.stop()  # idempotent
             err = proxy.error
-            out = {"trace": proxy.trace, "stats": proxy.stats, "error": None if err is None else str(err),
+            try:
+                trace = proxy.trace
+            except ProxyError as e:
+                trace = e
+            out = {"trace": trace, "stats": proxy.stats, "error": None if err is None else str(err),
                    "abort": int(world.abort_word[0]), "pending": proxy.pending()}
             world.abort_word[0] = 0
         world.barrier(what="landed")
@@ -209,39 +222,30 @@ def _mixed_posts():
         else:
             posts.append(dict(op=sig, flags=abi.GIN_HAS_SIGNAL | abi.GIN_ADD, peer=peer, ctx=ctx, signal=3, value=5))
         posts.append(dict(op=abi.GIN_DOORBELL, peer=peer, ctx=ctx))
+        if i == 6:  # links (1, 0), (2, 0) exist: both record it; (2, 0) posts again after it
+            posts.append(dict(op=abi.GIN_FLUSH, ctx=0))
     posts.append(dict(op=get, peer=2, ctx=0, dst=1500, src=100, nbytes=40))
-    posts.append(dict(op=abi.GIN_FLUSH, ctx=-1))
+    posts.append(dict(op=abi.GIN_FLUSH, ctx=-1))  # no link of context -1: recorded nowhere
+    posts.append(dict(op=abi.GIN_DOORBELL, peer=2, ctx=3))  # a link with a doorbell only
+    posts.append(dict(op=abi.GIN_FLUSH, ctx=3))
     return posts
 
 
-def ordered_view(trace: dict) -> dict:
-    """The Python proxy's trace in the native engine's format, per (peer, ctx) a list of
-    (seq, "put") or (seq, "put+signal"). The native format is the Python proxy's
-    ordered-wire trace as scheduler.DeliveryScheduler.post recorded it; a session is
-    reworking scheduler.py's trace (events ("post", seq, offset, nbytes, signal),
-    ("data", seq), ("signal", seq), ...), and both are read here. Integrating the native
-    engine with a changed format is left to whoever lands that change."""
-    out = {}
-    for key, events in trace.items():
-        view = []
-        for ev in events:
-            if len(ev) == 2 and isinstance(ev[0], int) and ev[1] in ("put", "put+signal"):
-                view.append(tuple(ev))
-            elif ev and ev[0] == "post":
-                view.append((ev[1], "put+signal" if ev[4] is not None else "put"))
-            elif not (ev and isinstance(ev[0], str)):
-                raise AssertionError(f"unknown Python proxy trace entry {ev!r}: integrate the native trace format")
-        out[key] = view
-    return out
-
-
-def _expected_trace(posts) -> dict:
+def _expected_posts(posts) -> dict:
+    """Per (peer, ctx), the ("post", seq, offset, nbytes, signal) records `posts` make on
+    backend proxy (strong and VA signals offered, adds applied)."""
     out, seqs = {}, {}
     for p in posts:
         if p["op"] in (abi.GIN_PUT, abi.GIN_PUT_VALUE, abi.GIN_SIGNAL):
             key = (p["peer"], p["ctx"])
             seq = seqs[key] = seqs.get(key, -1) + 1
-            out.setdefault(key, []).append((seq, "put+signal" if p.get("flags", 0) & abi.GIN_HAS_SIGNAL else "put"))
+            flags = p.get("flags", 0)
+            sig = None
+            if flags & abi.GIN_HAS_SIGNAL:
+                sig = semantics.Signal(bool(flags & abi.GIN_STRONG), ("va" if flags & abi.GIN_VA else "index",
+                                       p.get("signal", 0)), p.get("value", 0) if flags & abi.GIN_ADD else 1)
+            nbytes = {abi.GIN_PUT: p.get("nbytes", 0), abi.GIN_PUT_VALUE: 8, abi.GIN_SIGNAL: 0}[p["op"]]
+            out.setdefault(key, []).append(("post", seq, p.get("dst", 0), nbytes, sig))
     return out
 
 
@@ -250,9 +254,32 @@ def test_native_trace_and_landings_equal_the_python_proxy():
     runs = {e: ThreadWorld.run(3, _posted, e, "proxy", posts, timeout=WORLD_TIMEOUT) for e in ("native", "python")}
     (nat, *_), (py, *_) = runs["native"][0], runs["python"][0]
     assert nat["error"] is None and py["error"] is None, (nat["error"], py["error"])
-    assert nat["trace"] == _expected_trace(posts) == ordered_view(py["trace"])
-    assert sorted(nat["trace"]) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
-    assert nat["trace"][(1, 0)] == [(0, "put+signal"), (1, "put+signal")]
+    # Record for record the same, but for where a put's counter sits: the native engine bumps
+    # it once the source is copied (before the signal), the Python proxy after the signal.
+    def without_counters(trace):
+        return {k: [r for r in v if r[0] != "counter"] for k, v in trace.items()}
+
+    assert without_counters(nat["trace"]) == without_counters(py["trace"])
+    assert {k: [r for r in v if r[0] == "counter"] for k, v in nat["trace"].items()} == \
+        {k: [r for r in v if r[0] == "counter"] for k, v in py["trace"].items()}
+    for t in nat["trace"].values():
+        for k, r in enumerate(t):
+            if r[0] == "counter":
+                assert t[k - 1] == ("data", r[1]) and t[k + 1] == ("signal", r[1]), t[k - 1:k + 2]
+    assert {k: [r for r in v if r[0] == "post"] for k, v in nat["trace"].items() if k != (2, 3)} \
+        == _expected_posts(posts)
+    assert sorted(nat["trace"]) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (2, 3)]
+    strong = semantics.Signal(True, ("index", 0), 1)
+    assert nat["trace"][(1, 0)] == [
+        ("post", 0, 1024, 50, strong), ("data", 0), ("counter", 0, 0), ("signal", 0), ("doorbell", 1),
+        ("post", 1, 1408, 8, semantics.Signal(True, ("va", 1900), 7)), ("data", 1), ("signal", 1), ("doorbell", 2),
+        ("flush",)]
+    assert nat["trace"][(2, 0)][-2:] == [("doorbell", 2), ("get", 100, 1500, 40)]
+    assert ("flush",) in nat["trace"][(2, 0)] and nat["trace"][(2, 0)].index(("flush",)) < max(
+        k for k, r in enumerate(nat["trace"][(2, 0)]) if r[0] == "post")  # a put of ctx 0 after the flush
+    assert nat["trace"][(2, 3)] == [("doorbell", 1), ("flush",)]
+    counts = replay_trace(nat["trace"], "proxy", "ordered")
+    assert counts["post"] == 12 and counts["signal"] == 9 and counts["counter"] == 3 and counts["get"] == 1, counts
     assert nat["stats"] == py["stats"] == {"ops": len(posts), "events": 12}
     assert not nat["pending"] and nat["abort"] == 0
     for rank in range(3):  # every window byte alike: data, signals, VA words, counters, the get
@@ -284,8 +311,9 @@ def test_collective_trace_equals_the_python_proxy(monkeypatch):
     assert all(sum(r[1]) == 0 for e in out for r in out[e])
     for rank in range(2):
         nat, py = out["native"][rank][2], out["python"][rank][2]
-        assert nat == ordered_view(py)
+        assert nat == py
         assert all(len(t) > 10 for t in nat.values())
+        assert {r[0] for t in nat.values() for r in t} >= {"post", "data", "signal", "doorbell"}
 
 
 @pytest.mark.parametrize("backend, post, message", [
@@ -386,3 +414,157 @@ def test_dead_engine_raises_the_abort_word_so_kernels_fail(native):
         assert elapsed < WORLD_TIMEOUT / 2, (rank, elapsed, result)
         assert abort == 1
     assert "names peer 9 outside [0, 2)" in results[0][0]
+
+
+# ---------------------------------------------------------------------------------------
+# conformance: the native engine's traces replayed against semantics.enabled()
+# ---------------------------------------------------------------------------------------
+
+# (backend, protocol) for every backend that runs the ordered wire (test_gin_conformance.MATRIX's ordered rows)
+ORDERED = [("proxy", "strong"), ("rc", "strong"), ("rc", "weak-last"), ("gda", "signal-per-put")]
+CONFORMANCE_SEEDS = (1, 2)
+
+
+def _native_conformance(world, backend, protocol, seeds, network="shm"):
+    """collectives_run on the native engine (COMMREF_GIN_ENGINE=native: a communicator it
+    cannot carry fails); per seed (trace, wrong)."""
+    return [(trace, wrong) for trace, wrong, _ in collectives_run(world, backend, "ordered", protocol, seeds,
+                                                                  network=network)]
+
+
+def _kinds(trace: dict) -> dict:
+    out: dict = {}
+    for records in trace.values():
+        for r in records:
+            out[r[0]] = out.get(r[0], 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("backend, protocol", ORDERED)
+def test_collectives_over_native_engine_conform(backend, protocol, native):
+    """Each rank's native trace, link by link, against semantics.enabled() (the replay
+    test_gin_conformance.py runs on the Python proxy's traces): every post, data and
+    signal event; every posted put lands."""
+    results = ThreadWorld.run(2, _native_conformance, backend, protocol, list(CONFORMANCE_SEEDS), timeout=120)
+    total, kinds = {}, {}
+    for rank, per_seed in enumerate(results):
+        for seed, (trace, wrong) in zip(CONFORMANCE_SEEDS, per_seed):
+            assert trace, f"rank {rank} seed {seed}: empty trace"
+            assert protocol == "weak-last" or wrong == 0, (rank, seed, wrong)
+            for key, n in replay_trace(trace, backend, "ordered").items():
+                total[key] = total.get(key, 0) + n
+            for key, n in _kinds(trace).items():
+                kinds[key] = kinds.get(key, 0) + n
+    assert total["seg"] > 100 and total["signal"] > 20, total
+    assert total["post"] == kinds["post"] and total["signal"] == kinds["signal"], (total, kinds)
+    assert kinds["doorbell"] > 0 and kinds["data"] > 0, kinds
+
+
+def _swap_signal_before_data(records: np.ndarray) -> np.ndarray:
+    """The planted bug: each put's signal record moved before its data record (a decode
+    that reports, or an engine that makes, the signal land first)."""
+    from commref.transports.gin import native as nat
+
+    r = records.copy()
+    k = 0
+    while k + 1 < len(r):
+        a, b = r[k], r[k + 1]
+        if a["kind"] == nat.DATA and b["kind"] == nat.SIGNAL and a["seq"] == b["seq"] and (
+                a["peer"], a["ctx"]) == (b["peer"], b["ctx"]):
+            r[k], r[k + 1] = b.copy(), a.copy()
+            k += 2
+        else:
+            k += 1
+    return r
+
+
+def test_replay_catches_a_signal_before_its_data_in_the_native_trace(native, monkeypatch):
+    """Planted violation in the native trace path: native.decode_trace sees every put's
+    signal record before its data record. The replay must fail on every rank and seed
+    (on the ordered wire a signal, weak or strong, needs its own data first)."""
+    from commref.transports.gin import native as nat
+
+    decode = nat.decode_trace
+    monkeypatch.setattr(nat, "decode_trace", lambda records, into: decode(_swap_signal_before_data(records), into))
+    results = ThreadWorld.run(2, _native_conformance, "proxy", "strong", [1], timeout=120)
+    caught = []
+    for per_seed in results:
+        for trace, wrong in per_seed:
+            assert wrong == 0  # the landings were right; only the record of them is wrong
+            with pytest.raises(Disallowed, match=r"\('signal', \d+\)\): signal of put"):
+                replay_trace(trace, "proxy", "ordered")
+            caught.append(trace)
+    assert len(caught) == 2
+
+
+def test_a_corrupted_native_trace_fails_the_replay():
+    """The same host-posted sequence as the comparison above, its native trace corrupted
+    three ways: a data record dropped (its put never lands), a post dropped (events of a
+    put never posted), a later put (data and strong signal) landed before an earlier one."""
+    posts = _mixed_posts()
+    nat = ThreadWorld.run(3, _posted, "native", "proxy", posts, timeout=WORLD_TIMEOUT)[0][0]
+    trace = nat["trace"]
+    replay_trace(trace, "proxy", "ordered")
+    link = trace[(1, 0)]
+    assert [r[:2] for r in link[:8]] == [("post", 0), ("data", 0), ("counter", 0), ("signal", 0), ("doorbell", 1),
+                                         ("post", 1), ("data", 1), ("signal", 1)]
+    bad = {
+        "data dropped": [r for r in link if r != ("data", 1)],
+        "post dropped": link[1:],
+        "put 1 before put 0": link[:1] + link[5:8] + link[1:5] + link[8:],
+    }
+    for name, records in bad.items():
+        with pytest.raises(Disallowed):
+            replay_trace({**trace, (1, 0): records}, "proxy", "ordered")
+        assert name
+
+
+def test_an_overflowed_native_trace_is_refused():
+    """More records than the engine's buffer holds between reads: the trace is refused with
+    the count lost, never returned with holes; the landings themselves are unaffected."""
+    posts = _mixed_posts()
+    res, _ = ThreadWorld.run(3, _posted, "native", "proxy", posts, timeout=WORLD_TIMEOUT, trace_capacity=10)[0]
+    err = res["trace"]
+    assert res["error"] is None and res["stats"] == {"ops": len(posts), "events": 12}
+    assert re.fullmatch(r"rank 0: the native GIN engine's trace overflowed: \d+ records not kept \(capacity 10 "
+                        r"records between reads of NativeProxy.trace; .*\)", str(err)), err
+
+
+@pytest.mark.mpi
+def test_collectives_over_native_engine_conform_under_mpiexec(shm_leak_check):
+    """2 MPI processes, network shm (the native engine's), the ordered backends, 1 seed each:
+    this file is the job's script; each rank replays its own trace."""
+    proc = run_mpi(2, [os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__))), "1"], timeout=120,
+                   env=clean_env(COMMREF_GIN_ENGINE="native"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "DISALLOWED" not in proc.stdout, proc.stdout[-4000:]
+    lines = set(re.findall(r"rank (\d) (\S+) ordered (\S+) seed (\d+): conforms [^\n]*? engine (native|auto|python)",
+                           proc.stdout))
+    assert len(lines) == 2 * len(ORDERED), out[-4000:]
+    assert {m[4] for m in lines} == {"native"}, lines
+
+
+def _mpi_main(seeds: list[int]) -> None:
+    """Run under mpiexec with COMMREF_GIN_ENGINE=native (a communicator the native engine
+    cannot carry fails at setup, so every trace below is the native engine's)."""
+    from commref.transports.world import MPIWorld
+
+    world = MPIWorld()
+    engine = os.environ.get("COMMREF_GIN_ENGINE", "auto")
+    for backend, protocol in ORDERED:
+        for seed, (trace, wrong) in zip(seeds, _native_conformance(world, backend, protocol, seeds)):
+            try:
+                counts = replay_trace(trace, backend, "ordered")
+                line = (f"rank {world.rank} {backend} ordered {protocol} seed {seed}: conforms {counts['post']} "
+                        f"posts {counts['seg']} segments {counts['signal']} signals wrong {wrong} engine {engine}")
+            except Disallowed as e:
+                line = f"rank {world.rank} {backend} ordered {protocol} seed {seed}: DISALLOWED {e}"
+            sys.stdout.write(line + "\n")  # one write: the two ranks' lines share mpiexec's stdout
+            sys.stdout.flush()
+    world.barrier(what="native conformance done")
+
+
+if __name__ == "__main__":
+    _mpi_main([int(s) for s in sys.argv[1:]] or list(CONFORMANCE_SEEDS))
+    sys.exit(0)

@@ -8,7 +8,9 @@ plan.GinPlan.start_proxy picks NativeProxy there and proxy.GinProxy everywhere e
 One C++ std::thread per rank takes the descriptors in slot order exactly as
 queue.QueueReader does, executes each (data, counter, signal, get) and stores
 consumed = slot + 1 with release; see native_engine.cpp for the memory orders and the
-polling policy, and docs/gin.md ("The native engine").
+polling policy, and docs/gin.md ("The native engine"). With `trace` set it records, in
+a bounded buffer, the Python scheduler's ordered-wire events per (peer, ctx)
+(decode_trace), which tests/test_gin_native.py replays against semantics.enabled().
 
 The library is built like host_atomics.cpp (loader.build_library, cached by source
 hash and flags; loader.TSAN_FLAGS when the process runs under ThreadSanitizer).
@@ -28,7 +30,7 @@ from commref.transports.gin import semantics
 from commref.transports.gin.backends import Backend
 from commref.transports.gin.wires import ProxyError
 
-__all__ = ["NativeProxy", "ProxyError", "supports", "native_library", "POLLING"]
+__all__ = ["NativeProxy", "ProxyError", "supports", "native_library", "decode_trace", "POLLING", "TRACE_DTYPE"]
 
 SOURCE = Path(__file__).resolve().with_name("native_engine.cpp")
 
@@ -47,12 +49,44 @@ class EngineConfig(ctypes.Structure):
                 ("strongSignals", ctypes.c_int32), ("vaSignals", ctypes.c_int32), ("strongAlways", ctypes.c_int32),
                 ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
                 ("yieldPolls", ctypes.c_int32), ("pad", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
-                ("timeoutS", ctypes.c_double), ("backend", ctypes.c_char * 32)]
+                ("traceCapacity", ctypes.c_uint64), ("timeoutS", ctypes.c_double), ("backend", ctypes.c_char * 32)]
 
 
-class TraceRecord(ctypes.Structure):
-    _fields_ = [("peer", ctypes.c_int32), ("ctx", ctypes.c_int32), ("seq", ctypes.c_uint64),
-                ("signal", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+# native_engine.cpp's CommrefGinTraceRecord (one event on link (peer, ctx)) and its kinds
+TRACE_DTYPE = np.dtype([("peer", "<i4"), ("ctx", "<i4"), ("kind", "<u4"), ("flags", "<u4"), ("seq", "<u8"),
+                        ("a", "<u8"), ("b", "<u8"), ("c", "<u8"), ("d", "<u8")])
+POST, FLUSH, DOORBELL, DATA, SIGNAL, COUNTER, GET = range(1, 8)
+HAS_SIGNAL, STRONG, VA = 1, 2, 4  # a post's flags
+TRACE_CAPACITY = 1 << 22  # records the engine holds between two reads of `trace` (64 B each)
+
+
+def decode_trace(records: np.ndarray, into: dict) -> dict:
+    """Appends TRACE_DTYPE records to `into` per (peer, ctx) as the Python scheduler's
+    ordered-wire tuples (scheduler.py's module docstring): ("post", seq, offset, nbytes,
+    semantics.Signal or None), ("data", seq), ("signal", seq), ("counter", seq, index),
+    ("flush",), ("doorbell", d), ("get", src, dst, nbytes)."""
+    for peer, ctx, kind, flags, seq, a, b, c, d in records.tolist():
+        if kind == POST:
+            sig = None
+            if flags & HAS_SIGNAL:
+                sig = semantics.Signal(bool(flags & STRONG), ("va" if flags & VA else "index", c), d)
+            rec = ("post", seq, a, b, sig)
+        elif kind == DATA:
+            rec = ("data", seq)
+        elif kind == SIGNAL:
+            rec = ("signal", seq)
+        elif kind == COUNTER:
+            rec = ("counter", seq, a)
+        elif kind == FLUSH:
+            rec = ("flush",)
+        elif kind == DOORBELL:
+            rec = ("doorbell", seq)
+        elif kind == GET:
+            rec = ("get", a, b, c)
+        else:
+            raise ProxyError(f"native GIN trace: unknown record kind {kind}")
+        into.setdefault((peer, ctx), []).append(rec)
+    return into
 
 
 def _under_tsan() -> bool:
@@ -66,16 +100,17 @@ def native_library() -> ctypes.CDLL:
     path = loader.build_library("commref_gin_engine", [SOURCE], flags, ("COMMREF_CPU",), (loader.INCLUDE_DIR,))
     lib = ctypes.CDLL(str(path))
     vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+    p64 = ctypes.POINTER(ctypes.c_uint64)
     for name, args, res in (("config_size", [], u64), ("trace_record_size", [], u64),
                             ("create", [ctypes.POINTER(EngineConfig)], vp), ("start", [vp], ctypes.c_int),
                             ("stop", [vp, ctypes.c_double], ctypes.c_int), ("destroy", [vp], None),
                             ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
                             ("error", [vp, ctypes.c_char_p, u64], u64), ("failed", [vp], ctypes.c_int), ("set_trace", [vp, ctypes.c_int], None),
-                            ("take_trace", [vp, ctypes.POINTER(TraceRecord), u64], u64)):
+                            ("take_trace", [vp, vp, u64, p64], u64)):
         f = getattr(lib, f"commref_gin_engine_{name}")
         f.argtypes, f.restype = args, res
     assert lib.commref_gin_engine_config_size() == ctypes.sizeof(EngineConfig), "EngineConfig != the C++ struct"
-    assert lib.commref_gin_engine_trace_record_size() == ctypes.sizeof(TraceRecord), "TraceRecord != the C++ struct"
+    assert lib.commref_gin_engine_trace_record_size() == TRACE_DTYPE.itemsize, "TRACE_DTYPE != the C++ struct"
     return lib
 
 
@@ -96,7 +131,7 @@ class NativeProxy:
 
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
-                 mpi_comm=None, observer=None, polling: dict | None = None):
+                 mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY):
         why = supports(transport, network, observer)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
@@ -114,7 +149,7 @@ class NativeProxy:
             strongSignals=int(caps.strong_signals), vaSignals=int(caps.va_signals),
             strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,
             spinPolls=int(poll["spin_polls"]), yieldPolls=int(poll["yield_polls"]),
-            sleepMaxNs=int(poll["sleep_max_ns"]), timeoutS=float(world.timeout), backend=backend.name.encode()[:31])
+            sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity), timeoutS=float(world.timeout), backend=backend.name.encode()[:31])
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
         if not self._h:
             raise ProxyError(f"rank {self.rank}: the native GIN engine refused its configuration")
@@ -122,8 +157,11 @@ class NativeProxy:
         self._error: BaseException | None = None
         self._final_stats: dict | None = None
         self._trace: dict | None = None
+        self._trace_lost = 0
+        self.trace_capacity = int(trace_capacity)
         self._words = (ctypes.c_uint64 * 5)()
-        self._recs = (TraceRecord * 4096)()
+        self._recs = np.zeros(4096, TRACE_DTYPE)
+        self._lost = ctypes.c_uint64(0)
 
     # ---- state ----
 
@@ -153,24 +191,31 @@ class NativeProxy:
 
     @property
     def trace(self) -> dict | None:
-        """Set to {} to record each landing per (peer, ctx) as (seq, "put") or
-        (seq, "put+signal"), seq counting the operations of that (peer, ctx) from 0 (the
-        Python proxy's ordered-wire trace)."""
+        """Set to {} to record per (peer, ctx) what was posted and every event the engine
+        made happen there, in the Python proxy's ordered-wire format (decode_trace). Raises
+        ProxyError when the engine had to drop records (more than `trace_capacity` held
+        between two reads): an incomplete trace is refused, never returned."""
         if self._trace is not None and self._h:
             self._collect_trace()
+        if self._trace_lost:
+            raise ProxyError(f"rank {self.rank}: the native GIN engine's trace overflowed: {self._trace_lost} "
+                             f"records not kept (capacity {self.trace_capacity} records between reads of "
+                             f"NativeProxy.trace; raise trace_capacity or read the trace more often)")
         return self._trace
 
     @trace.setter
     def trace(self, value: dict | None) -> None:
         self._trace = value
+        self._trace_lost = 0
         if self._h:
             self._lib.commref_gin_engine_set_trace(self._h, int(value is not None))
 
     def _collect_trace(self) -> None:
         while True:
-            n = int(self._lib.commref_gin_engine_take_trace(self._h, self._recs, len(self._recs)))
-            for r in self._recs[:n]:
-                self._trace.setdefault((r.peer, r.ctx), []).append((int(r.seq), "put+signal" if r.signal else "put"))
+            n = int(self._lib.commref_gin_engine_take_trace(self._h, self._recs.ctypes.data, len(self._recs),
+                                                            ctypes.byref(self._lost)))
+            self._trace_lost = int(self._lost.value)
+            decode_trace(self._recs[:n], self._trace)
             if n < len(self._recs):
                 return
 

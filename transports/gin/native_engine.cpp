@@ -25,6 +25,16 @@
 // with sched_yield, then sleeps that double from 1 us up to `sleep_max_ns` (the thread's
 // timer slack is set to 1 us so that short sleeps are short). Any descriptor taken
 // resets the backoff.
+//
+// Trace (when on): per descriptor, the events it made happen, appended in the order they
+// happen to one bounded buffer (CommrefGinTraceRecord, decoded by native.py into the
+// Python scheduler's ordered-wire tuples): post (seq, offset, nbytes, the signal as
+// applied), data, counter, signal (the order they happen here; the Python proxy bumps
+// the counter after the signal); flush (on every link of the context posted or rung
+// so far), doorbell (its number on the link, from 1), get. Past traceCapacity records
+// held, nothing more is recorded and the loss is counted (takeTrace's caller refuses
+// the trace). Off, the fast path pays one relaxed load per descriptor; the link table
+// (sequence numbers, doorbell counts) is kept either way, behind a one-entry cache.
 #include <sched.h>
 #include <sys/prctl.h>
 #include <time.h>
@@ -58,14 +68,20 @@ struct CommrefGinEngineConfig {
   int32_t trace;                                                       // record landings from the start
   int32_t spinPolls, yieldPolls, pad;
   uint64_t sleepMaxNs;     // longest idle sleep
+  uint64_t traceCapacity;  // most trace records held at once (beyond: lost and counted)
   double timeoutS;         // stop(): how long to wait for the thread to end
   char backend[32];        // the backend's name, for messages
 };
 
+// One event on link (peer, ctx); native.py's TRACE_DTYPE mirrors it.
+enum : uint32_t { kTracePost = 1, kTraceFlush, kTraceDoorbell, kTraceData, kTraceSignal, kTraceCounter, kTraceGet };
+enum : uint32_t { kTraceHasSignal = 1, kTraceStrong = 2, kTraceVa = 4 };  // a post's flags
 struct CommrefGinTraceRecord {
   int32_t peer, ctx;
-  uint64_t seq;  // per (peer, ctx), from 0
-  uint32_t signal, pad;  // 1: "put+signal", 0: "put"
+  uint32_t kind, flags;
+  uint64_t seq;         // post, data, signal, counter: the put's seq on its link (from 0); doorbell: its number (from 1)
+  uint64_t a, b, c, d;  // post: offset, nbytes, signal id or VA offset, signal value; counter: a = index;
+                        // get: a = src, b = dst, c = bytes
 };
 
 namespace {
@@ -88,6 +104,7 @@ class Engine {
     claimed_ = reinterpret_cast<const uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CLAIMED);
     counters_ = reinterpret_cast<char*>(c.windowBase + c.countersOff);
     tracing_.store(c.trace != 0, std::memory_order_relaxed);
+    traceCapacity_ = c.traceCapacity;
   }
 
   void start() { thread_ = std::thread([this] { run(); }); }
@@ -129,11 +146,13 @@ class Engine {
   void setTrace(bool on) {
     std::lock_guard<std::mutex> g(mu_);
     trace_.clear();
+    traceLost_ = 0;
     tracing_.store(on, std::memory_order_release);
   }
 
-  size_t takeTrace(CommrefGinTraceRecord* out, size_t max) {
+  size_t takeTrace(CommrefGinTraceRecord* out, size_t max, uint64_t* lost) {
     std::lock_guard<std::mutex> g(mu_);
+    *lost = traceLost_;
     const size_t n = trace_.size() < max ? trace_.size() : max;
     if (n) {
       std::memcpy(out, trace_.data(), n * sizeof(CommrefGinTraceRecord));
@@ -197,8 +216,52 @@ class Engine {
 
   std::string who() const { return "rank " + std::to_string(cfg_.rank) + ": "; }
 
+  struct Link {
+    uint64_t seq = 0, doorbells = 0;  // operations posted, doorbells rung (the trace's numbers)
+  };
+
+  // The link (peer, ctx), created on first use (as the Python scheduler's link()); the
+  // last one is cached (unordered_map nodes do not move).
+  Link& link(int32_t peer, int32_t ctx) {
+    const uint64_t key = ((uint64_t)(uint32_t)peer << 32) | (uint32_t)ctx;
+    if (lastLink_ == nullptr || key != lastKey_) {
+      lastLink_ = &links_[key];
+      lastKey_ = key;
+    }
+    return *lastLink_;
+  }
+
+  bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
+
+  void record(const CommrefGinTraceRecord* r, size_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (traceLost_ || trace_.size() + n > traceCapacity_) {  // refused from the first loss on: no holes
+      traceLost_ += n;
+      return;
+    }
+    trace_.insert(trace_.end(), r, r + n);
+  }
+
+  void traceFlush(int32_t ctx) {
+    std::vector<CommrefGinTraceRecord> r;
+    for (const auto& kv : links_)
+      if ((int32_t)(uint32_t)kv.first == ctx) r.push_back({(int32_t)(kv.first >> 32), ctx, kTraceFlush, 0, 0, 0, 0, 0, 0});
+    if (!r.empty()) record(r.data(), r.size());
+  }
+
   bool execute(const GinDescriptor& d) {
-    if (d.op == kGinFlush || d.op == kGinDoorbell) return true;  // everything lands when taken
+    if (d.op == kGinFlush) {  // everything lands when taken
+      if (tracing()) traceFlush(d.ctx);
+      return true;
+    }
+    if (d.op == kGinDoorbell) {
+      const uint64_t n = ++link(d.peer, d.ctx).doorbells;
+      if (tracing()) {
+        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceDoorbell, 0, n, 0, 0, 0, 0};
+        record(&r, 1);
+      }
+      return true;
+    }
     if (d.peer < 0 || d.peer >= cfg_.nranks)
       return fail(who() + "GIN operation " + std::to_string(d.op) + " names peer " + std::to_string(d.peer) +
                   " outside [0, " + std::to_string(cfg_.nranks) + ")");
@@ -208,6 +271,10 @@ class Engine {
     char* here = reinterpret_cast<char*>(cfg_.windowBase);
     if (d.op == kGinGet) {
       std::memcpy(here + d.dstOffset, peer + d.srcOffset, d.bytes);
+      if (tracing()) {
+        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceGet, 0, 0, d.srcOffset, d.dstOffset, d.bytes, 0};
+        record(&r, 1);
+      }
       return true;
     }
     uint64_t* signal = nullptr;
@@ -227,22 +294,35 @@ class Engine {
       }
       signal = reinterpret_cast<uint64_t*>(peer + (va ? d.signal : cfg_.signalsOff + 8 * d.signal));
     }
+    uint64_t nbytes = 0;
     if (d.op == kGinPut) {
       std::memcpy(peer + d.dstOffset, here + d.srcOffset, d.bytes);
+      nbytes = d.bytes;
     } else if (d.op == kGinPutValue) {
       std::memcpy(peer + d.dstOffset, &d.bytes, 8);
+      nbytes = 8;
     } else if (d.op != kGinSignal) {
       return fail(who() + "unknown GIN operation " + std::to_string(d.op));
     }
-    if (d.op == kGinPut && (d.flags & kGinHasCounter))  // the source is reusable from here on
+    const bool counter = d.op == kGinPut && (d.flags & kGinHasCounter);
+    if (counter)  // the source is reusable from here on
       __atomic_fetch_add(reinterpret_cast<uint64_t*>(counters_ + 8 * (uint64_t)d.counter), 1, __ATOMIC_RELEASE);
     if (signal) __atomic_fetch_add(signal, value, __ATOMIC_RELEASE);  // after the data: release
     events_.fetch_add(1, std::memory_order_relaxed);
-    const uint64_t key = ((uint64_t)(uint32_t)d.peer << 32) | (uint32_t)d.ctx;
-    const uint64_t seq = seqs_[key]++;
-    if (tracing_.load(std::memory_order_acquire)) {
-      std::lock_guard<std::mutex> g(mu_);
-      trace_.push_back(CommrefGinTraceRecord{d.peer, d.ctx, seq, signal != nullptr, 0});
+    const uint64_t seq = link(d.peer, d.ctx).seq++;
+    if (tracing()) {  // what happened, in its order: the put posted, its data, its counter, its signal
+      CommrefGinTraceRecord r[4];
+      size_t n = 0;
+      uint32_t flags = 0;
+      if (signal) {
+        flags = kTraceHasSignal | (d.flags & kGinVaSignal ? kTraceVa : 0) |
+                ((d.flags & kGinStrongSignal) || cfg_.strongAlways ? kTraceStrong : 0);
+      }
+      r[n++] = {d.peer, d.ctx, kTracePost, flags, seq, d.dstOffset, nbytes, signal ? d.signal : 0, signal ? value : 0};
+      if (nbytes) r[n++] = {d.peer, d.ctx, kTraceData, 0, seq, 0, 0, 0, 0};
+      if (counter) r[n++] = {d.peer, d.ctx, kTraceCounter, 0, seq, d.counter, 0, 0, 0};
+      if (signal) r[n++] = {d.peer, d.ctx, kTraceSignal, 0, seq, 0, 0, 0, 0};
+      record(r, n);
     }
     return true;
   }
@@ -254,13 +334,17 @@ class Engine {
   const uint64_t* claimed_;
   char* counters_;
   uint64_t next_ = 0;  // the next slot to take (engine thread only)
-  std::unordered_map<uint64_t, uint64_t> seqs_;  // (peer, ctx) -> operations posted there so far
+  std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (engine thread only)
+  uint64_t lastKey_ = 0;
+  Link* lastLink_ = nullptr;
   std::atomic<bool> stop_{false}, exited_{false}, tracing_{false};
   std::atomic<uint64_t> ops_{0}, events_{0};
   std::atomic<int> failed_{0};
-  std::mutex mu_;  // error_, trace_
+  std::mutex mu_;  // error_, trace_, traceLost_
   std::string error_;
   std::vector<CommrefGinTraceRecord> trace_;
+  uint64_t traceCapacity_;
+  uint64_t traceLost_ = 0;  // records not kept since the trace was last set
   std::thread thread_;
 };
 
@@ -296,6 +380,8 @@ COMMREF_GIN_API uint64_t commref_gin_engine_error(void* h, char* buf, uint64_t n
   return static_cast<Engine*>(h)->error(buf, n);
 }
 COMMREF_GIN_API void commref_gin_engine_set_trace(void* h, int on) { static_cast<Engine*>(h)->setTrace(on != 0); }
-COMMREF_GIN_API uint64_t commref_gin_engine_take_trace(void* h, CommrefGinTraceRecord* out, uint64_t max) {
-  return static_cast<Engine*>(h)->takeTrace(out, max);
+// Moves up to `max` records (oldest first) to `out`; *lost: records not kept (buffer full).
+COMMREF_GIN_API uint64_t commref_gin_engine_take_trace(void* h, CommrefGinTraceRecord* out, uint64_t max,
+                                                       uint64_t* lost) {
+  return static_cast<Engine*>(h)->takeTrace(out, max, lost);
 }
