@@ -420,8 +420,10 @@ def test_dead_engine_raises_the_abort_word_so_kernels_fail(native):
 # conformance: the native engine's traces replayed against semantics.enabled()
 # ---------------------------------------------------------------------------------------
 
-# (backend, protocol) for every backend that runs the ordered wire (test_gin_conformance.MATRIX's ordered rows)
-ORDERED = [("proxy", "strong"), ("rc", "strong"), ("rc", "weak-last"), ("gda", "signal-per-put")]
+# (backend, protocol) for every backend that runs the ordered wire: test_gin_conformance.MATRIX's ordered rows,
+# and gda's flush-signal (its flushes are recorded on every link of the context and mark the next put)
+ORDERED = [("proxy", "strong"), ("rc", "strong"), ("rc", "weak-last"), ("gda", "signal-per-put"),
+           ("gda", "flush-signal")]
 CONFORMANCE_SEEDS = (1, 2)
 
 
@@ -440,12 +442,13 @@ def _kinds(trace: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend, protocol", ORDERED)
-def test_collectives_over_native_engine_conform(backend, protocol, native):
+@pytest.mark.parametrize("nranks, backend, protocol", [(2, *o) for o in ORDERED] + [(3, "proxy", "strong"),
+                                                                                     (3, "gda", "flush-signal")])
+def test_collectives_over_native_engine_conform(nranks, backend, protocol, native):
     """Each rank's native trace, link by link, against semantics.enabled() (the replay
     test_gin_conformance.py runs on the Python proxy's traces): every post, data and
     signal event; every posted put lands."""
-    results = ThreadWorld.run(2, _native_conformance, backend, protocol, list(CONFORMANCE_SEEDS), timeout=120)
+    results = ThreadWorld.run(nranks, _native_conformance, backend, protocol, list(CONFORMANCE_SEEDS), timeout=120)
     total, kinds = {}, {}
     for rank, per_seed in enumerate(results):
         for seed, (trace, wrong) in zip(CONFORMANCE_SEEDS, per_seed):
@@ -458,6 +461,7 @@ def test_collectives_over_native_engine_conform(backend, protocol, native):
     assert total["seg"] > 100 and total["signal"] > 20, total
     assert total["post"] == kinds["post"] and total["signal"] == kinds["signal"], (total, kinds)
     assert kinds["doorbell"] > 0 and kinds["data"] > 0, kinds
+    assert protocol != "flush-signal" or kinds["flush"] > 0, kinds
 
 
 def _swap_signal_before_data(records: np.ndarray) -> np.ndarray:
