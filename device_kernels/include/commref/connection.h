@@ -6,7 +6,11 @@
 //   sender, step s:   wait until its credit signal >= s + 1 - nsteps; fill its own
 //                     staging slot; put it into the receiver's FIFO slot with a remote
 //                     action that depends on GinArgs.protocol:
-//                       strong:         one put, StrongSignalInc(ready)
+//                       strong:         one put with StrongSignalInc(ready) if header +
+//                                       data < 2 * kGinStrongMinPutBytes; else
+//                                       min(putsPerSlot, total / kGinStrongMinPutBytes)
+//                                       puts, StrongSignalInc(ready) on the last only
+//                                       (it covers the earlier puts of its context)
 //                       weak-last:      putsPerSlot puts, WeakSignalInc(ready) on the last
 //                       signal-per-put: putsPerSlot puts, each WeakSignalInc(ready)
 //                       flush-signal:   putsPerSlot puts, flush, then WeakSignalInc(ready)
@@ -97,6 +101,15 @@ static __device__ RecvConnection makeRecv(const CollArgs& a, int c, int in, int 
   return r;
 }
 
+// Strong protocol: the least bytes of a put when a slot is split. A slot of header +
+// data below twice this stays one put (small messages keep their latency: one
+// descriptor per slot); a larger one goes as several puts of at least this many bytes,
+// at most putsPerSlot, the strong signal on the last. The split is what relies on the
+// strong signal's promise (every earlier put of its context to that peer is visible
+// first), as NCCL's GIN kernels do; 4 KiB per put keeps the per-descriptor cost small
+// against the bytes it carries.
+constexpr uint64_t kGinStrongMinPutBytes = 4096;
+
 static __device__ __forceinline__ uint32_t signalsPerSlot(const CollArgs& a) {
   return a.gin.protocol == kGinSignalPerPut ? a.gin.putsPerSlot : 1;
 }
@@ -126,16 +139,17 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
   Gin g{a, env};
   const uint64_t total = COMMREF_SLOT_HEADER + bytes, dst = s.peerFifoOff + slot, src = s.stagingOff + slot;
   const uint64_t readySignal = s.readySignal + step % a.layout.nsteps;
-  if (a.gin.protocol == kGinStrong) {
-    g.put(s.channel, s.peer, dst, src, total, StrongSignalInc(readySignal));
-    g.doorbell(s.channel, s.peer);
-    return;
+  uint32_t n = a.gin.putsPerSlot;
+  if (a.gin.protocol == kGinStrong) {  // the header is in the first put
+    const uint64_t fit = total / kGinStrongMinPutBytes;
+    n = fit < 1 ? 1 : (fit < n ? (uint32_t)fit : n);
   }
-  const uint32_t n = a.gin.putsPerSlot;
   for (uint32_t i = 0; i < n; i++) {
     const uint64_t b = total * i / n, e = total * (i + 1) / n;
     GinRemoteAction r = NoSignal();
-    if (a.gin.protocol == kGinSignalPerPut || (a.gin.protocol == kGinWeakLast && i == n - 1))
+    if (a.gin.protocol == kGinStrong && i == n - 1)
+      r = StrongSignalInc(readySignal);
+    else if (a.gin.protocol == kGinSignalPerPut || (a.gin.protocol == kGinWeakLast && i == n - 1))
       r = WeakSignalInc(readySignal);
     g.put(s.channel, s.peer, dst + b, src + b, e - b, r);
   }
