@@ -63,7 +63,7 @@ class GinOptions:
     network: Network = Network.AUTO
     protocol: GinProtocol = GinProtocol.STRONG
     seed: int = 0  # of the unordered wire's landing orders
-    puts_per_slot: int = 4  # puts per FIFO slot of the weak protocols
+    puts_per_slot: int = 4  # puts per FIFO slot: the weak protocols', and the most a large strong slot is split into
     queue: int = 256  # descriptors in a rank's GIN queue
     counters: int = 0  # GIN counters beyond the connections' own
     segment_bytes: int = 4096  # the unordered wire's unit of placement

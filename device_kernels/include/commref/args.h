@@ -81,7 +81,7 @@ struct ErrorRecord {
 
 // GIN: how a kernel reaches its proxy, and how its GIN connections signal.
 enum GinProtocol : uint32_t {
-  kGinStrong = 0,        // each slot: one put with a strong signal (the default; always safe)
+  kGinStrong = 0,        // a slot's puts, a strong signal on the last (the default; always safe)
   kGinWeakLast = 1,      // each slot: putsPerSlot puts, a weak signal on the last one only (unsafe unordered)
   kGinSignalPerPut = 2,  // each slot: putsPerSlot puts, each with a weak signal; the receiver counts
   kGinFlushSignal = 3    // each slot: putsPerSlot puts, flush, then a weak signal
