@@ -280,6 +280,7 @@ def test_native_trace_and_landings_equal_the_python_proxy():
     assert nat["trace"][(2, 3)] == [("doorbell", 1), ("flush",)]
     counts = replay_trace(nat["trace"], "proxy", "ordered")
     assert counts["post"] == 12 and counts["signal"] == 9 and counts["counter"] == 3 and counts["get"] == 1, counts
+    assert replay_trace(py["trace"], "proxy", "ordered") == counts, "the Python proxy's trace must replay alike"
     assert nat["stats"] == py["stats"] == {"ops": len(posts), "events": 12}
     assert not nat["pending"] and nat["abort"] == 0
     for rank in range(3):  # every window byte alike: data, signals, VA words, counters, the get
