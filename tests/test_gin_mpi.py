@@ -2,7 +2,7 @@
 
 Every collective over the GIN proxy with the MPI wire (messages between the ranks'
 proxies: the distributed path, here on one host) and the shm wire (the proxy writes
-into the peer's mapped window), ordered and unordered, 2 and 3 ranks, a reduced sweep
+into the peer's mapped window), ordered and unordered, 2, 3 and 5 ranks, a reduced sweep
 with small slots (many pipeline steps). Also: the rc backend, and a setup failure that
 names the missing capability. No /dev/shm/commref-* file may be left behind.
 """
@@ -37,7 +37,7 @@ REDUCED_CASES = (4 * 3 + 2) * 2 * 5 * 2 + 4 * 3 * 2 * 5
 
 @pytest.mark.parametrize("wire", ["ordered", "unordered"])
 @pytest.mark.parametrize("network", ["mpi", "shm"])
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [2, 3, 5])
 def test_check_over_gin(nranks, network, wire, shm_leak_check):
     args = [*CHECK, *REDUCED, "--network", network, "--wire", wire, "--seed", str(nranks * 7 + len(network))]
     proc = run_mpi(nranks, args, timeout=90, module=True)
