@@ -7,8 +7,10 @@
   the shm wire (the proxy writes into the peer's mapped window), strong signals, for
   each wire ordering. Each proxy's `stats["ops"]` (descriptors it took from its
   queue: a put with its signal, or a bare credit signal) is counted over a timed loop
-  of --small-iters collectives; reported per proxy (ops/s), as ops per collective, and
-  as collectives/s. The report names the engine that carried each (native: the C++
+  of --small-iters collectives; reported per proxy (ops/s), as ops per collective, as
+  collectives/s, and as latencies: microseconds per collective and per proxy operation
+  (the loop is latency-bound: one collective waits for the previous one). The report
+  names the engine that carried each (native: the C++
   engine, transports/gin/native.py, which the ordered shm wire gets by default;
   python: the Python proxy; COMMREF_GIN_ENGINE=python forces it for comparison).
 - busbw: AllReduce of --bytes (float32) over path="lsa" and over path="gin" (shm wire,
@@ -119,6 +121,9 @@ def measure(world, args) -> dict | None:
             "ops_per_collective_per_proxy": [o / args.small_iters for o in ops],
             "ops_per_s_per_proxy": [o / seconds for o in ops],
             "ops_per_s_all_proxies": sum(ops) / seconds,
+            # the loop is latency-bound: one collective, and one proxy operation of it, take this long
+            "us_per_collective": seconds / args.small_iters * 1e6,
+            "us_per_op_per_proxy": [seconds / o * 1e6 if o else None for o in ops],
             "correct": all(p["ok"] for p in per),
             "engine": per[0]["engine"],
         }
@@ -143,7 +148,9 @@ def report(out: dict) -> str:
         per = ", ".join(f"{v:.1f}" for v in r["ops_per_collective_per_proxy"])
         lines.append(f"8-byte AllReduce, {wire:>9} wire, {r['engine']} engine: {r['collectives_per_s']:,.0f} collectives/s; "
                      f"proxy ops/s per rank [{ops}] (all proxies {r['ops_per_s_all_proxies']:,.0f}); "
-                     f"ops per collective per proxy [{per}]; correct={r['correct']}")
+                     f"ops per collective per proxy [{per}]; {r['us_per_collective']:.1f} us per collective, "
+                     f"us per op per proxy [{', '.join(f'{v:.2f}' for v in r['us_per_op_per_proxy'] if v)}]; "
+                     f"correct={r['correct']}")
     b = out["busbw"]
     lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce (median, slowest rank per iteration), gin on the "
                  f"{b['gin_engine']} engine, correct={b['correct']}:")

@@ -4,6 +4,7 @@ sweeps, the JSON document, #wrong on a planted error, the plot, and the command 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -367,3 +368,20 @@ def test_bench_under_mpiexec(tmp_path) -> None:
     assert [r["size"] for r in doc["rows"]] == [8, 512, 32768]
     assert all(r["ratio"] is not None and r["out_of_place"]["wrong"] == 0 for r in doc["rows"])
     assert "# Out of bounds values : 0 OK" in proc.stdout
+
+
+def test_gin_rate_reports_rates_and_latencies():
+    """bench/gin_rate.py in ThreadWorld (small sizes): correct results, the engine named,
+    and the latency figures consistent with the rates they come from."""
+    from commref.bench import gin_rate
+
+    out = ThreadWorld.run(2, gin_rate.measure, argparse.Namespace(small_iters=40, bytes=64 << 10, iters=2, warmup=1),
+                          timeout=60)[0]
+    for wire, r in out["rate"].items():
+        assert r["correct"] and r["engine"] in ("native", "python"), (wire, r)
+        assert r["us_per_collective"] == pytest.approx(1e6 / r["collectives_per_s"])
+        for ops_per_s, us in zip(r["ops_per_s_per_proxy"], r["us_per_op_per_proxy"]):
+            assert us == pytest.approx(1e6 / ops_per_s)
+    assert out["busbw"]["correct"]
+    text = gin_rate.report(out)
+    assert "us per collective" in text and "us per op per proxy" in text
