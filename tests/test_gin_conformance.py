@@ -149,29 +149,32 @@ def replay_trace(trace: dict, backend: str, wire: str, segment_bytes: int = SEGM
     return total
 
 
-def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network="shm"):
-    """Per seed: (this rank's proxy trace, wrong elements here, strong flags the proxy
-    received) of a reduced sweep of every GIN collective."""
+def traced_sweep(world, seed, timeout, count=COUNT, slot_bytes=SLOT_BYTES, segment_bytes=SEGMENT_BYTES, **gin):
+    """One reduced sweep of every GIN collective (float32 sum, `count` elements, out of
+    place) with the proxy's trace on; `gin`: the Communicator's GIN keywords. Returns
+    (this rank's proxy trace, wrong elements here, strong flags the proxy received)."""
     from commref.collectives import check
     from commref.collectives.catalogue import NAMES
     from commref.collectives.communicator import Communicator
 
-    out = []
-    for seed in seeds:
-        comm = Communicator(world, "cpu", timeout=timeout, path="gin", backend=backend, wire=wire, network=network,
-                            gin_protocol=protocol, seed=seed, max_channels=1, slot_bytes=SLOT_BYTES,
-                            segment_bytes=SEGMENT_BYTES)
-        try:
-            comm.proxy.trace = {}
-            cases = check.cases(list(NAMES), ["float32"], ["sum"], [], [COUNT], world.size, seed,
-                                direct=False, in_place=(False,), denormals=False)
-            wrong = sum(check.run_case(comm, c) for c in cases)
-            world.barrier(what="conformance run done")
-            proxy = comm.proxy
-        finally:
-            comm.close()  # quiesces the proxy: everything posted has landed
-        out.append(({k: list(v) for k, v in proxy.trace.items()}, wrong, getattr(proxy, "strong_seen", 0)))
-    return out
+    comm = Communicator(world, "cpu", timeout=timeout, path="gin", seed=seed, max_channels=1, slot_bytes=slot_bytes,
+                        segment_bytes=segment_bytes, **gin)
+    try:
+        comm.proxy.trace = {}
+        cases = check.cases(list(NAMES), ["float32"], ["sum"], [], [count], world.size, seed,
+                            direct=False, in_place=(False,), denormals=False)
+        wrong = sum(check.run_case(comm, c) for c in cases)
+        world.barrier(what="traced sweep done")
+        proxy = comm.proxy
+    finally:
+        comm.close()  # quiesces the proxy: everything posted has landed
+    return {k: list(v) for k, v in proxy.trace.items()}, wrong, getattr(proxy, "strong_seen", 0)
+
+
+def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network="shm"):
+    """Per seed: traced_sweep's (trace, wrong elements, strong flags received)."""
+    return [traced_sweep(world, seed, timeout, backend=backend, wire=wire, network=network, gin_protocol=protocol)
+            for seed in seeds]
 
 
 def watch_flags(strip_strong: bool):
@@ -378,23 +381,10 @@ def _planted_run(world, seed, timeout):
     """The collectives over GIN (proxy, unordered wire, strong) through slots large enough
     that the strong protocol splits each into several puts with the strong signal on the
     last; returns (this rank's proxy trace, wrong elements here)."""
-    from commref.collectives import check
-    from commref.collectives.catalogue import NAMES
-    from commref.collectives.communicator import Communicator
-
-    comm = Communicator(world, "cpu", timeout=timeout, path="gin", backend="proxy", wire="unordered", network="shm",
-                        gin_protocol="strong", seed=seed, max_channels=1, slot_bytes=PLANTED_SLOT_BYTES,
-                        segment_bytes=PLANTED_SEGMENT_BYTES)
-    try:
-        comm.proxy.trace = {}
-        cases = check.cases(list(NAMES), ["float32"], ["sum"], [], [PLANTED_COUNT], world.size, seed,
-                            direct=False, in_place=(False,), denormals=False)
-        wrong = sum(check.run_case(comm, c) for c in cases)
-        world.barrier(what="planted run done")
-        proxy = comm.proxy
-    finally:
-        comm.close()
-    return {k: list(v) for k, v in proxy.trace.items()}, wrong
+    trace, wrong, _ = traced_sweep(world, seed, timeout, count=PLANTED_COUNT, slot_bytes=PLANTED_SLOT_BYTES,
+                                   segment_bytes=PLANTED_SEGMENT_BYTES, backend="proxy", wire="unordered",
+                                   network="shm", gin_protocol="strong")
+    return trace, wrong
 
 
 def _planted_seed(seed, strip_strong, timeout):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ import numpy as np
 from commref.device_kernels import loader
 from commref.transports.gin import semantics
 from commref.transports.gin.backends import Backend
-from commref.transports.gin.wires import ProxyError
+from commref.transports.gin.wires import ProxyError, wait_drained
 
 __all__ = ["NativeProxy", "ProxyError", "supports", "native_library", "decode_trace", "POLLING", "TRACE_DTYPE"]
 
@@ -233,15 +232,11 @@ class NativeProxy:
     def quiesce(self, timeout: float) -> None:
         """Waits until every operation claimed so far has been taken and landed; raises
         ProxyError naming rank, expected and seen at the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def state():
             ops, _, claimed, running, failed = self._poll() if self._h else (0, 0, 0, False, False)
-            if ops >= claimed or failed or not running:
-                return
-            if time.monotonic() > deadline:
-                raise ProxyError(f"rank {self.rank}: native GIN engine did not drain within {timeout} s "
-                                 f"(expected {claimed} operations taken, seen {ops})")
-            time.sleep(50e-6)
+            return ops >= claimed or failed or not running, claimed, ops
+
+        wait_drained(state, f"rank {self.rank}: native GIN engine", timeout)
 
     def stop(self) -> None:
         """Stops and joins the thread (idempotent); keeps stats, error and trace readable."""

@@ -34,7 +34,7 @@ from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import Backend
 from commref.transports.gin.queue import QueueReader
 from commref.transports.gin.scheduler import IDLE_RELEASE_S, DeliveryScheduler
-from commref.transports.gin.wires import MpiWire, ProxyError, ShmWire
+from commref.transports.gin.wires import MpiWire, ProxyError, ShmWire, wait_drained
 
 __all__ = ["GinProxy", "ProxyError"]
 
@@ -95,16 +95,13 @@ class GinProxy:
         """Waits until every operation posted so far has been taken from the queue and
         landed (MPI: sent). Call before stop() so that peers get this rank's last
         data and credits."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def state():
             claimed = self.queue.claimed()
-            if (self.queue.next >= claimed and not self.scheduler.pending() and self.wire.drained()) \
-                    or self.error is not None or not self._thread.is_alive():
-                return
-            if time.monotonic() > deadline:
-                raise ProxyError(f"rank {self.rank}: GIN proxy did not drain within {timeout} s "
-                                 f"(expected {claimed} operations taken, seen {self.queue.next})")
-            time.sleep(50e-6)
+            done = (self.queue.next >= claimed and not self.scheduler.pending() and self.wire.drained()) \
+                or self.error is not None or not self._thread.is_alive()
+            return done, claimed, self.queue.next
+
+        wait_drained(state, f"rank {self.rank}: GIN proxy", timeout)
 
     def stop(self) -> None:
         self._stop.set()

@@ -35,6 +35,21 @@ class ProxyError(RuntimeError):
     deadline (names rank, peer, operation; proxy.py exports it too)."""
 
 
+def wait_drained(state, who: str, timeout: float) -> None:
+    """A proxy's quiesce: polls state() -> (done, operations claimed, operations taken)
+    every 50 us until done; at the deadline raises ProxyError naming `who` (rank and
+    proxy), expected and seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, claimed, taken = state()
+        if done:
+            return
+        if time.monotonic() > deadline:
+            raise ProxyError(f"{who} did not drain within {timeout} s "
+                             f"(expected {claimed} operations taken, seen {taken})")
+        time.sleep(50e-6)
+
+
 class Wire:
     """The interface every wire implements (see the module docstring)."""
 
