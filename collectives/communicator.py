@@ -259,9 +259,7 @@ class Communicator:
         drive at once."""
         if self._host.failed:  # an earlier kernel failed and nobody synchronized since
             raise self._failure()
-        if stream is None:
-            stream = self._cupy.cuda.get_current_stream()
-        caller = stream if isinstance(stream, int) else int(stream.ptr)
+        caller = self._caller_stream(stream)
         if caller in LEGACY_STREAMS and self._ranks_on_device > 1:
             raise ValueError(
                 f"rank {self.rank}: {self._ranks_on_device} ranks of this process share GPU {self.device_id}, and "
@@ -336,9 +334,7 @@ class Communicator:
         current stream), then raises the failure a kernel recorded, if any."""
         if self.device != "cuda":
             return
-        if stream is None:
-            stream = self._cupy.cuda.get_current_stream()
-        caller = stream if isinstance(stream, int) else int(stream.ptr)
+        caller = self._caller_stream(stream)
         try:
             self._wait(self._stream_ptr)
             if caller != self._stream_ptr:
@@ -349,6 +345,10 @@ class Communicator:
             raise
         if self._host.failed:
             raise self._failure()
+
+    def _caller_stream(self, stream) -> int:
+        """The CUstream handle of a call's `stream` (None: CuPy's current stream)."""
+        return loader.stream_handle(self._cupy.cuda.get_current_stream() if stream is None else stream)
 
     def _wait(self, stream: int, deadline: float | None = None) -> bool:
         """Waits for a stream (a CUstream handle); a CUDA error on it raises. Polls
