@@ -80,7 +80,6 @@ class Communicator:
         self.algorithm = o.algorithm.value
         defaults = tuner.defaults(self.device, world.local_size)
         self.max_channels = o.max_channels or defaults.max_channels
-        self.slot_bytes = o.slot_bytes or defaults.slot_bytes
         self.nsteps = o.nsteps or defaults.nsteps
         self.threads = o.threads or defaults.threads
         self.timeout = o.timeout or world.timeout
@@ -110,6 +109,7 @@ class Communicator:
         self.gin = plan_gin(world, o.gin, self.device, self.max_channels, self.nsteps)
         self.peer_mask, self.path = self.gin.peer_mask, o.gin.path.value
         self.backend, self.transport, self.network = self.gin.backend, self.gin.transport, self.gin.network
+        self.slot_bytes = o.slot_bytes or tuner.defaults(self.device, world.local_size, self.network).slot_bytes
         layout, nbytes = abi.window_layout(self.max_channels, self.slot_bytes, self.nsteps,
                                            o.gin.queue if self.gin.used else 0, o.gin.counters, self.nranks)
         self.window = register_window(world, nbytes, self.device, self.device_id or 0)

@@ -20,16 +20,26 @@ class Defaults:
     threads: int
 
 
-def defaults(device: str, local_ranks: int = 1) -> Defaults:
-    """FIFO geometry and channel limit. On the CPU a channel is a spinning OS thread:
-    more channels per rank than this host's cores per local rank only take turns."""
+# FIFO slot bytes on the CPU when GIN peers are reached over network "mpi": each step is
+# a message to the peer's engine, whose fixed cost (matching, rendezvous, a wake of the
+# engine) 256 KiB slots do not amortize (docs/gin.md, "Network mpi": 16 MiB AllReduce at
+# 2 ranks, 0.2-0.4x MPICH's busbw with 256 KiB slots, 0.5-0.7x with 1 MiB, 0.76-0.83x
+# with 2 MiB). NCCL's network transport moves large chunks per step for the same reason.
+NETWORK_SLOT_BYTES = 2 * 1024 * 1024
+
+
+def defaults(device: str, local_ranks: int = 1, network: str | None = None) -> Defaults:
+    """FIFO geometry and channel limit; `network` is the GIN network of the communicator
+    (None: no GIN peer). On the CPU a channel is a spinning OS thread: more channels per
+    rank than this host's cores per local rank only take turns."""
     if device == "cuda":
         return Defaults(max_channels=8, slot_bytes=512 * 1024, nsteps=8, threads=512)
     # CPU engine: one block is one OS thread and copies run at memcpy speed, so few
     # channels; 256 KiB slots keep a step's data in the cache between the writer and
-    # the reader (docs/performance.md, "Tuner settings").
+    # the reader (docs/performance.md, "Tuner settings"); network steps are messages.
     cores = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
-    return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=256 * 1024, nsteps=4, threads=1)
+    slot_bytes = NETWORK_SLOT_BYTES if network == "mpi" else 256 * 1024
+    return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=slot_bytes, nsteps=4, threads=1)
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,9 @@ GIN_HAS_SIGNAL, GIN_STRONG, GIN_VA, GIN_ADD, GIN_HAS_COUNTER = 1, 2, 4, 8, 16
 
 SLOT_HEADER = 64  # bytes before each FIFO slot's data: call descriptor and count
 FLAG_STRIDE = 64  # bytes between flag words: two writers never share a cache line
-# After the GIN queue's descriptors: the claimed counter, and a cache line later the
-# consumed counter (gin.h).
-GIN_QUEUE_CLAIMED, GIN_QUEUE_CONSUMED, GIN_QUEUE_HEADER = 0, 64, 128
+# After the GIN queue's descriptors: the claimed counter, a cache line later the consumed
+# counter, a line later the engine's idle word (uint32, a futex: gin.h).
+GIN_QUEUE_CLAIMED, GIN_QUEUE_CONSUMED, GIN_QUEUE_IDLE, GIN_QUEUE_HEADER = 0, 64, 128, 192
 
 
 def gin_signals(nchannels: int, nsteps: int) -> tuple[int, int]:

@@ -149,19 +149,24 @@ def _compile_object(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def build_library(name: str, sources: list[Path], flags: tuple[str, ...] = CPU_FLAGS, defines=(),
-                  include_dirs=()) -> Path:
+                  include_dirs=(), system_headers=(), link=()) -> Path:
     """Compiles `sources` (C++; `.cu` files too) as separate translation units and links
     them into one shared library `lib<name>-<key>.so` under cache_dir(), or finds it
     there. The key (build_key) hashes every source, every header under `include_dirs`
     (so headers the sources include must lie there), the compiler and its version, the
-    flags and the defines. `flags` apply to compiling and linking (they should hold
-    -shared and -fPIC); `defines` are given as "NAME" or "NAME=VALUE"."""
+    flags, the defines and the link inputs. `flags` apply to compiling and linking (they
+    should hold -shared and -fPIC); `defines` are given as "NAME" or "NAME=VALUE".
+    `system_headers`: headers of other packages the sources include (an MPI's mpi.h):
+    their folders are searched, their contents count in the key. `link`: linker inputs
+    after the objects (a library's path, -Wl,-rpath,...)."""
     cxx = host_compiler()
     sources = [Path(s) for s in sources]
     include_dirs = tuple(Path(d) for d in include_dirs)
-    flags, defines = tuple(flags), tuple(defines)
-    key = build_key(sources, include_dirs, cxx, _compiler_version(cxx), flags, defines)
-    common = [*flags, *(f"-D{d}" for d in defines), *(a for d in include_dirs for a in ("-I", str(d)))]
+    system_headers = tuple(Path(h) for h in system_headers)
+    flags, defines, link = tuple(flags), tuple(defines), tuple(link)
+    key = build_key([*sources, *system_headers], include_dirs, cxx, _compiler_version(cxx), flags, defines, link)
+    common = [*flags, *(f"-D{d}" for d in defines), *(a for d in include_dirs for a in ("-I", str(d))),
+              *(a for d in dict.fromkeys(h.parent for h in system_headers) for a in ("-isystem", str(d)))]
 
     def make(lib: Path) -> None:
         objects = [lib.parent / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
@@ -173,7 +178,7 @@ def build_library(name: str, sources: list[Path], flags: tuple[str, ...] = CPU_F
         for cmd, proc in zip(cmds, procs):
             if proc.returncode != 0:
                 raise KernelError(f"building {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        cmd = [cxx, *flags, *map(str, objects), "-o", str(lib)]
+        cmd = [cxx, *flags, *map(str, objects), *link, "-o", str(lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelError(f"linking {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")

@@ -1,5 +1,5 @@
 """The native GIN engine (transports/gin/native.py, native_engine.cpp): the default for
-the ordered wire on network shm.
+the ordered wire, on network shm and (built against the MPI mpi4py loaded) network mpi.
 
 - choice: plan.GinPlan.start_proxy picks NativeProxy for ordered shm, GinProxy for the
   unordered wire and with an observer; COMMREF_GIN_ENGINE forces one or is refused;
@@ -8,8 +8,9 @@ the ordered wire on network shm.
 - trace: the native engine's trace (post, data, signal, counter, flush, doorbell, get per
   (peer, ctx)) equals the Python proxy's for the same posted sequence (host-posted
   descriptors, and a collective on one channel), record for record;
-- conformance: the collectives over GIN ordered shm on the native engine, every backend
-  that runs the ordered wire, ThreadWorld and 2 MPI ranks, each link's native trace
+- conformance: the collectives over GIN ordered on the native engine, every backend
+  that runs the ordered wire, ThreadWorld (shm) and 2 MPI ranks (shm and mpi), each
+  link's native trace
   replayed against semantics.enabled() by test_gin_conformance.py's replay; a planted
   violation in the native trace path (a signal decoded before its data) is caught; a
   trace that overflowed the engine's buffer is refused;
@@ -78,13 +79,15 @@ def test_ordered_shm_runs_native_and_the_rest_python(monkeypatch):
         ThreadWorld.run(2, _engine_kind, "ordered", timeout=WORLD_TIMEOUT)
 
 
-def test_observer_or_mpi_network_is_not_native():
+def test_observer_or_unordered_wire_is_not_native():
+    """(network mpi is native where the engine builds against the loaded MPI: the MPI
+    jobs below force COMMREF_GIN_ENGINE=native on it.)"""
     from commref.transports.gin import native
     from commref.transports.gin.observer import Observer
 
     assert native.supports(semantics.ORDERED, "shm") is None
     assert "observer" in native.supports(semantics.ORDERED, "shm", Observer())
-    assert "network 'mpi'" in native.supports(semantics.ORDERED, "mpi")
+    assert "network 'tcp'" in native.supports(semantics.ORDERED, "tcp")
     assert "unordered" in native.supports(semantics.UNORDERED, "shm")
 
 
@@ -125,8 +128,9 @@ def test_sweep_over_native_engine(nranks, backend, protocol, channels, dtypes, o
 
 
 @pytest.mark.mpi
-def test_check_over_native_engine_under_mpiexec(shm_leak_check):
-    args = ["commref.cli", "check", "--path", "gin", "--network", "shm", "--wire", "ordered", "--dtype", "float32",
+@pytest.mark.parametrize("network", ["shm", "mpi"])
+def test_check_over_native_engine_under_mpiexec(network, shm_leak_check):
+    args = ["commref.cli", "check", "--path", "gin", "--network", network, "--wire", "ordered", "--dtype", "float32",
             "int8", "--op", "sum", "max", "--count", "0", "1", "7", "1001", "--slot-bytes", "512"]
     proc = run_mpi(2, args, timeout=90, module=True, env=clean_env(COMMREF_GIN_ENGINE="native"))
     out = proc.stdout + proc.stderr
@@ -537,17 +541,17 @@ def test_an_overflowed_native_trace_is_refused():
 
 @pytest.mark.mpi
 def test_collectives_over_native_engine_conform_under_mpiexec(shm_leak_check):
-    """2 MPI processes, network shm (the native engine's), the ordered backends, 1 seed each:
-    this file is the job's script; each rank replays its own trace."""
+    """2 MPI processes, networks shm and mpi, the ordered backends, 1 seed each: this file
+    is the job's script; each rank replays its own trace."""
     proc = run_mpi(2, [os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__))), "1"], timeout=120,
                    env=clean_env(COMMREF_GIN_ENGINE="native"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "DISALLOWED" not in proc.stdout, proc.stdout[-4000:]
-    lines = set(re.findall(r"rank (\d) (\S+) ordered (\S+) seed (\d+): conforms [^\n]*? engine (native|auto|python)",
-                           proc.stdout))
-    assert len(lines) == 2 * len(ORDERED), out[-4000:]
-    assert {m[4] for m in lines} == {"native"}, lines
+    lines = set(re.findall(r"rank (\d) (\S+) ordered (\S+) network (\S+) seed (\d+): conforms [^\n]*? "
+                           r"wrong 0 engine (native|auto|python)", proc.stdout))
+    assert len(lines) == 2 * len(ORDERED) * 2, out[-4000:]
+    assert {m[5] for m in lines} == {"native"} and {m[3] for m in lines} == {"shm", "mpi"}, lines
 
 
 def _mpi_main(seeds: list[int]) -> None:
@@ -557,14 +561,15 @@ def _mpi_main(seeds: list[int]) -> None:
 
     world = MPIWorld()
     engine = os.environ.get("COMMREF_GIN_ENGINE", "auto")
-    for backend, protocol in ORDERED:
-        for seed, (trace, wrong) in zip(seeds, _native_conformance(world, backend, protocol, seeds)):
+    for (backend, protocol), network in ((o, n) for o in ORDERED for n in ("shm", "mpi")):
+        for seed, (trace, wrong) in zip(seeds, _native_conformance(world, backend, protocol, seeds, network)):
+            where = f"rank {world.rank} {backend} ordered {protocol} network {network} seed {seed}"
             try:
                 counts = replay_trace(trace, backend, "ordered")
-                line = (f"rank {world.rank} {backend} ordered {protocol} seed {seed}: conforms {counts['post']} "
-                        f"posts {counts['seg']} segments {counts['signal']} signals wrong {wrong} engine {engine}")
+                line = (f"{where}: conforms {counts['post']} posts {counts['seg']} segments {counts['signal']} "
+                        f"signals wrong {wrong} engine {engine}")
             except Disallowed as e:
-                line = f"rank {world.rank} {backend} ordered {protocol} seed {seed}: DISALLOWED {e}"
+                line = f"{where}: DISALLOWED {e}"
             sys.stdout.write(line + "\n")  # one write: the two ranks' lines share mpiexec's stdout
             sys.stdout.flush()
     world.barrier(what="native conformance done")

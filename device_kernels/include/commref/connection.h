@@ -117,8 +117,10 @@ static __device__ __forceinline__ uint32_t signalsPerSlot(const CollArgs& a) {
 // Waits until slot `step` of the link is free to fill.
 static __device__ __forceinline__ void connWaitCredit(const SendConnection& s, uint64_t step, const CollArgs& a,
                                                       KernelEnv& env) {
-  if (step + 1 > a.layout.nsteps)
+  if (step + 1 > a.layout.nsteps) {
+    if (s.gin) Gin{a, env}.wakeEngine();  // the credit comes through it (network mpi: it receives it)
     waitAtLeast(s.credit, step + 1 - a.layout.nsteps, env, kWaitSendCredit, s.peer, s.channel);
+  }
 }
 // Where the block writes the data of step `step` (the header goes 64 bytes before).
 static __device__ __forceinline__ char* connSendData(const SendConnection& s, uint64_t step, const CollArgs& a) {
@@ -162,6 +164,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
 // Waits for step `step` and checks its header. Thread 0.
 static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
   if (r.gin) {
+    Gin{a, env}.wakeEngine();  // the data comes through it (network mpi: it receives it)
     waitReached(r.ready + step % a.layout.nsteps, (step / a.layout.nsteps + 1) * signalsPerSlot(a), env,
                 kWaitRecvReady, r.peer, r.channel);
     if (!a.gin.checkHeaders) return;

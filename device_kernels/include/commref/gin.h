@@ -28,15 +28,25 @@
 #include "wait.h"
 
 // The queue region (WindowLayout.ginQueueOff): `capacity` descriptors, then a header of
-// COMMREF_GIN_QUEUE_HEADER bytes that holds two uint64 counters a cache line apart, at
-// these byte offsets from the end of the descriptors.
+// COMMREF_GIN_QUEUE_HEADER bytes that holds two uint64 counters and the engine's idle
+// word, a cache line apart, at these byte offsets from the end of the descriptors.
+//
+// The idle word (uint32) is how a sleeping progress engine is rung (the native engine,
+// native_engine.cpp): the engine stores 1 there, a sequentially consistent fence, looks
+// at the next slot once more, and only then sleeps on the word (a futex); a producer
+// publishes its descriptor, a sequentially consistent fence, and wakes the word if it
+// reads 1 (commref_wake_sleeper, port.h). One of the two sees the other's store, so no
+// descriptor waits for a sleeper. GPU producers never ring: an engine serving a GPU
+// does not sleep on the word.
 #define COMMREF_GIN_QUEUE_CLAIMED 0    // slots claimed by producers (fetch-add)
 #define COMMREF_GIN_QUEUE_CONSUMED 64  // slots the proxy has completed (it alone stores)
-#define COMMREF_GIN_QUEUE_HEADER 128
+#define COMMREF_GIN_QUEUE_IDLE 128     // 1 while the engine sleeps or is about to (it alone stores)
+#define COMMREF_GIN_QUEUE_HEADER 192
 static_assert(COMMREF_GIN_QUEUE_CONSUMED >= COMMREF_GIN_QUEUE_CLAIMED + 8 &&
-                  COMMREF_GIN_QUEUE_HEADER >= COMMREF_GIN_QUEUE_CONSUMED + 8 && COMMREF_GIN_QUEUE_CLAIMED % 8 == 0 &&
-                  COMMREF_GIN_QUEUE_CONSUMED % 8 == 0,
-              "the GIN queue counters are aligned uint64 words inside the header");
+                  COMMREF_GIN_QUEUE_IDLE >= COMMREF_GIN_QUEUE_CONSUMED + 8 &&
+                  COMMREF_GIN_QUEUE_HEADER >= COMMREF_GIN_QUEUE_IDLE + 8 && COMMREF_GIN_QUEUE_CLAIMED % 8 == 0 &&
+                  COMMREF_GIN_QUEUE_CONSUMED % 8 == 0 && COMMREF_GIN_QUEUE_IDLE % 8 == 0,
+              "the GIN queue words are aligned inside the header");
 
 // kGinDoorbell: "what I posted to this (peer, context) so far is a batch; deliver it".
 // A kernel rings it before it waits on anything those operations lead to. The proxy
@@ -87,6 +97,9 @@ struct Gin {
   }
   __device__ uint64_t* claimed() const { return (uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CLAIMED); }
   __device__ const uint64_t* consumed() const { return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CONSUMED); }
+  // Rings the engine if it sleeps (see COMMREF_GIN_QUEUE_IDLE): after a publish, and
+  // before a wait on what the engine delivers (on network mpi it receives it).
+  __device__ void wakeEngine() const { commref_wake_sleeper((uint32_t*)(queueHeader() + COMMREF_GIN_QUEUE_IDLE)); }
   __device__ uint64_t* signals() const { return (uint64_t*)(windowOfGin() + a.layout.ginSignalsOff); }
   __device__ uint64_t* counters() const { return (uint64_t*)(windowOfGin() + a.layout.ginCountersOff); }
   __device__ char* windowOfGin() const { return (char*)((const uint64_t*)a.peerWindows)[a.rank]; }
@@ -112,6 +125,7 @@ struct Gin {
     d->signalValue = value;
     d->counter = counter;
     store_release(&d->seq, slot + 1);
+    wakeEngine();
     return slot;
   }
 
@@ -140,11 +154,13 @@ struct Gin {
   __device__ uint64_t readSignal(uint64_t id) const { return load_acquire(signals() + id); }
   // Waits until signal `id` has reached `least` (wrap-around compare).
   __device__ uint64_t waitSignal(uint64_t id, uint64_t least, int peer, int channel) const {
+    wakeEngine();
     return waitReached(signals() + id, least, env, kWaitRecvReady, peer, channel);
   }
   __device__ void resetSignal(uint64_t id) const { store_relaxed(signals() + id, 0); }
   __device__ uint64_t readCounter(uint64_t id) const { return load_acquire(counters() + id); }
   __device__ uint64_t waitCounter(uint64_t id, uint64_t least) const {
+    wakeEngine();
     return waitReached(counters() + id, least, env, kWaitGinFlush, -1, -1);
   }
   __device__ void resetCounter(uint64_t id) const { store_relaxed(counters() + id, 0); }

@@ -7,6 +7,9 @@
 //     (on the GPU a __grid_constant__ parameter: `args` and every reference bound to
 //     it read the kernel parameter space, no per-thread copy)
 //   - commref_now_ns(), commref_spin_pause(spins), commref_block_exit()
+//   - commref_wake_sleeper(word): after a sequentially consistent fence, wakes a host
+//     thread of this process that sleeps on `word` (a futex) if the word reads nonzero
+//     (the GIN engine's idle word, gin.h); nothing on the GPU
 //   - COMMREF_ELEM_STRIDE: the stride of a thread's element loop (see below)
 //
 // On the CPU (COMMREF_CPU defined) the CPU execution engine (cpu/engine.cpp) runs a
@@ -97,6 +100,7 @@ static __device__ __forceinline__ void commref_spin_pause(uint32_t spins) {
   asm volatile("exit;" ::: "memory");
   __builtin_unreachable();
 }
+static __device__ __forceinline__ void commref_wake_sleeper(uint32_t*) {}
 
 #else  // COMMREF_CPU
 
@@ -116,6 +120,7 @@ struct ThreadState {
 extern thread_local ThreadState* tl_thread;
 void syncthreads();
 void spin_pause(uint32_t spins);
+void wake_sleeper(uint32_t* word);
 uint64_t now_ns();
 [[noreturn]] void kernel_abort();
 int syncthreads_or(int predicate);
@@ -166,6 +171,7 @@ static inline uint64_t commref_now_ns() { return commref_cpu::now_ns(); }
 static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(spins); }
 // Throws out of the fiber: the engine abandons the block and returns kLaunchFailed.
 [[noreturn]] static inline void commref_block_exit() { commref_cpu::kernel_abort(); }
+static inline void commref_wake_sleeper(uint32_t* word) { commref_cpu::wake_sleeper(word); }
 #endif
 
 // A thread's share of n elements: for (i = begin; i < n_end; i += COMMREF_ELEM_STRIDE).
