@@ -1,23 +1,34 @@
-"""GIN proxy rate and GIN-vs-LSA bandwidth, 2 ranks (or the MPI job's ranks).
+"""GIN proxy rate, GIN-vs-LSA latency and GIN-vs-LSA (and vs MPI) bandwidth, 2 ranks
+(or the MPI job's ranks).
 
     mpiexec -n 2 python -m mpi4py -m commref.bench.gin_rate [--small-iters 3000] [--bytes 16M] [--iters 10]
     python -m commref.bench.gin_rate ...    # without mpiexec: 2 ranks as threads (ThreadWorld)
 
 - rate: AllReduce of 2 float32 elements (8 bytes) over path="gin", backend "proxy" on
   the shm wire (the proxy writes into the peer's mapped window), strong signals, for
-  each wire ordering. Each proxy's `stats["ops"]` (descriptors it took from its
-  queue: a put with its signal, or a bare credit signal) is counted over a timed loop
-  of --small-iters collectives; reported per proxy (ops/s), as ops per collective, as
-  collectives/s, and as latencies: microseconds per collective and per proxy operation
-  (the loop is latency-bound: one collective waits for the previous one). The report
-  names the engine that carried each (native: the C++
-  engine, transports/gin/native.py, which the ordered shm wire gets by default;
-  python: the Python proxy; COMMREF_GIN_ENGINE=python forces it for comparison).
-- busbw: AllReduce of --bytes (float32) over path="lsa" and over path="gin" (shm wire,
-  ordered, strong), built from the same world in the same run and timed alternately:
-  per iteration the slowest rank's time after a barrier; the median of --iters
-  iterations after --warmup; busbw = 2(n-1)/n * bytes / time (nccl-tests' AllReduce
-  factor), in GB/s (10^9 B/s).
+  each wire ordering. Each proxy's `stats["ops"]` (descriptors it took from its queue:
+  a put with its signal, a bare credit signal, a doorbell) is counted over a timed loop
+  of --small-iters collectives; reported per proxy (descriptors/s, and GIN operations/s:
+  the descriptors less the doorbells, where the engine counts them), as descriptors per
+  collective, as collectives/s, and as latencies: microseconds per collective and per
+  descriptor (the loop is latency-bound: one collective waits for the previous one).
+  The report names the engine that carried each (native: the C++ engine,
+  transports/gin/native.py, which the ordered wire gets by default; python: the Python
+  proxy; COMMREF_GIN_ENGINE=python forces it for comparison).
+- latency: the same 8-byte AllReduce over path="lsa" and over GIN (ordered shm wire,
+  strong), timed in --latency-blocks alternating blocks of --latency-iters calls each;
+  per path the median over blocks of microseconds per call, and their ratio.
+- pipelined rate: AllReduce of --pipe-bytes over GIN (ordered shm, strong) with FIFO
+  slots of --pipe-slot-bytes and 8 steps in flight per link, so the proxy is fed
+  without waiting for each operation's round trip (the message-rate view of the proxy:
+  descriptors/s and GIN operations/s per proxy, as above).
+- busbw: AllReduce of --bytes (float32) over path="lsa", over path="gin" (shm wire,
+  ordered, strong) and, under mpiexec, over path="gin" with network "mpi" (the engines
+  exchange messages on their own communicator) and MPI's own Allreduce on the same
+  numpy buffers (the MPI baseline), built from the same world in the same run and timed
+  alternately: per iteration the slowest rank's time after a barrier; the median of
+  --iters iterations after --warmup; busbw = 2(n-1)/n * bytes / time (nccl-tests'
+  AllReduce factor), in GB/s (10^9 B/s). Plain (not symmetric) buffers.
 
 In ThreadWorld the two proxies are Python threads of one process and share its GIL
 with each other and with the ranks' launch paths; under mpiexec each rank is its own
@@ -47,31 +58,96 @@ def parse_bytes(text: str) -> int:
     return int(s[: len(s) - len(unit)]) * _UNITS[unit]
 
 
+def _gin(world, **kw):
+    return Communicator(world, "cpu", path="gin", backend="proxy", wire=kw.pop("wire", "ordered"),
+                        network=kw.pop("network", "shm"), seed=1, **kw)
+
+
+def _counted(comm) -> tuple[int, int | None]:
+    """(descriptors taken, of them doorbells: None where the engine does not count them)."""
+    st = comm.proxy.stats
+    return st["ops"], st.get("doorbells")
+
+
+def _rate_of(world, comm, call, iters: int) -> dict:
+    """Times `iters` calls of call() on `comm` after a barrier; the descriptors its proxy took."""
+    world.barrier(what="rate start")
+    ops0, bells0 = _counted(comm)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    elapsed = time.perf_counter() - t0
+    # Taken so far: the last call's trailing credit signal may still be in the queue.
+    ops1, bells1 = _counted(comm)
+    world.barrier(what="rate end")
+    return {"ops": ops1 - ops0, "doorbells": None if bells0 is None else bells1 - bells0, "seconds": elapsed,
+            "engine": _engine(comm)}
+
+
 def _small_rate(world, wire: str, iters: int) -> dict:
-    comm = Communicator(world, "cpu", path="gin", backend="proxy", network="shm", wire=wire, seed=1)
+    comm = _gin(world, wire=wire)
     x = np.array([1.0, 2.0], np.float32) * (world.rank + 1)
     y = np.empty_like(x)
     for _ in range(100):  # warmup
         comm.allreduce(x, y)
-    world.barrier(what="rate start")
-    engine = _engine(comm)
-    ops0 = comm.proxy.stats["ops"]
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        comm.allreduce(x, y)
-    elapsed = time.perf_counter() - t0
-    # Taken so far: the last call's trailing credit signal may still be in the queue.
-    ops = comm.proxy.stats["ops"] - ops0
+    out = _rate_of(world, comm, lambda: comm.allreduce(x, y), iters)
     expected = np.array([1.0, 2.0], np.float32) * sum(range(1, world.size + 1))
-    ok = bool((y == expected).all())
-    world.barrier(what="rate end")
+    out["ok"] = bool((y == expected).all())
     comm.close()
-    return {"ops": ops, "seconds": elapsed, "ok": ok, "engine": engine}
+    return out
+
+
+def _pipelined_rate(world, nbytes: int, slot_bytes: int, iters: int) -> dict:
+    comm = _gin(world, slot_bytes=slot_bytes, nsteps=8)
+    x = (np.arange(nbytes // 4, dtype=np.float32) % 64) * (world.rank + 1)
+    y = np.empty_like(x)
+    for _ in range(3):
+        comm.allreduce(x, y)
+    out = _rate_of(world, comm, lambda: comm.allreduce(x, y), iters)
+    out["ok"] = bool((y == (np.arange(nbytes // 4, dtype=np.float32) % 64) * sum(range(1, world.size + 1))).all())
+    out["calls"] = iters
+    comm.close()
+    return out
+
+
+def _latency(world, blocks: int, iters: int) -> dict:
+    comms = {"lsa": Communicator(world, "cpu", path="lsa"), "gin": _gin(world)}
+    x = np.array([1.0, 2.0], np.float32) * (world.rank + 1)
+    y = np.empty_like(x)
+    us: dict = {k: [] for k in comms}
+    for _ in range(blocks):
+        for name, comm in comms.items():  # alternately, so drift hits both alike
+            for _ in range(50):
+                comm.allreduce(x, y)
+            world.barrier(what="latency block")
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                comm.allreduce(x, y)
+            us[name].append((time.perf_counter() - t0) / iters * 1e6)
+    world.barrier(what="latency end")
+    for c in comms.values():
+        c.close()
+    return us
 
 
 def _engine(comm) -> str:
     """Which GIN engine carries `comm`: "native" (native.NativeProxy) or "python" (proxy.GinProxy)."""
     return "native" if type(comm.proxy).__name__ == "NativeProxy" else "python"
+
+
+class _MpiAllreduce:
+    """MPI's own Allreduce on numpy buffers: the baseline, timed like a communicator."""
+
+    def __init__(self, world):
+        from mpi4py import MPI
+
+        self.comm, self.sum = world.comm, MPI.SUM
+
+    def allreduce(self, x, y):
+        self.comm.Allreduce(x, y, op=self.sum)
+
+    def close(self):
+        pass
 
 
 def _time_allreduce(world, comm, x, y) -> float:
@@ -83,82 +159,117 @@ def _time_allreduce(world, comm, x, y) -> float:
 
 def _busbw(world, nbytes: int, iters: int, warmup: int) -> dict:
     count = nbytes // 4
-    comms = {"lsa": Communicator(world, "cpu", path="lsa"),
-             "gin": Communicator(world, "cpu", path="gin", backend="proxy", network="shm", wire="ordered")}
+    comms = {"lsa": Communicator(world, "cpu", path="lsa"), "gin": _gin(world)}
+    if world.kind == "mpi":
+        comms["gin_mpi"] = _gin(world, network="mpi")
+        comms["mpi"] = _MpiAllreduce(world)
     x = (np.arange(count, dtype=np.float32) % 1024) * (world.rank + 1)
+    expected = (np.arange(count, dtype=np.float32) % 1024) * sum(range(1, world.size + 1))
     y = np.empty_like(x)
     times: dict = {k: [] for k in comms}
+    ok = True
     for i in range(warmup + iters):
         for name, comm in comms.items():  # alternately, so drift hits both alike
+            y.fill(0)
             t = _time_allreduce(world, comm, x, y)
+            ok = ok and bool((y == expected).all())
             if i >= warmup:
                 times[name].append(t)
-    expected = (np.arange(count, dtype=np.float32) % 1024) * sum(range(1, world.size + 1))
-    ok = bool((y == expected).all())
     geometry = {k: {"channels_max": c.max_channels, "slot_bytes": c.slot_bytes, "nsteps": c.nsteps}
-                for k, c in comms.items()}
-    engine = _engine(comms["gin"])
+                for k, c in comms.items() if isinstance(c, Communicator)}
+    engines = {k: _engine(c) for k, c in comms.items() if k.startswith("gin")}
     world.barrier(what="busbw end")
     for c in comms.values():
         c.close()
-    return {"times": times, "ok": ok, "geometry": geometry, "engine": engine}
+    return {"times": times, "ok": ok, "geometry": geometry, "engines": engines}
+
+
+def _rate_summary(per: list[dict], calls: int) -> dict:
+    seconds = max(p["seconds"] for p in per)
+    ops = [p["ops"] for p in per]
+    gin_ops = [p["ops"] - p["doorbells"] if p["doorbells"] is not None else None for p in per]
+    return {
+        "collectives_per_s": calls / seconds,
+        "ops_per_collective_per_proxy": [o / calls for o in ops],
+        "ops_per_s_per_proxy": [o / seconds for o in ops],
+        "gin_ops_per_s_per_proxy": [None if g is None else g / seconds for g in gin_ops],
+        "ops_per_s_all_proxies": sum(ops) / seconds,
+        # latency-bound loops: one collective, and one proxy descriptor of it, take this long
+        "us_per_collective": seconds / calls * 1e6,
+        "us_per_op_per_proxy": [seconds / o * 1e6 if o else None for o in ops],
+        "correct": all(p["ok"] for p in per),
+        "engine": per[0]["engine"],
+    }
 
 
 def measure(world, args) -> dict | None:
     rates = {wire: _small_rate(world, wire, args.small_iters) for wire in ("ordered", "unordered")}
+    lat = _latency(world, args.latency_blocks, args.latency_iters)
+    pipe = _pipelined_rate(world, args.pipe_bytes, args.pipe_slot_bytes, args.pipe_iters)
     bw = _busbw(world, args.bytes, args.iters, args.warmup)
-    gathered = world.allgather((rates, bw), what="gin_rate results")
+    gathered = world.allgather((rates, bw, pipe, lat), what="gin_rate results")
     if world.rank != 0:
         return None
     n = world.size
     out = {"world": world.kind, "nranks": n, "rate": {}, "busbw": {}}
     for wire in ("ordered", "unordered"):
-        per = [g[0][wire] for g in gathered]
-        seconds = max(p["seconds"] for p in per)
-        ops = [p["ops"] for p in per]
-        out["rate"][wire] = {
-            "collectives_per_s": args.small_iters / seconds,
-            "ops_per_collective_per_proxy": [o / args.small_iters for o in ops],
-            "ops_per_s_per_proxy": [o / seconds for o in ops],
-            "ops_per_s_all_proxies": sum(ops) / seconds,
-            # the loop is latency-bound: one collective, and one proxy operation of it, take this long
-            "us_per_collective": seconds / args.small_iters * 1e6,
-            "us_per_op_per_proxy": [seconds / o * 1e6 if o else None for o in ops],
-            "correct": all(p["ok"] for p in per),
-            "engine": per[0]["engine"],
-        }
+        out["rate"][wire] = _rate_summary([g[0][wire] for g in gathered], args.small_iters)
+    out["pipelined"] = {**_rate_summary([g[2] for g in gathered], args.pipe_iters), "bytes": args.pipe_bytes,
+                        "slot_bytes": args.pipe_slot_bytes, "nsteps": 8}
+    lsa, gin = (statistics.median(gathered[0][3][k]) for k in ("lsa", "gin"))  # rank 0's blocks
+    out["latency"] = {"lsa_us": lsa, "gin_us": gin, "gin_over_lsa": gin / lsa, "blocks": args.latency_blocks,
+                      "iters": args.latency_iters}
     factor = 2 * (n - 1) / n
-    for name in ("lsa", "gin"):
+    for name in gathered[0][1]["times"]:
         # per iteration the slowest rank, then the median over iterations
         per_iter = [max(g[1]["times"][name][i] for g in gathered) for i in range(args.iters)]
         med = statistics.median(per_iter)
         out["busbw"][name] = {"median_s": med, "algbw_GBps": args.bytes / med / 1e9,
                               "busbw_GBps": factor * args.bytes / med / 1e9,
-                              "geometry": gathered[0][1]["geometry"][name]}
+                              "geometry": gathered[0][1]["geometry"].get(name)}
     out["busbw"]["bytes"] = args.bytes
-    out["busbw"]["gin_engine"] = gathered[0][1]["engine"]
+    out["busbw"]["gin_engine"] = gathered[0][1]["engines"]["gin"]
+    out["busbw"]["engines"] = gathered[0][1]["engines"]
     out["busbw"]["correct"] = all(g[1]["ok"] for g in gathered)
     return out
 
 
+def _ops_line(r: dict) -> str:
+    ops = ", ".join(f"{v:,.0f}" for v in r["ops_per_s_per_proxy"])
+    gin_ops = ", ".join("-" if v is None else f"{v:,.0f}" for v in r["gin_ops_per_s_per_proxy"])
+    return f"descriptors/s per proxy [{ops}], of them GIN operations (no doorbells)/s [{gin_ops}]"
+
+
 def report(out: dict) -> str:
-    lines = [f"# commref GIN rate: {out['nranks']} ranks, {out['world']} world, CPU engine, backend proxy, shm wire"]
+    lines = [f"# commref GIN rate: {out['nranks']} ranks, {out['world']} world, CPU engine, backend proxy"]
     for wire, r in out["rate"].items():
-        ops = ", ".join(f"{v:,.0f}" for v in r["ops_per_s_per_proxy"])
         per = ", ".join(f"{v:.1f}" for v in r["ops_per_collective_per_proxy"])
-        lines.append(f"8-byte AllReduce, {wire:>9} wire, {r['engine']} engine: {r['collectives_per_s']:,.0f} collectives/s; "
-                     f"proxy ops/s per rank [{ops}] (all proxies {r['ops_per_s_all_proxies']:,.0f}); "
-                     f"ops per collective per proxy [{per}]; {r['us_per_collective']:.1f} us per collective, "
-                     f"us per op per proxy [{', '.join(f'{v:.2f}' for v in r['us_per_op_per_proxy'] if v)}]; "
-                     f"correct={r['correct']}")
+        lines.append(f"8-byte AllReduce, shm network, {wire:>9} wire, {r['engine']} engine: "
+                     f"{r['collectives_per_s']:,.0f} collectives/s; {_ops_line(r)} (all proxies "
+                     f"{r['ops_per_s_all_proxies']:,.0f}); descriptors per collective per proxy [{per}]; "
+                     f"{r['us_per_collective']:.1f} us per collective, us per descriptor per proxy "
+                     f"[{', '.join(f'{v:.2f}' for v in r['us_per_op_per_proxy'] if v)}]; correct={r['correct']}")
+    lat = out["latency"]
+    lines.append(f"8-byte AllReduce latency (median of {lat['blocks']} alternating blocks of {lat['iters']} calls): "
+                 f"lsa {lat['lsa_us']:.2f} us, gin (shm, ordered, strong) {lat['gin_us']:.2f} us, "
+                 f"gin/lsa {lat['gin_over_lsa']:.2f}")
+    p = out["pipelined"]
+    lines.append(f"pipelined: {p['bytes'] / 2**20:g} MiB AllReduce over gin (shm, ordered, strong), "
+                 f"{p['slot_bytes']}-byte slots, {p['nsteps']} in flight: {_ops_line(p)}; "
+                 f"{p['us_per_collective'] / 1e3:.2f} ms per call; correct={p['correct']}")
     b = out["busbw"]
-    lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce (median, slowest rank per iteration), gin on the "
-                 f"{b['gin_engine']} engine, correct={b['correct']}:")
-    for name in ("lsa", "gin"):
+    lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce, plain buffers (median, slowest rank per iteration), "
+                 f"engines {b['engines']}, correct={b['correct']}:")
+    names = [k for k in ("lsa", "gin", "gin_mpi", "mpi") if k in b]
+    for name in names:
         r = b[name]
-        lines.append(f"  {name}: {r['median_s'] * 1e3:8.2f} ms  algbw {r['algbw_GBps']:6.2f} GB/s  "
-                     f"busbw {r['busbw_GBps']:6.2f} GB/s  {r['geometry']}")
+        geometry = "" if r["geometry"] is None else f"  {r['geometry']}"
+        lines.append(f"  {name:>7}: {r['median_s'] * 1e3:8.2f} ms  algbw {r['algbw_GBps']:6.2f} GB/s  "
+                     f"busbw {r['busbw_GBps']:6.2f} GB/s{geometry}")
     lines.append(f"  gin/lsa busbw: {b['gin']['busbw_GBps'] / b['lsa']['busbw_GBps']:.2f}")
+    if "gin_mpi" in b:
+        lines.append(f"  gin over network mpi / MPI's Allreduce busbw: "
+                     f"{b['gin_mpi']['busbw_GBps'] / b['mpi']['busbw_GBps']:.2f}")
     return "\n".join(lines)
 
 
@@ -168,6 +279,11 @@ def main(argv=None) -> int:
     p.add_argument("--bytes", type=parse_bytes, default=16 << 20, help="AllReduce size for busbw (default 16M)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--latency-blocks", type=int, default=7, help="alternating LSA/GIN blocks of the latency test")
+    p.add_argument("--latency-iters", type=int, default=500, help="8-byte AllReduces per latency block")
+    p.add_argument("--pipe-bytes", type=parse_bytes, default=1 << 20, help="AllReduce size of the pipelined rate")
+    p.add_argument("--pipe-slot-bytes", type=int, default=4096, help="FIFO slot bytes of the pipelined rate")
+    p.add_argument("--pipe-iters", type=int, default=20, help="calls timed in the pipelined rate")
     p.add_argument("--nranks", type=int, default=2, help="ranks as threads when not under mpiexec")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -181,7 +297,7 @@ def main(argv=None) -> int:
     print(json.dumps(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    ok = out["busbw"]["correct"] and all(r["correct"] for r in out["rate"].values())
+    ok = out["busbw"]["correct"] and out["pipelined"]["correct"] and all(r["correct"] for r in out["rate"].values())
     return 0 if ok else 1
 
 

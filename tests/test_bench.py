@@ -375,13 +375,18 @@ def test_gin_rate_reports_rates_and_latencies():
     and the latency figures consistent with the rates they come from."""
     from commref.bench import gin_rate
 
-    out = ThreadWorld.run(2, gin_rate.measure, argparse.Namespace(small_iters=40, bytes=64 << 10, iters=2, warmup=1),
-                          timeout=60)[0]
-    for wire, r in out["rate"].items():
+    args = argparse.Namespace(small_iters=40, bytes=64 << 10, iters=2, warmup=1, latency_blocks=2, latency_iters=20,
+                              pipe_bytes=64 << 10, pipe_slot_bytes=4096, pipe_iters=2)
+    out = ThreadWorld.run(2, gin_rate.measure, args, timeout=60)[0]
+    for wire, r in {**out["rate"], "pipelined": out["pipelined"]}.items():
         assert r["correct"] and r["engine"] in ("native", "python"), (wire, r)
         assert r["us_per_collective"] == pytest.approx(1e6 / r["collectives_per_s"])
         for ops_per_s, us in zip(r["ops_per_s_per_proxy"], r["us_per_op_per_proxy"]):
             assert us == pytest.approx(1e6 / ops_per_s)
-    assert out["busbw"]["correct"]
+    for r in (out["rate"]["ordered"], out["pipelined"]):  # the native engine counts its doorbells
+        assert all(0 < g < o for g, o in zip(r["gin_ops_per_s_per_proxy"], r["ops_per_s_per_proxy"])), r
+    lat = out["latency"]
+    assert lat["gin_over_lsa"] == pytest.approx(lat["gin_us"] / lat["lsa_us"]) and lat["lsa_us"] > 0
+    assert out["busbw"]["correct"] and set(out["busbw"]) >= {"lsa", "gin"} and "mpi" not in out["busbw"]
     text = gin_rate.report(out)
-    assert "us per collective" in text and "us per op per proxy" in text
+    assert "us per collective" in text and "us per descriptor per proxy" in text and "gin/lsa" in text
