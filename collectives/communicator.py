@@ -31,6 +31,7 @@ import numpy as np
 from commref.device_kernels import abi, loader
 from commref.transports.errors import CapabilityError, CommAborted
 from commref.transports.gin.plan import plan_gin
+from commref.transports.gin.queue import QueueRegion
 from commref.transports.windows import register_window
 
 from . import catalogue, topology, tuner
@@ -114,7 +115,10 @@ class Communicator:
                                            o.gin.queue if self.gin.used else 0, o.gin.counters, self.nranks)
         self.window = register_window(world, nbytes, self.device, self.device_id or 0)
         self._refuse_unmapped()
-        self.proxy = self.gin.start_proxy(world, self.window, layout)
+        self._gin_region = QueueRegion(self.window, layout, o.gin.queue, o.gin.counters, self.device,
+                                       self.device_id or 0) if self.gin.used else None
+        self.proxy = self.gin.start_proxy(world, self.window, layout, region=self._gin_region, device=self.device,
+                                          device_id=self.device_id or 0)
         self._host = HostWords(world.abort_word, self.device, self.device_id or 0)
         self._record = LaunchRecord()
         a = self._record.record
@@ -124,7 +128,7 @@ class Communicator:
         a["timeoutNs"] = int(self.timeout * 1e9)
         a["layout"] = layout
         a["rank"], a["nranks"] = self.rank, self.nranks
-        self.gin.fill_args(a["gin"], self.max_channels, self.nsteps)
+        self.gin.fill_args(a["gin"], self.max_channels, self.nsteps, self._gin_region)
         a["peers"] = topology.channel_peers(self.rank, self.nranks, self.max_channels)
         self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window)
         self._direct_possible = not self.peer_mask and self.nranks <= abi.DIRECT_MAX_RANKS
@@ -154,11 +158,13 @@ class Communicator:
 
     def _refuse_unmapped(self) -> None:
         """Collective: every rank refuses (CapabilityError) when any rank could not map
-        the window of a peer it reaches over LSA, naming why (not on one host, no peer
-        access between two GPUs, CUDA IPC failed)."""
+        the window of a peer it reaches over LSA, or on a GPU over GIN (the copy-engine
+        proxy reaches peers by CUDA IPC), naming why (not on one host, no peer access
+        between two GPUs, CUDA IPC failed)."""
         win = self.window
-        missing = {r: win.unmapped.get(r, f"not in its LSA team {win.lsa_ranks}") for r in range(self.nranks)
-                   if win.peer_addresses[r] == 0 and not (self.peer_mask >> r) & 1}
+        needed = [r for r in range(self.nranks) if self.device == "cuda" or not (self.peer_mask >> r) & 1]
+        missing = {r: win.unmapped.get(r, f"not in its LSA team {win.lsa_ranks}") for r in needed
+                   if win.peer_addresses[r] == 0}
         everyone = self.world.allgather(missing, what="window mappings")
         if not any(everyone):
             return
@@ -168,6 +174,9 @@ class Communicator:
             win.free()
         except Exception:  # a peer failed as well: keep the memory rather than free it under a peer
             pass
+        if self.device == "cuda" and self.peer_mask:
+            raise CapabilityError(f"rank {self.rank}: {describe_unmapped(self.rank, everyone)}; GIN on GPUs reaches "
+                                  f"its peers' windows by CUDA IPC (ranks on one host with peer access)")
         raise CapabilityError(f"rank {self.rank}: {describe_unmapped(self.rank, everyone)}; the LSA path needs "
                               f"every peer's window mapped "
                               f"(ranks on one host and, on GPUs, peer access; use path='auto' or 'gin')")
@@ -399,6 +408,9 @@ class Communicator:
             finally:
                 proxy.stop()
                 self.proxy = None
+        region = getattr(self, "_gin_region", None)
+        if region is not None and kernels_done:  # no kernel posts, no proxy reads any more
+            region.close()
         symmetric, window = getattr(self, "_symmetric", None), getattr(self, "window", None)
         if not gpu:  # launches are synchronous and peers keep their mappings alive themselves
             if symmetric is not None:

@@ -37,9 +37,12 @@ class GinPlan:
     def used(self) -> bool:
         return bool(self.peer_mask)
 
-    def fill_args(self, gin_args, max_channels: int, nsteps: int) -> None:
-        """Fills CollArgs.gin (a GIN_ARGS record) for this plan."""
+    def fill_args(self, gin_args, max_channels: int, nsteps: int, region=None) -> None:
+        """Fills CollArgs.gin (a GIN_ARGS record) for this plan; `region`: the rank's
+        queue.QueueRegion (None when GIN is not used)."""
         o = self.options
+        gin_args["queue"] = region.queue_address if region is not None else 0
+        gin_args["counters"] = region.counters_address if region is not None else 0
         gin_args["peerMask"] = self.peer_mask
         gin_args["capacity"] = o.queue if self.used else 0
         gin_args["protocol"] = abi.GIN_PROTOCOLS[o.protocol.value] if self.used else 0
@@ -47,14 +50,23 @@ class GinPlan:
         gin_args["checkHeaders"] = int(o.protocol == GinProtocol.STRONG)
         gin_args["creditSignalBase"] = abi.gin_signals(max_channels, nsteps)[0]
 
-    def start_proxy(self, world, window, layout, observer=None, engine: str | None = None):
+    def start_proxy(self, world, window, layout, observer=None, engine: str | None = None, region=None,
+                    device: str = "cpu", device_id: int = 0):
         """Starts this rank's GIN proxy over `window` (None when GIN is not used): the
         native engine (native.NativeProxy) for the ordered wire without an observer (on
         network mpi where native.mpi_library() builds on every rank), the Python proxy
         (proxy.GinProxy) otherwise. `engine` (default: the COMMREF_GIN_ENGINE environment
-        variable, see gin_engine()) forces one."""
+        variable, see gin_engine()) forces one. On a GPU (`device` "cuda") the copy-engine
+        proxy (gpu_proxy.GpuProxy) over `region`, the rank's queue.QueueRegion."""
         if not self.used:
             return None
+        if device == "cuda":
+            from commref.transports.gin.gpu_proxy import GpuProxy
+
+            proxy = GpuProxy(world, window, layout, region, self.options.queue, self.backend, self.transport,
+                             device_id)
+            proxy.start()
+            return proxy
         from commref.transports.gin import native
 
         engine = gin_engine() if engine is None else check_gin_engine(engine)
@@ -110,11 +122,17 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
     gin_peers = [] if options.path == Path.LSA else [r for r in others if r not in team]
     if not gin_peers:
         return GinPlan(options)
-    if device == "cuda":
-        raise CapabilityError("GIN connections run on the CPU engine in this version (device='cpu')")
     network = options.network
     if network == Network.AUTO:
         network = Network.SHM if all(r in local for r in gin_peers) else Network.MPI
+    if device == "cuda" and network != Network.SHM:
+        raise CapabilityError(f"rank {rank}: GIN on GPUs carries network 'shm' in this version (peers on this host, "
+                              f"data by CUDA IPC and the copy engine); network {network.value!r} runs on the CPU "
+                              f"engine (device='cpu')")
+    if device == "cuda" and options.wire != Wire.ORDERED:
+        raise CapabilityError(f"rank {rank}: GIN on GPUs carries the ordered wire in this version (a copy-engine "
+                              f"stream per peer keeps order); the {options.wire.value} wire runs on the CPU engine "
+                              f"(device='cpu')")
     if network == Network.SHM and not all(r in local for r in gin_peers):
         raise CapabilityError(f"rank {rank}: network 'shm' needs every GIN peer on this host")
     if network == Network.MPI and world.kind != "mpi":

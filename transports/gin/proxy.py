@@ -36,7 +36,7 @@ from commref.transports.gin.queue import QueueReader
 from commref.transports.gin.scheduler import IDLE_RELEASE_S, DeliveryScheduler
 from commref.transports.gin.wires import MpiWire, ProxyError, ShmWire, wait_drained
 
-__all__ = ["GinProxy", "ProxyError"]
+__all__ = ["GinProxy", "ProxyError", "remote_action"]
 
 DRAIN_BUDGET = 64  # descriptors taken per iteration before the proxy delivers and polls
 
@@ -177,19 +177,25 @@ class GinProxy:
             self.scheduler.record(peer, ctx, ("counter", seq, counter))
 
     def _remote_action(self, peer: int, flags: int, sig: int, sigval: int) -> semantics.Signal:
-        """The signal a descriptor's flags ask for, as this backend applies it."""
-        caps = self.backend.caps
-        strong = bool(flags & abi.GIN_STRONG)
-        if strong and not caps.strong_signals:
-            raise ProxyError(f"rank {self.rank}: strong signal to peer {peer} on backend "
-                             f"{self.backend.name}, which offers weak signals only")
-        va = bool(flags & abi.GIN_VA)
-        if va and not caps.va_signals:
-            raise ProxyError(f"rank {self.rank}: VA signal to peer {peer} on backend {self.backend.name}")
-        value = sigval if flags & abi.GIN_ADD else 1
-        if self.backend.signals_count_writes:
-            if flags & abi.GIN_ADD:
-                raise ProxyError(f"rank {self.rank}: signal add on backend {self.backend.name}, whose signals "
-                                 f"count completed writes")
-            value = 1
-        return semantics.Signal(strong or self.backend.strong_always, ("va" if va else "index", sig), value)
+        return remote_action(self.rank, self.backend, peer, flags, sig, sigval)
+
+
+def remote_action(rank: int, backend: Backend, peer: int, flags: int, sig: int, sigval: int) -> semantics.Signal:
+    """The signal a descriptor's flags ask for, as `backend` applies it; ProxyError (one
+    line naming rank, peer and backend) for what the backend cannot do. Every Python-side
+    proxy refuses through here (native_engine.cpp mirrors the messages)."""
+    caps = backend.caps
+    strong = bool(flags & abi.GIN_STRONG)
+    if strong and not caps.strong_signals:
+        raise ProxyError(f"rank {rank}: strong signal to peer {peer} on backend "
+                         f"{backend.name}, which offers weak signals only")
+    va = bool(flags & abi.GIN_VA)
+    if va and not caps.va_signals:
+        raise ProxyError(f"rank {rank}: VA signal to peer {peer} on backend {backend.name}")
+    value = sigval if flags & abi.GIN_ADD else 1
+    if backend.signals_count_writes:
+        if flags & abi.GIN_ADD:
+            raise ProxyError(f"rank {rank}: signal add on backend {backend.name}, whose signals "
+                             f"count completed writes")
+        value = 1
+    return semantics.Signal(strong or backend.strong_always, ("va" if va else "index", sig), value)

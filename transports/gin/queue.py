@@ -1,9 +1,9 @@
-"""A rank's GIN descriptor queue in its window (include/commref/gin.h), both sides.
+"""A rank's GIN descriptor queue (include/commref/gin.h), both sides, and where it lives.
 
-Layout (commref.device_kernels.abi): at `layout["ginQueueOff"]`, `capacity`
+Layout (commref.device_kernels.abi): at `layout["ginQueueOff"]` of a region, `capacity`
 descriptors (abi.GIN_DESCRIPTOR), then the queue header (abi.GIN_QUEUE_HEADER bytes):
-the claimed counter at GIN_QUEUE_CLAIMED and the consumed counter at
-GIN_QUEUE_CONSUMED (a cache line apart). A producer claims slot k, writes the
+the claimed counter at GIN_QUEUE_CLAIMED, the consumed counter at GIN_QUEUE_CONSUMED
+and the engine's idle word at GIN_QUEUE_IDLE (a cache line apart). A producer claims slot k, writes the
 descriptor's fields into ring[k % capacity] and publishes it by storing seq = k + 1
 with release; it may reuse a ring entry once consumed >= k + 1 - capacity.
 
@@ -11,6 +11,9 @@ with release; it may reuse a ring entry once consumed >= k + 1 - capacity.
   and decodes each into a Descriptor, here and nowhere else; advances `consumed`.
 - QueueWriter: a producer on the host, as Gin::post does it on the device (one
   producer, so the claim needs no atomic): the ordering study's stress posts through it.
+- QueueRegion: where a communicator's queue and counters live (GinArgs.queue,
+  GinArgs.counters): the window's regions on the CPU engine, pinned host memory mapped
+  into the device on a GPU.
 """
 
 from __future__ import annotations
@@ -126,3 +129,56 @@ class QueueWriter(_Queue):
         then takes them all at once."""
         for slot in reversed(slots):
             self._store(self.seq_addr(slot), slot + 1)
+
+
+CUDA_HOST_ALLOC_PORTABLE_MAPPED = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped
+
+
+class QueueRegion:
+    """A rank's GIN queue and counters: `queue` (uint8, the queue region: ring then
+    header, QueueReader(region.queue, QueueRegion.LAYOUT, ...)) and `counters` (uint64)
+    as host arrays for the proxy; `queue_address` and `counters_address` as the kernels
+    address them (GinArgs).
+
+    device "cpu": views of the window's ginQueueOff and ginCountersOff regions.
+    device "cuda": one pinned allocation, portable and mapped (cudaHostAlloc), zeroed,
+    queue then counters; with unified addressing the device uses the host addresses
+    (refused without it). close() frees it: call it once no kernel and no proxy uses it."""
+
+    LAYOUT = {"ginQueueOff": 0}  # the queue starts the `queue` array
+
+    def __init__(self, window, layout, capacity: int, counters: int, device: str = "cpu", device_id: int = 0):
+        qbytes = queue_bytes(capacity)
+        self._free = None
+        if device == "cuda":
+            import ctypes
+
+            import cupy
+            from cupy.cuda import runtime
+
+            from commref.transports.errors import CapabilityError
+
+            with cupy.cuda.Device(device_id):
+                if not runtime.deviceGetAttribute(runtime.cudaDevAttrUnifiedAddressing, device_id):
+                    raise CapabilityError(f"GIN on device {device_id}: its queue lives in mapped host memory, "
+                                          f"which needs unified addressing (the device lacks it)")
+                nbytes = qbytes + 8 * counters
+                ptr = runtime.hostAlloc(max(nbytes, 8), CUDA_HOST_ALLOC_PORTABLE_MAPPED)
+            self._free = lambda: runtime.freeHost(ptr)
+            host = np.frombuffer((ctypes.c_char * max(nbytes, 8)).from_address(ptr), dtype=np.uint8)
+            host[:] = 0  # cudaHostAlloc does not zero
+            self.queue, counters_u8 = host[:qbytes], host[qbytes:nbytes]
+            self.queue_address, self.counters_address = ptr, ptr + qbytes
+        else:
+            local = window.local
+            qoff, coff = int(layout["ginQueueOff"]), int(layout["ginCountersOff"])
+            self.queue, counters_u8 = local[qoff:qoff + qbytes], local[coff:coff + 8 * counters]
+            self.queue_address = int(window.address) + qoff
+            self.counters_address = int(window.address) + coff
+        self.counters = counters_u8.view(np.uint64)
+
+    def close(self) -> None:
+        """Frees a GPU region (idempotent; nothing on the CPU, where the window owns it)."""
+        free, self._free = self._free, None
+        if free is not None:
+            free()

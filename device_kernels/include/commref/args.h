@@ -94,6 +94,12 @@ struct GinArgs {
   uint32_t checkHeaders; // 0 where the header itself may land late (weak protocols)
   uint32_t creditSignalBase;  // ready signals first: (c*4 + k)*nsteps + slot; then credits: base + c*4 + j
   uint32_t pad;
+  // Where this rank's queue (the descriptors, then the header: gin.h) and its counters
+  // live, in host memory the proxy polls and the kernels reach: on the CPU engine the
+  // window's ginQueueOff and ginCountersOff regions; on a GPU pinned host memory mapped
+  // into the device (the window's regions then stay unused). Signals stay in the window.
+  uint64_t queue;
+  uint64_t counters;
 };
 
 // A user buffer inside a symmetric window (direct kernels): rank j's copy of it is at

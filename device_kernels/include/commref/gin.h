@@ -27,7 +27,7 @@
 #pragma once
 #include "wait.h"
 
-// The queue region (WindowLayout.ginQueueOff): `capacity` descriptors, then a header of
+// The queue region (GinArgs.queue: host memory, args.h): `capacity` descriptors, then a header of
 // COMMREF_GIN_QUEUE_HEADER bytes that holds two uint64 counters and the engine's idle
 // word, a cache line apart, at these byte offsets from the end of the descriptors.
 //
@@ -91,17 +91,15 @@ struct Gin {
   const CollArgs& a;
   KernelEnv& env;
 
-  __device__ GinDescriptor* ring() const { return (GinDescriptor*)(windowOfGin() + a.layout.ginQueueOff); }
-  __device__ char* queueHeader() const {
-    return windowOfGin() + a.layout.ginQueueOff + (uint64_t)a.gin.capacity * sizeof(GinDescriptor);
-  }
+  __device__ GinDescriptor* ring() const { return (GinDescriptor*)a.gin.queue; }
+  __device__ char* queueHeader() const { return (char*)a.gin.queue + (uint64_t)a.gin.capacity * sizeof(GinDescriptor); }
   __device__ uint64_t* claimed() const { return (uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CLAIMED); }
   __device__ const uint64_t* consumed() const { return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CONSUMED); }
   // Rings the engine if it sleeps (see COMMREF_GIN_QUEUE_IDLE): after a publish, and
   // before a wait on what the engine delivers (on network mpi it receives it).
   __device__ void wakeEngine() const { commref_wake_sleeper((uint32_t*)(queueHeader() + COMMREF_GIN_QUEUE_IDLE)); }
   __device__ uint64_t* signals() const { return (uint64_t*)(windowOfGin() + a.layout.ginSignalsOff); }
-  __device__ uint64_t* counters() const { return (uint64_t*)(windowOfGin() + a.layout.ginCountersOff); }
+  __device__ uint64_t* counters() const { return (uint64_t*)a.gin.counters; }
   __device__ char* windowOfGin() const { return (char*)((const uint64_t*)a.peerWindows)[a.rank]; }
 
   // Posts one descriptor; returns its slot.
