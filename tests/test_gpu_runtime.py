@@ -555,3 +555,50 @@ def test_close_after_a_peer_failed_returns_and_frees_nothing_a_peer_may_use(fake
         _run(2, body)
     assert seen["error"] == "CommAborted" and seen["seconds"] < 5
     assert ("free", seen["window"]) not in fake.calls("free"), "freed while a failed peer may still map it"
+
+
+# ---- GIN on the GPU: the copy-engine proxy's setup and teardown ----
+
+
+def _gin_on_gpu(world, fake):
+    from commref.transports.gin import gpu_proxy
+
+    comm = Communicator(world, "cuda", path="gin", gin_queue=32, gin_counters=2)
+    region, proxy = comm._gin_region, comm.proxy
+    gin = comm._record.record["gin"]
+    seen = (type(proxy).__name__, int(gin["queue"]) == region.queue_address,
+            int(gin["counters"]) == region.counters_address, region.counters_address - region.queue_address,
+            bool((region.queue == 0).all()), isinstance(proxy.driver, gpu_proxy.CudaDriver))
+    comm.close()
+    return seen, region.queue_address, proxy.driver.closed
+
+
+def test_gin_on_a_gpu_puts_its_queue_in_pinned_mapped_memory_and_frees_it_at_close(fake, monkeypatch):
+    """Communicator(device="cuda", path="gin"): the queue and counters in one cudaHostAlloc
+    (portable, mapped), zeroed, addressed by CollArgs.gin; a GpuProxy over it; close stops
+    the proxy, releases its driver and frees the allocation."""
+    from commref.transports.gin import gpu_proxy
+    from commref.transports.gin.queue import CUDA_HOST_ALLOC_PORTABLE_MAPPED, queue_bytes
+    from test_gin_gpu_proxy import LateCopies
+
+    class Driver(LateCopies, gpu_proxy.CudaDriver):  # the real driver's type, host memory underneath
+        def __init__(self, device_id):
+            LateCopies.__init__(self, seed=device_id)
+
+    monkeypatch.setattr(gpu_proxy, "CudaDriver", Driver)
+    results = _run(2, _gin_on_gpu, fake)
+    for seen, queue_address, closed in results:
+        assert seen == ("GpuProxy", True, True, queue_bytes(32), True, True) and closed, seen
+        allocs = [c for c in fake.calls("hostAlloc") if c[1] == queue_address]
+        assert allocs and allocs[0][2:] == (queue_bytes(32) + 8 * 2, CUDA_HOST_ALLOC_PORTABLE_MAPPED), allocs
+        assert [c for c in fake.calls("freeHost") if c[1] == queue_address], "the queue region was not freed"
+
+
+@pytest.mark.parametrize("kw, message", [(dict(wire="unordered"), "carries the ordered wire"),
+                                         (dict(network="mpi"), "carries network 'shm'")])
+def test_gin_on_a_gpu_refuses_what_it_does_not_carry(fake, kw, message):
+    def body(world):
+        with pytest.raises(CapabilityError, match=message):
+            Communicator(world, "cuda", path="gin", **kw)
+
+    _run(2, body)
