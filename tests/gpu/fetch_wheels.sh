@@ -12,5 +12,5 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
   platforms+=(--platform "$p")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d .whl mpich nccl4py
+  "${platforms[@]}" -d .whl mpich nccl4py "cuda-bindings>=12,<13" cuda-pathfinder
 ls -l .whl

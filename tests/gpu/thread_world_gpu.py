@@ -1,7 +1,8 @@
 """N ranks as threads of one process on one GPU: the verification sweep over CUDA,
-each rank on its own non-blocking stream.
+each rank on its own non-blocking stream; `--path gin` over the copy-engine GIN proxy.
 
     python tests/gpu/thread_world_gpu.py --np 4
+    python tests/gpu/thread_world_gpu.py --np 2 --path gin --backend gda --gin-protocol signal-per-put
 Exits non-zero if any element is wrong.
 """
 
@@ -24,7 +25,8 @@ def body(world, args):
         # spinning kernels (the Communicator refuses that stream when ranks share a GPU).
         stream = cupy.cuda.Stream(non_blocking=True)
         stream.use()
-        comm = Communicator(world, "cuda", max_channels=args.channels)
+        gin = dict(path=args.path, backend=args.backend, gin_protocol=args.gin_protocol) if args.path == "gin" else {}
+        comm = Communicator(world, "cuda", max_channels=args.channels, **gin)
         try:
             cases = check.cases(list(COLLECTIVES), args.dtype, args.op, [], args.count, world.size, 1)
             return cases, check.run_sweep(comm, cases, stream=stream)
@@ -39,11 +41,14 @@ def main():
     p.add_argument("--count", type=int, nargs="+", default=[0, 1, 7, 1001, 100003])
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "int8", "float64"])
     p.add_argument("--op", nargs="+", default=["sum", "prod", "max", "min", "avg"])
+    p.add_argument("--path", choices=["lsa", "gin"], default="lsa")
+    p.add_argument("--backend", default="proxy")
+    p.add_argument("--gin-protocol", default="strong")
     args = p.parse_args()
     t0 = time.time()
     results = ThreadWorld.run(args.np, body, args, timeout=60)
     cases, wrong = results[0]
-    print(check.format_table(check.summary_rows(cases, wrong), args.np, "cuda (ThreadWorld, one GPU)"))
+    print(check.format_table(check.summary_rows(cases, wrong), args.np, f"cuda (ThreadWorld, one GPU, {args.path})"))
     print(f"# {len(cases)} cases, {sum(wrong)} wrong elements, {time.time() - t0:.1f} s")
     sys.exit(0 if sum(wrong) == 0 else 1)
 
