@@ -19,9 +19,10 @@
   strong), timed in --latency-blocks alternating blocks of --latency-iters calls each;
   per path the median over blocks of microseconds per call, and their ratio.
 - pipelined rate: AllReduce of --pipe-bytes over GIN (ordered shm, strong) with FIFO
-  slots of --pipe-slot-bytes and 8 steps in flight per link, so the proxy is fed
-  without waiting for each operation's round trip (the message-rate view of the proxy:
-  descriptors/s and GIN operations/s per proxy, as above).
+  slots of --pipe-slot-bytes (default 1 KiB messages) and --pipe-steps slots in flight
+  per link (default 64), so the proxy is fed without waiting for each operation's round
+  trip (the message-rate view of the proxy, as osu_mbw_mr's window: descriptors/s and
+  GIN operations/s per proxy, as above).
 - busbw: AllReduce of --bytes (float32) over path="lsa", over path="gin" (shm wire,
   ordered, strong) and, under mpiexec, over path="gin" with network "mpi" (the engines
   exchange messages on their own communicator) and MPI's own Allreduce on the same
@@ -97,8 +98,8 @@ def _small_rate(world, wire: str, iters: int) -> dict:
     return out
 
 
-def _pipelined_rate(world, nbytes: int, slot_bytes: int, iters: int) -> dict:
-    comm = _gin(world, slot_bytes=slot_bytes, nsteps=8)
+def _pipelined_rate(world, nbytes: int, slot_bytes: int, nsteps: int, iters: int) -> dict:
+    comm = _gin(world, slot_bytes=slot_bytes, nsteps=nsteps)
     x = (np.arange(nbytes // 4, dtype=np.float32) % 64) * (world.rank + 1)
     y = np.empty_like(x)
     for _ in range(3):
@@ -205,7 +206,7 @@ def _rate_summary(per: list[dict], calls: int) -> dict:
 def measure(world, args) -> dict | None:
     rates = {wire: _small_rate(world, wire, args.small_iters) for wire in ("ordered", "unordered")}
     lat = _latency(world, args.latency_blocks, args.latency_iters)
-    pipe = _pipelined_rate(world, args.pipe_bytes, args.pipe_slot_bytes, args.pipe_iters)
+    pipe = _pipelined_rate(world, args.pipe_bytes, args.pipe_slot_bytes, args.pipe_steps, args.pipe_iters)
     bw = _busbw(world, args.bytes, args.iters, args.warmup)
     gathered = world.allgather((rates, bw, pipe, lat), what="gin_rate results")
     if world.rank != 0:
@@ -215,7 +216,7 @@ def measure(world, args) -> dict | None:
     for wire in ("ordered", "unordered"):
         out["rate"][wire] = _rate_summary([g[0][wire] for g in gathered], args.small_iters)
     out["pipelined"] = {**_rate_summary([g[2] for g in gathered], args.pipe_iters), "bytes": args.pipe_bytes,
-                        "slot_bytes": args.pipe_slot_bytes, "nsteps": 8}
+                        "slot_bytes": args.pipe_slot_bytes, "nsteps": args.pipe_steps}
     lsa, gin = (statistics.median(gathered[0][3][k]) for k in ("lsa", "gin"))  # rank 0's blocks
     out["latency"] = {"lsa_us": lsa, "gin_us": gin, "gin_over_lsa": gin / lsa, "blocks": args.latency_blocks,
                       "iters": args.latency_iters}
@@ -282,7 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--latency-blocks", type=int, default=7, help="alternating LSA/GIN blocks of the latency test")
     p.add_argument("--latency-iters", type=int, default=500, help="8-byte AllReduces per latency block")
     p.add_argument("--pipe-bytes", type=parse_bytes, default=1 << 20, help="AllReduce size of the pipelined rate")
-    p.add_argument("--pipe-slot-bytes", type=int, default=4096, help="FIFO slot bytes of the pipelined rate")
+    p.add_argument("--pipe-slot-bytes", type=int, default=1024, help="FIFO slot bytes of the pipelined rate")
+    p.add_argument("--pipe-steps", type=int, default=64, help="FIFO slots per link (in flight) of the pipelined rate")
     p.add_argument("--pipe-iters", type=int, default=20, help="calls timed in the pipelined rate")
     p.add_argument("--nranks", type=int, default=2, help="ranks as threads when not under mpiexec")
     p.add_argument("--json", default=None, help="also write the results here")

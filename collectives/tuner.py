@@ -23,9 +23,10 @@ class Defaults:
 # FIFO slot bytes on the CPU when GIN peers are reached over network "mpi": each step is
 # a message to the peer's engine, whose fixed cost (matching, rendezvous, a wake of the
 # engine) 256 KiB slots do not amortize (docs/gin.md, "Network mpi": 16 MiB AllReduce at
-# 2 ranks, 0.2-0.4x MPICH's busbw with 256 KiB slots, 0.5-0.7x with 1 MiB, 0.76-0.83x
-# with 2 MiB). NCCL's network transport moves large chunks per step for the same reason.
-NETWORK_SLOT_BYTES = 2 * 1024 * 1024
+# 2 ranks against MPICH's, alternating: 0.2-0.4x with 256 KiB slots, 0.74-0.82x with 1
+# and 2 MiB, 0.87-0.94x with 4 MiB). NCCL's network transport moves large chunks per step
+# for the same reason. The cost: a connection's FIFO is nsteps x 4 MiB on each side.
+NETWORK_SLOT_BYTES = 4 * 1024 * 1024
 
 
 def defaults(device: str, local_ranks: int = 1, network: str | None = None) -> Defaults:

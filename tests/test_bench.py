@@ -376,7 +376,7 @@ def test_gin_rate_reports_rates_and_latencies():
     from commref.bench import gin_rate
 
     args = argparse.Namespace(small_iters=40, bytes=64 << 10, iters=2, warmup=1, latency_blocks=2, latency_iters=20,
-                              pipe_bytes=64 << 10, pipe_slot_bytes=4096, pipe_iters=2)
+                              pipe_bytes=64 << 10, pipe_slot_bytes=1024, pipe_steps=16, pipe_iters=2)
     out = ThreadWorld.run(2, gin_rate.measure, args, timeout=60)[0]
     for wire, r in {**out["rate"], "pipelined": out["pipelined"]}.items():
         assert r["correct"] and r["engine"] in ("native", "python"), (wire, r)
