@@ -158,11 +158,12 @@ class Communicator:
 
     def _refuse_unmapped(self) -> None:
         """Collective: every rank refuses (CapabilityError) when any rank could not map
-        the window of a peer it reaches over LSA, or on a GPU over GIN (the copy-engine
-        proxy reaches peers by CUDA IPC), naming why (not on one host, no peer access
-        between two GPUs, CUDA IPC failed)."""
+        the window of a peer it reaches over LSA, or on a GPU over GIN on network shm (the
+        copy-engine proxy reaches those peers by CUDA IPC), naming why (not on one host, no
+        peer access between two GPUs, CUDA IPC failed)."""
         win = self.window
-        needed = [r for r in range(self.nranks) if self.device == "cuda" or not (self.peer_mask >> r) & 1]
+        gin_mapped = self.device == "cuda" and self.network == "shm"
+        needed = [r for r in range(self.nranks) if gin_mapped or not (self.peer_mask >> r) & 1]
         missing = {r: win.unmapped.get(r, f"not in its LSA team {win.lsa_ranks}") for r in needed
                    if win.peer_addresses[r] == 0}
         everyone = self.world.allgather(missing, what="window mappings")
@@ -174,7 +175,7 @@ class Communicator:
             win.free()
         except Exception:  # a peer failed as well: keep the memory rather than free it under a peer
             pass
-        if self.device == "cuda" and self.peer_mask:
+        if gin_mapped and self.peer_mask:
             raise CapabilityError(f"rank {self.rank}: {describe_unmapped(self.rank, everyone)}; GIN on GPUs reaches "
                                   f"its peers' windows by CUDA IPC (ranks on one host with peer access)")
         raise CapabilityError(f"rank {self.rank}: {describe_unmapped(self.rank, everyone)}; the LSA path needs "

@@ -13,8 +13,10 @@ order only, as on a copy engine. On that:
 - the stand-in is adversarial: signals written on a stream of their own (not ordered
   after their data) corrupt results; a counter and a flush wait for the copy before
   them (the stand-in holding it);
-- refusals: what plan_gin refuses on GPUs (network mpi, the unordered wire), and
-  CudaDriver without cuda-python, each in one line.
+- network mpi: the same over wires.MpiWire with DeviceWindow (2 MPI processes: exact,
+  traces replayed);
+- refusals: what plan_gin refuses on GPUs (the unordered wire), and CudaDriver without
+  cuda-python, each in one line.
 
 On a GPU, tests/gpu/gpu_check.sh runs the collectives over this proxy with the real driver.
 """
@@ -207,18 +209,66 @@ def test_a_counter_waits_for_its_copy():
     assert landed == bytes([7] * 8)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(network="mpi"), "GIN on GPUs carries network 'shm' in this version"),
-    (dict(wire="unordered"), "GIN on GPUs carries the ordered wire in this version"),
-])
-def test_gpu_refusals_name_what_runs_where(kw, message):
+def test_gpu_refuses_the_unordered_wire_in_one_line():
     from commref.transports.gin.options import GinOptions
 
     def body(world):
-        with pytest.raises(CapabilityError, match=message):
-            gin_plan.plan_gin(world, GinOptions(path="gin", **kw), "cuda", 1, 4)
+        with pytest.raises(CapabilityError, match=r"rank \d: GIN on GPUs carries the ordered wire in this version "
+                                                  r".* the unordered wire runs on the CPU engine \(device='cpu'\)"):
+            gin_plan.plan_gin(world, GinOptions(path="gin", wire="unordered"), "cuda", 1, 4)
 
     ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
+
+
+# ---- network mpi (2 MPI processes; this file is the job's script) ----
+
+
+@pytest.mark.mpi
+def test_copy_engine_proxy_over_network_mpi_is_exact_and_conforms(shm_leak_check):
+    """GpuProxy on network mpi (device-to-host, MPI, host-to-device through LateCopies),
+    2 MPI processes: the collectives exact, each rank's trace replayed."""
+    import os
+    import re
+
+    from conftest import clean_env, run_mpi
+
+    proc = run_mpi(2, [os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__)))], timeout=120,
+                   env=clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    lines = set(re.findall(r"rank (\d) (\S+) (\S+) seed (\d+): conforms \d+ posts, wrong 0, GpuProxy mpi", proc.stdout))
+    assert len(lines) == 2 * 3 * 2, out[-4000:]
+
+
+def _mpi_main() -> None:
+    from commref.transports.world import MPIWorld
+
+    world = MPIWorld()
+
+    def start_proxy(self, world, window, layout, observer=None, engine=None, region=None, device="cpu",
+                    device_id=0):
+        if not self.used:
+            return None
+        proxy = GpuProxy(world, window, layout, region, self.options.queue, self.backend, self.transport,
+                         driver=LateCopies(seed=500 + world.rank), network=self.network,
+                         mpi_comm=world.comm.Dup())
+        proxy.start()
+        return proxy
+
+    gin_plan.GinPlan.start_proxy = start_proxy
+    for backend, protocol in (("proxy", "strong"), ("rc", "weak-last"), ("gda", "flush-signal")):
+        for seed, (trace, wrong, _) in zip((1, 2), collectives_run(world, backend, "ordered", protocol, [1, 2],
+                                                                    network="mpi")):
+            counts = replay_trace(trace, backend, "ordered")
+            line = f"rank {world.rank} {backend} {protocol} seed {seed}: conforms {counts['post']} posts, wrong {wrong}, "
+            sys.stdout.write(line + "GpuProxy mpi\n")
+            sys.stdout.flush()
+    world.barrier(what="gpu proxy mpi done")
+
+
+if __name__ == "__main__":
+    _mpi_main()
+    sys.exit(0)
 
 
 def test_cuda_driver_without_cuda_python_is_one_clear_refusal(monkeypatch):

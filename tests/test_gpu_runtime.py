@@ -595,7 +595,7 @@ def test_gin_on_a_gpu_puts_its_queue_in_pinned_mapped_memory_and_frees_it_at_clo
 
 
 @pytest.mark.parametrize("kw, message", [(dict(wire="unordered"), "carries the ordered wire"),
-                                         (dict(network="mpi"), "carries network 'shm'")])
+                                         (dict(network="mpi"), "network 'mpi' needs an MPI world")])
 def test_gin_on_a_gpu_refuses_what_it_does_not_carry(fake, kw, message):
     def body(world):
         with pytest.raises(CapabilityError, match=message):

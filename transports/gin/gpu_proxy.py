@@ -31,6 +31,17 @@ this one.
   outside the world or not mapped here, a range outside the window. The error is kept
   (`error`), the world's abort word raised, and the thread ends, so kernels fail.
 
+Network mpi (peers on other hosts): the proxies exchange wires.MpiWire's messages on
+their own communicator, and the window is reached through DeviceWindow. A put's source
+is copied device-to-host (the proxy waits for the copy: the source is then reusable and
+the counter bumped) and sent; the receiving proxy copies the data host-to-device on the
+sender's stream and then writes the signal after it on that stream, from its own shadow
+of the word: on this network the target's proxy is the only writer of its signals (as
+aws-ofi-nccl's receiver applies EFA signals), so several senders may share one. A get
+is a request and a reply copied host-to-device, settled before its slot is consumed. MPI
+keeps one source's messages in order, and one stream per source keeps their landings in
+order: the wire stays ordered.
+
 The driver calls go through `driver` (CudaDriver: cuda-python's cuda.bindings.driver);
 tests hand in a stand-in that runs the same protocol over host memory with copies that
 land late (tests/test_gin_gpu_proxy.py). GPU kernels cannot ring the engine (gin.h's
@@ -48,6 +59,8 @@ import collections
 import threading
 import time
 
+import numpy as np
+
 from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError
 from commref.transports.gin import semantics
@@ -55,7 +68,7 @@ from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import Backend
 from commref.transports.gin.proxy import remote_action
 from commref.transports.gin.queue import QueueReader, QueueRegion
-from commref.transports.gin.wires import ProxyError, wait_drained
+from commref.transports.gin.wires import MpiWire, ProxyError, wait_drained
 
 __all__ = ["GpuProxy", "CudaDriver"]
 
@@ -155,15 +168,70 @@ class CudaDriver:
             self.ctx = None
 
 
+class DeviceWindow:
+    """wires.MpiWire's memory (see wires.HostMemory) for a window on a GPU, through the
+    copy-engine proxy's driver and streams: data from peer p is copied host-to-device on
+    p's stream (its host buffer kept until the copy has run), a signal from p written
+    after it on that stream from this rank's shadow of the word (the receiving proxy is
+    its only writer on network mpi), a read copied device-to-host and waited for."""
+
+    READ_STREAM = -1  # the key of the stream reads go on
+
+    def __init__(self, proxy: "GpuProxy"):
+        self.proxy = proxy
+        self._shadow: dict = {}  # offset of one of this rank's signal words -> the value last written
+        self.held: collections.deque = collections.deque()  # (event, host buffer) until the copy ran
+
+    def write(self, src: int, offset: int, data: np.ndarray) -> None:
+        p = self.proxy
+        p._check_range("landing", src, offset, data.size)
+        if data.size:
+            stream = p._stream(src)
+            p.driver.copy(p._base + offset, data.ctypes.data, data.size, stream)
+            self.held.append((p.driver.event_after(stream), data))
+
+    def read(self, offset: int, size: int) -> np.ndarray:
+        p = self.proxy
+        p._check_range("read", p.rank, offset, size)
+        out = np.empty(size, np.uint8)
+        if size:
+            stream = p._stream(self.READ_STREAM)
+            p.driver.copy(out.ctypes.data, p._base + offset, size, stream)
+            ev = p.driver.event_after(stream)
+            p._wait(lambda: p.driver.done(ev), f"copying {size} bytes of this rank's window to the host")
+        return out
+
+    def add_signal(self, src: int, offset: int, value: int) -> None:
+        p = self.proxy
+        p._check_range("signal", src, offset, 8)
+        value = self._shadow[offset] = (self._shadow.get(offset, 0) + value) & MASK64
+        p.driver.write_value(p._base + offset, value, p._stream(src))  # after src's data: stream order
+
+    def settle(self, src: int) -> None:
+        p = self.proxy
+        stream = p._stream(src)
+        p._wait(lambda: p.driver.idle(stream), f"landing what peer {src} sent")
+
+    def reap(self) -> int:
+        """Drops the host buffers whose copies have run, oldest first; how many."""
+        n = 0
+        while self.held and self.proxy.driver.done(self.held[0][0]):
+            self.held.popleft()
+            n += 1
+        return n
+
+
 class GpuProxy:
     """The copy-engine proxy of one rank (see the module docstring): start(), quiesce(),
     stop(), error, stats, pending(), trace, as GinProxy. `layout`: the window's
-    WindowLayout (its ginSignalsOff); `region`: the rank's
-    queue.QueueRegion; `window`: its symmetric window with the GIN peers' windows mapped
-    (network shm); `driver`: a CudaDriver (made here when None)."""
+    WindowLayout (its ginSignalsOff); `region`: the rank's queue.QueueRegion; `window`:
+    its symmetric window, with the GIN peers' windows mapped on network "shm"; network
+    "mpi": `mpi_comm`, the proxies' own communicator; `driver`: a CudaDriver (made here
+    when None)."""
 
     def __init__(self, world, window, layout, region: QueueRegion, capacity: int, backend: Backend,
-                 transport: semantics.Transport, device_id: int = 0, driver=None):
+                 transport: semantics.Transport, device_id: int = 0, driver=None, network: str = "shm",
+                 mpi_comm=None):
         if not transport.ordered:
             raise CapabilityError(f"rank {world.rank}: the GIN copy-engine proxy carries the ordered wire only")
         self.world, self.rank, self.backend, self.transport = world, world.rank, backend, transport
@@ -177,6 +245,17 @@ class GpuProxy:
         self._peer_base = [int(a) for a in window.peer_addresses]
         self._window_bytes = int(window.local.nbytes)
         self._signals_off = int(layout["ginSignalsOff"])
+        self.network = network
+        self.memory = self.wire = None
+        if network == "mpi":
+            if mpi_comm is None:
+                raise ValueError(f"rank {world.rank}: the GIN copy-engine proxy on network 'mpi' needs the "
+                                 f"proxies' communicator")
+            self.memory = DeviceWindow(self)
+            self.wire = MpiWire(mpi_comm, self.rank, window, self._signals_off, atomics, world.timeout,
+                                memory=self.memory)
+        elif network != "shm":
+            raise ValueError(f"GIN copy-engine proxy network must be 'shm' or 'mpi', not {network!r}")
         self._streams: dict = {}  # peer -> its stream (made in the thread)
         self._shadow: dict = {}  # peer's window offset of a signal word -> the value last written there
         self._counters: collections.deque = collections.deque()  # (event, counter, peer, ctx, seq), oldest first
@@ -231,10 +310,13 @@ class GpuProxy:
             while not self._stop.is_set():
                 took = self._drain(DRAIN_BUDGET)
                 reaped = self._reap()
+                if self.wire is not None:
+                    reaped += self.wire.progress() + self.memory.reap()
                 if took or reaped:
                     idle = 0
                     continue
-                self._in_flight = bool(self._counters) or not all(self.driver.idle(s) for s in self._streams.values())
+                self._in_flight = bool(self._counters) or not all(self.driver.idle(s) for s in self._streams.values()) \
+                    or (self.wire is not None and (not self.wire.drained() or bool(self.memory.held)))
                 idle += 1
                 time.sleep(0 if idle < 2000 else 20e-6)
         except BaseException as e:  # the kernels must not wait forever on a dead proxy
@@ -271,10 +353,15 @@ class GpuProxy:
                              f"outside the {self._window_bytes}-byte window")
 
     def _wait(self, ready, what: str) -> None:
-        """Polls ready() (counters reaped meanwhile) until true; ProxyError at the deadline."""
+        """Polls ready() until true, reaping counters and (network mpi) receiving and
+        finishing sends meanwhile, since a peer may wait on this rank; ProxyError at the
+        deadline."""
         deadline = time.monotonic() + self.world.timeout
         while not ready():
             self._reap()
+            if self.wire is not None:
+                self.wire.progress()
+                self.memory.reap()
             if self.world.abort_word[0]:
                 raise ProxyError(f"rank {self.rank}: GIN copy-engine proxy: the job aborted while {what}")
             if time.monotonic() > deadline:
@@ -282,21 +369,25 @@ class GpuProxy:
                                  f"{self.world.timeout} s")
             time.sleep(0)
 
+    def _bump(self, counter: int, peer: int, ctx: int, seq: int) -> None:
+        self._add(self._counters_base + 8 * counter, 1)
+        self._record(peer, ctx, ("counter", seq, counter))
+
     def _reap(self) -> int:
         """Bumps the counters of puts whose copies completed, oldest first; how many."""
         n = 0
         while self._counters and self.driver.done(self._counters[0][0]):
             _, counter, peer, ctx, seq = self._counters.popleft()
-            self._add(self._counters_base + 8 * counter, 1)
-            self._record(peer, ctx, ("counter", seq, counter))
+            self._bump(counter, peer, ctx, seq)
             n += 1
         return n
 
     def _execute(self, d) -> None:
         _, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, _ = d
         if op == abi.GIN_FLUSH:
-            self._wait(lambda: not self._counters and all(self.driver.idle(s) for s in self._streams.values()),
-                       f"flushing context {ctx} (every copy and counter before it)")
+            self._wait(lambda: not self._counters and all(self.driver.idle(s) for s in self._streams.values())
+                       and (self.wire is None or self.wire.drained()),
+                       f"flushing context {ctx} (every copy, send and counter before it)")
             for link in [k for k in self._links if k[1] == ctx]:
                 self._record(*link, ("flush",))
             return
@@ -307,6 +398,9 @@ class GpuProxy:
             return
         if not 0 <= peer < self.world.size:
             raise ProxyError(f"rank {self.rank}: GIN operation {op} names peer {peer} outside [0, {self.world.size})")
+        if self.wire is not None:
+            self._execute_mpi(op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, link)
+            return
         base = self._peer_base[peer]
         if not base:
             raise ProxyError(f"rank {self.rank}: GIN peer {peer}'s window is not mapped here (the copy-engine proxy "
@@ -350,5 +444,35 @@ class GpuProxy:
             key = (peer, offset)
             value = self._shadow[key] = (self._shadow.get(key, 0) + signal.value) & MASK64
             self.driver.write_value(base + offset, value, stream)  # after the data: stream order
+            self._record(peer, ctx, ("signal", seq))
+        self.stats["events"] += 1
+
+    def _execute_mpi(self, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, link) -> None:
+        """A descriptor on network mpi (see the module docstring)."""
+        if op == abi.GIN_GET:
+            self._check_range("get destination", peer, dst, nbytes)
+            self.wire.get(peer, src, dst, nbytes, self._reap)
+            self._record(peer, ctx, ("get", src, dst, nbytes))
+            return
+        signal = remote_action(self.rank, self.backend, peer, flags, sig, sigval) \
+            if flags & abi.GIN_HAS_SIGNAL else None
+        if op == abi.GIN_PUT:
+            data = self.memory.read(src, nbytes)  # waited for: the source is reusable from here on
+        elif op == abi.GIN_PUT_VALUE:
+            data = np.frombuffer((nbytes & MASK64).to_bytes(8, "little"), np.uint8).copy()
+        elif op == abi.GIN_SIGNAL:
+            data = np.zeros(0, np.uint8)
+        else:
+            raise ProxyError(f"rank {self.rank}: unknown GIN operation {op}")
+        seq = link[0]
+        link[0] += 1
+        self._record(peer, ctx, ("post", seq, dst, data.size, signal))
+        if data.size:
+            self.wire.land_data(peer, dst, data)
+            self._record(peer, ctx, ("data", seq))
+        if op == abi.GIN_PUT and flags & abi.GIN_HAS_COUNTER:
+            self._bump(counter, peer, ctx, seq)
+        if signal is not None:
+            self.wire.signal(peer, signal)  # MPI keeps it behind the data
             self._record(peer, ctx, ("signal", seq))
         self.stats["events"] += 1

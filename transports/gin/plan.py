@@ -63,8 +63,9 @@ class GinPlan:
         if device == "cuda":
             from commref.transports.gin.gpu_proxy import GpuProxy
 
+            mpi_comm = world.comm.Dup() if self.network == "mpi" else None  # collective, as below
             proxy = GpuProxy(world, window, layout, region, self.options.queue, self.backend, self.transport,
-                             device_id)
+                             device_id, network=self.network, mpi_comm=mpi_comm)
             proxy.start()
             return proxy
         from commref.transports.gin import native
@@ -125,10 +126,6 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
     network = options.network
     if network == Network.AUTO:
         network = Network.SHM if all(r in local for r in gin_peers) else Network.MPI
-    if device == "cuda" and network != Network.SHM:
-        raise CapabilityError(f"rank {rank}: GIN on GPUs carries network 'shm' in this version (peers on this host, "
-                              f"data by CUDA IPC and the copy engine); network {network.value!r} runs on the CPU "
-                              f"engine (device='cpu')")
     if device == "cuda" and options.wire != Wire.ORDERED:
         raise CapabilityError(f"rank {rank}: GIN on GPUs carries the ordered wire in this version (a copy-engine "
                               f"stream per peer keeps order); the {options.wire.value} wire runs on the CPU engine "

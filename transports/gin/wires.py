@@ -12,6 +12,8 @@ the wire carries each landing as it is told, in that order.
 - MpiWire (network "mpi"): one MPI message per landing to the peer's proxy, which lands
   it in its own window (across processes and nodes: the distributed path). A message is
   a header of 6 uint64 (kind, offset, size, is_va, signal, value) and the data bytes.
+  Where it lands is the wire's `memory`: HostMemory (a window in host memory) for the
+  CPU engine's proxies; the copy-engine proxy hands in its own for a window on a GPU.
 """
 
 from __future__ import annotations
@@ -104,20 +106,43 @@ def _header(kind: int, offset: int = 0, size: int = 0, is_va: int = 0, signal: i
     return np.array([kind, offset, size, is_va, signal, value], np.uint64)
 
 
+class HostMemory:
+    """What an MpiWire does with this rank's window when the window is in host memory:
+    write received data, read what a peer's get asks for, add to a signal word (release:
+    after the data written before it), and settle (nothing: writes are done on return)."""
+
+    def __init__(self, window, atomics):
+        self.local = window.local
+        self.base = int(window.address)
+        self._add = atomics.add_u64
+
+    def write(self, src: int, offset: int, data: np.ndarray) -> None:
+        ctypes.memmove(self.base + offset, data.ctypes.data, data.size)
+
+    def read(self, offset: int, size: int) -> np.ndarray:
+        return self.local[offset:offset + size].copy()
+
+    def add_signal(self, src: int, offset: int, value: int) -> None:
+        self._add(self.base + offset, value)
+
+    def settle(self, src: int) -> None:
+        pass
+
+
 class MpiWire(Wire):
     """`comm`: the proxies' own communicator (a Dup of the world's), `timeout`: how long
-    a get waits for its reply; `observer`: told of every message sent and received."""
+    a get waits for its reply; `observer`: told of every message sent and received;
+    `memory`: where received data and signals land (default HostMemory(window))."""
 
     name = "mpi"
 
-    def __init__(self, comm, rank: int, window, signals_off: int, atomics, timeout: float, observer=None):
+    def __init__(self, comm, rank: int, window, signals_off: int, atomics, timeout: float, observer=None,
+                 memory=None):
         from mpi4py import MPI
 
         self.comm, self.rank, self.timeout, self.observer = comm, rank, timeout, observer
-        self.local = window.local
-        self.base = int(window.address)
+        self.memory = memory if memory is not None else HostMemory(window, atomics)
         self.signals_off = signals_off
-        self._add = atomics.add_u64
         self._mpi = MPI
         self._status = MPI.Status()
         self._pending: list = []  # (request, message) of unfinished sends
@@ -131,8 +156,8 @@ class MpiWire(Wire):
         kind, where = sig.target
         self._send(peer, _header(MSG_SIGNAL, is_va=int(kind == "va"), signal=where, value=sig.value))
 
-    def _apply_signal(self, is_va: bool, where: int, value: int) -> None:
-        self._add(self.base + (where if is_va else self.signals_off + 8 * where), value)
+    def _apply_signal(self, src: int, is_va: bool, where: int, value: int) -> None:
+        self.memory.add_signal(src, where if is_va else self.signals_off + 8 * where, value)
 
     def _send(self, peer: int, header: np.ndarray, data: np.ndarray | None = None) -> None:
         msg = header.view(np.uint8) if data is None else np.concatenate([header.view(np.uint8), data])
@@ -153,12 +178,12 @@ class MpiWire(Wire):
             h = buf[:HEADER_BYTES].view(np.uint64)
             kind = int(h[0])
             if kind == MSG_DATA:
-                ctypes.memmove(self.base + int(h[1]), buf[HEADER_BYTES:].ctypes.data, int(h[2]))
+                self.memory.write(src, int(h[1]), buf[HEADER_BYTES:HEADER_BYTES + int(h[2])])
             elif kind == MSG_SIGNAL:
-                self._apply_signal(bool(h[3]), int(h[4]), int(h[5]))
+                self._apply_signal(src, bool(h[3]), int(h[4]), int(h[5]))
             elif kind == MSG_GET_REQ:
                 off, size = int(h[1]), int(h[2])
-                self._send(src, _header(MSG_GET_RESP, 0, size), self.local[off:off + size].copy())
+                self._send(src, _header(MSG_GET_RESP, 0, size), self.memory.read(off, size))
             elif kind == MSG_GET_RESP:
                 self._get_reply[src] = buf[HEADER_BYTES:].copy()
             n += 1
@@ -184,5 +209,5 @@ class MpiWire(Wire):
                 raise ProxyError(f"rank {self.rank}: GIN get from peer {peer} got no reply within "
                                  f"{self.timeout} s (expected {nbytes} bytes, seen none)")
             time.sleep(0)
-        data = self._get_reply.pop(peer)
-        ctypes.memmove(self.base + dst, data.ctypes.data, nbytes)
+        self.memory.write(peer, dst, self._get_reply.pop(peer)[:nbytes])
+        self.memory.settle(peer)
