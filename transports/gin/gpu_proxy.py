@@ -76,6 +76,11 @@ DRAIN_BUDGET = 64
 MASK64 = (1 << 64) - 1
 
 
+def _flag(member) -> int:
+    """A cuda-python enum member as the unsigned int a Flags parameter takes."""
+    return int(getattr(member, "value", member))
+
+
 class CudaDriver:
     """The driver calls of the copy-engine proxy, through cuda-python (cuda.bindings.driver,
     or cuda.cuda before 12.6). Every call checks its CUresult and raises ProxyError
@@ -116,7 +121,7 @@ class CudaDriver:
         self._call(self.cu.cuCtxSetCurrent, "cuCtxSetCurrent", self.ctx)
 
     def stream(self):
-        s = self._call(self.cu.cuStreamCreate, "cuStreamCreate", self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        s = self._call(self.cu.cuStreamCreate, "cuStreamCreate", _flag(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self._streams.append(s)
         return s
 
@@ -131,7 +136,7 @@ class CudaDriver:
         if self._free_events:
             ev = self._free_events.pop()
         else:
-            ev = self._call(self.cu.cuEventCreate, "cuEventCreate", self.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            ev = self._call(self.cu.cuEventCreate, "cuEventCreate", _flag(self.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
             self._events.append(ev)
         self._call(self.cu.cuEventRecord, "cuEventRecord", ev, stream)
         return ev
