@@ -293,7 +293,10 @@ class GpuProxy:
         wait_drained(state, f"rank {self.rank}: GIN copy-engine proxy", timeout)
 
     def stop(self) -> None:
-        """Stops and joins the thread (idempotent), then releases the driver's streams."""
+        """Stops and joins the thread (idempotent), waits (bounded) for what its streams
+        still hold (network mpi: a peer's last messages may land after this rank's
+        quiesce), then releases the driver's streams. Streams that do not drain by the
+        deadline are left as they are (an error), never destroyed under a copy."""
         if self._stopped:
             return
         self._stopped = True
@@ -304,6 +307,16 @@ class GpuProxy:
             self.error = self.error or ProxyError(f"rank {self.rank}: the GIN copy-engine proxy's thread did not "
                                                   f"end within {self.world.timeout} s")
             return  # its streams stay: the thread may still use them
+        self.driver.bind()  # the device's primary context, current here too (CuPy's own)
+        deadline = time.monotonic() + self.world.timeout
+        while not all(self.driver.idle(s) for s in self._streams.values()):
+            if time.monotonic() > deadline:
+                self.error = self.error or ProxyError(f"rank {self.rank}: the GIN copy-engine proxy's streams did "
+                                                      f"not drain within {self.world.timeout} s of its stop")
+                return
+            time.sleep(0)
+        if self.memory is not None:
+            self.memory.reap()
         self.driver.close()
 
     # ---- the thread ----
