@@ -220,6 +220,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="ranks as threads of this process (ThreadWorld; default 1)")
     c = p.add_argument_group("commref")
     c.add_argument("--np", type=int_type(1), default=None, help="MPI ranks (relaunches under mpiexec)")
+    c.add_argument("--nodes", type=int_type(1), default=None,
+                   help="simulated nodes: the ranks split into this many nodes of consecutive ranks (COMMREF_NODES)")
     c.add_argument("--path", type=option_type("path", many=True), default=["lsa"],
                    help=f"{', '.join(PATHS)}; several comma-separated are measured side by side (default lsa)")
     c.add_argument("--backend", type=option_type("backend", many=True), default=None,
@@ -351,12 +353,14 @@ def validate(args) -> None:
     sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     for s in series_of(args):
         CommOptions.from_kwargs(device=args.device, **communicator_kwargs(args, s))
-    from commref.transports.world import MPIWorld
+    from commref.transports.world import MPIWorld, check_nodes
 
     # Ranks of this run: --np, else -t, else (under an mpiexec started by hand) unknown here.
     nranks = args.np or (None if MPIWorld.launched_under_mpi() else args.nthreads)
     if args.root < 0 or (nranks is not None and args.root >= nranks):
         raise ValueError(f"-r {args.root} is not a rank of this run")
+    if getattr(args, "nodes", None) is not None and nranks is not None:
+        check_nodes(args.nodes, nranks)
 
 
 # ---------------------------------------------------------------------------------------
@@ -602,7 +606,8 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
         "# Using devices",
     ]
     for r, d in enumerate(env["ranks"]):
-        lines.append(f"#  Rank {r:2d} Group  0 Pid {d['pid']:6d} on {d['host']:>10} device {d['device']}")
+        where = d.get("node", d["host"])  # the host, or the node that overrides or simulates it
+        lines.append(f"#  Rank {r:2d} Group  0 Pid {d['pid']:6d} on {where:>10} device {d['device']}")
     lines.append("#")
     paths = ", ".join(s.label for s, _ in runners)
     lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {a.algorithm}; seed {a.seed}")

@@ -164,7 +164,7 @@ class Communicator:
         win = self.window
         gin_mapped = self.device == "cuda" and self.network == "shm"
         needed = [r for r in range(self.nranks) if gin_mapped or not (self.peer_mask >> r) & 1]
-        missing = {r: win.unmapped.get(r, f"not in its LSA team {win.lsa_ranks}") for r in needed
+        missing = {r: win.unmapped.get(r, f"not on its host (its host team: {win.mapped_ranks})") for r in needed
                    if win.peer_addresses[r] == 0}
         everyone = self.world.allgather(missing, what="window mappings")
         if not any(everyone):

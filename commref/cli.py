@@ -33,7 +33,7 @@ from commref.collectives.verify import DTYPES, OPS
 from commref.transports import launch
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
 from commref.transports.gin.plan import gin_engine
-from commref.transports.world import MPIWorld, default_timeout
+from commref.transports.world import NODES_ENV, MPIWorld, check_nodes, default_timeout
 
 
 def _study():
@@ -75,6 +75,8 @@ def add_check_arguments(c: argparse.ArgumentParser) -> None:
                         "nccl-tests' names such as all_reduce work too)")
     c.add_argument("--np", type=harness.int_type(1), default=None,
                    help="number of ranks (relaunches under mpiexec)")
+    c.add_argument("--nodes", type=harness.int_type(1), default=None,
+                   help="simulated nodes: the ranks split into this many nodes of consecutive ranks (COMMREF_NODES)")
     c.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     c.add_argument("--op", nargs="+", default=list(OPS), choices=list(OPS))
     c.add_argument("--algorithm", nargs="+", default=[], choices=list(catalogue.ALGORITHMS),
@@ -107,6 +109,8 @@ def check_options(args) -> dict:
 
 def validate_check(args) -> None:
     CommOptions.from_kwargs(device=args.device, **check_options(args))
+    if args.nodes is not None and not MPIWorld.launched_under_mpi():  # under mpiexec: the world checks it
+        check_nodes(args.nodes, args.np or 1)
 
 
 def run_check(args) -> int:
@@ -117,6 +121,7 @@ def run_check(args) -> int:
     from commref.transports.world import ThreadWorld
 
     world = MPIWorld() if MPIWorld.launched_under_mpi() else ThreadWorld.single()
+    nodes = world.allgather(world.node, what="check nodes")
     with Communicator(world, args.device, **check_options(args)) as comm:
         colls = list(dict.fromkeys(args.collectives)) or list(COLLECTIVES)
         direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
@@ -128,6 +133,11 @@ def run_check(args) -> int:
         if world.rank == 0:
             rows = check.summary_rows(case_list, wrong)
             print(check.format_table(rows, world.size, comm.device))
+            if len(set(nodes)) > 1:
+                members = {n: [r for r, m in enumerate(nodes) if m == n] for n in dict.fromkeys(nodes)}
+                print(f"# {len(members)} nodes: " + "; ".join(f"{n}: ranks {rs}" for n, rs in members.items())
+                      + f"; GIN peers of rank 0: {[r for r in range(world.size) if comm.peer_mask >> r & 1]}, "
+                      f"network {comm.network}")
             bad = sum(1 for w in wrong if w)
             denormal = sum(c.values == "denormal" for c in case_list)
             print(f"# {len(case_list)} cases, counts {list(args.count)}, in-place and out-of-place, "
@@ -239,6 +249,13 @@ def relaunch(args, argv: list[str]) -> int:
     return launch.relaunch(args.np, launch.strip_np(argv), env=env)
 
 
+def export_nodes(args) -> None:
+    """--nodes N becomes COMMREF_NODES=N for this process and the ranks it launches
+    (transports/world.node_of reads it on every rank)."""
+    if getattr(args, "nodes", None) is not None:
+        os.environ[NODES_ENV] = str(args.nodes)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -251,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command
     try:
         validate(args)
+        export_nodes(args)
         if args.np is not None and args.np > 1 and not MPIWorld.launched_under_mpi():
             return relaunch(args, argv)
     except (ValueError, launch.LaunchError) as e:  # OptionError and NotAvailable are ValueErrors

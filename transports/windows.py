@@ -1,9 +1,12 @@
 """Symmetric windows: one equally sized buffer per rank, registered collectively.
 
 Every rank calls :func:`register_window` with the same size. The result holds this
-rank's buffer and, for every rank of its LSA team (ranks whose windows it can load
-and store), the address at which that rank's buffer is mapped *in this process*; the
-table of those addresses (0 for ranks outside the team) is what device code reads.
+rank's buffer and, for every rank on its host (ranks whose windows it can map), the
+address at which that rank's buffer is mapped *in this process*; the table of those
+addresses (0 for ranks elsewhere) is what device code reads. Which of them a rank
+reaches by load and store (its LSA team) is the ranks of its node (`world.node`, the
+host unless overridden or simulated, see transports/world.node_of); the others on the
+host stay mapped for GIN on network shm.
 
 How the peers' memory is mapped:
   - CPU, ranks in separate processes: POSIX shared memory under /dev/shm. Each file is
@@ -44,13 +47,20 @@ SHM_PREFIX = "/dev/shm/commref-"  # + job-serial-rank: the CPU windows' files (s
 _serial = itertools.count()
 
 
-def lsa_team(world) -> list[int]:
-    """The ranks whose windows this rank can map: all ranks of a ThreadWorld, and the
-    ranks on the same host under MPI."""
+def host_team(world) -> list[int]:
+    """Collective: the ranks whose windows this rank can map: all ranks of a ThreadWorld,
+    and the ranks on the same host under MPI."""
     if world.kind == "thread":
         return list(range(world.size))
-    hosts = world.allgather(world.host, what="lsa team hosts")
+    hosts = world.allgather(world.host, what="host team hosts")
     return [r for r, h in enumerate(hosts) if h == world.host]
+
+
+def lsa_team(world) -> list[int]:
+    """Collective: the ranks this rank reaches by load and store: those of its node
+    (world.node), a subset of its host team."""
+    nodes = world.allgather((world.node, world.host), what="lsa team nodes")
+    return [r for r, n in enumerate(nodes) if n == (world.node, world.host)]
 
 
 @dataclass
@@ -61,7 +71,7 @@ class SymmetricWindow:
     address: int  # this rank's buffer address
     peer_addresses: np.ndarray  # uint64[nranks]: each rank's buffer mapped here; 0 if not LSA
     peer_table: object  # peer_addresses where device code can read it
-    lsa_ranks: list[int]
+    mapped_ranks: list[int]  # the host team: the ranks whose windows are mapped here
     _keep: list = field(default_factory=list, repr=False)  # mappings that must outlive the window
     _close: list = field(default_factory=list, repr=False)  # frees this rank's own buffer
     _close_peers: list = field(default_factory=list, repr=False)  # unmaps the peers' buffers
@@ -102,13 +112,13 @@ def _aligned_zeros(nbytes: int) -> np.ndarray:
 
 
 def register_window(world, nbytes: int, device: str = "cpu", device_id: int = 0) -> SymmetricWindow:
-    """Collective: allocates this rank's window of `nbytes` (zeroed) and maps the LSA
-    team's windows. Every rank must pass the same nbytes; a mismatch raises ValueError
+    """Collective: allocates this rank's window of `nbytes` (zeroed) and maps the windows
+    of its host team. Every rank must pass the same nbytes; a mismatch raises ValueError
     on every rank."""
     sizes = world.allgather(int(nbytes), what="window size")
     if len(set(sizes)) != 1:
         raise ValueError(f"rank {world.rank}: symmetric window sizes differ across ranks: {sizes}")
-    team = lsa_team(world)
+    team = host_team(world)
     if device == "cpu":
         if world.kind == "thread":
             return _register_cpu_threads(world, nbytes, team)

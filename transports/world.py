@@ -97,6 +97,39 @@ def default_timeout() -> float:
     return seconds
 
 
+HOSTID_ENV = "COMMREF_HOSTID"
+NODES_ENV = "COMMREF_NODES"
+
+
+def check_nodes(value, nranks: int) -> int:
+    """`value` (the --nodes option, or COMMREF_NODES) as a node count from 1 to `nranks`;
+    else ValueError with one line."""
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = 0
+    if not 1 <= n <= nranks:
+        raise ValueError(f"{NODES_ENV} (--nodes) must be an integer from 1 to the number of ranks ({nranks}), "
+                         f"not {value!r}")
+    return n
+
+
+def node_of(host: str, rank: int, size: int, environ=None) -> str:
+    """This rank's node identity: what decides which ranks share a node (its LSA team).
+    COMMREF_HOSTID when set (as NCCL_HOSTID overrides NCCL's host identity); else, with
+    COMMREF_NODES=N, the job's ranks split into N simulated nodes of consecutive ranks on
+    this host (rank r on node r * N // size: 5 ranks on 2 nodes are 3 + 2); else the host
+    name. A bad COMMREF_NODES raises ValueError (one line)."""
+    env = os.environ if environ is None else environ
+    hostid = env.get(HOSTID_ENV, "").strip()
+    if hostid:
+        return hostid
+    nodes = env.get(NODES_ENV, "").strip()
+    if nodes:
+        return f"{host}/node{rank * check_nodes(nodes, size) // size}"
+    return host
+
+
 def _check_timeout(timeout: float) -> float:
     seconds = float(timeout)
     if not seconds > 0 or seconds == float("inf"):
@@ -137,7 +170,9 @@ class World(abc.ABC):
     Attributes:
         rank, size: this rank and the number of ranks.
         local_rank, local_size: this rank among the ranks on its host, and how many.
-        host: host name.
+        host: host name (the machine: what shared memory and CUDA IPC can reach).
+        node: node identity (node_of: the host, unless overridden or simulated); the
+            ranks of one node are an LSA team.
         kind: ``"mpi"`` or ``"thread"``.
         timeout: default deadline of every wait, in seconds.
         abort_word: ``uint64[1]``; nonzero means the job is aborting. Kept alive
@@ -157,6 +192,7 @@ class World(abc.ABC):
         host: str,
         abort_word: np.ndarray,
         timeout: float | None = None,
+        node: str | None = None,
     ) -> None:
         if abort_word.dtype != np.uint64 or abort_word.shape != (1,):
             raise ValueError("abort_word must be a numpy uint64 array of shape (1,)")
@@ -165,6 +201,7 @@ class World(abc.ABC):
         self.local_rank = local_rank
         self.local_size = local_size
         self.host = host
+        self.node = host if node is None else node
         self.abort_word = abort_word
         self.timeout = default_timeout() if timeout is None else _check_timeout(timeout)
 
@@ -193,7 +230,7 @@ class World(abc.ABC):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(rank={self.rank}, size={self.size}, "
-            f"local_rank={self.local_rank}, local_size={self.local_size}, host={self.host!r})"
+            f"local_rank={self.local_rank}, local_size={self.local_size}, host={self.host!r}, node={self.node!r})"
         )
 
     # -- the interface ------------------------------------------------------------------
@@ -272,14 +309,16 @@ class MPIWorld(World):
         self._lock = threading.Lock()
         # Buffers of sends we had to give up on after a timeout; MPI may still read them.
         self._orphans: list[np.ndarray] = []
+        host, size = MPI.Get_processor_name(), self._comm.Get_size()
         super().__init__(
             rank=rank,
-            size=self._comm.Get_size(),
+            size=size,
             local_rank=local_rank,
             local_size=local_size,
-            host=MPI.Get_processor_name(),
+            host=host,
             abort_word=np.zeros(1, dtype=np.uint64),
             timeout=timeout,
+            node=node_of(host, rank, size),
         )
 
     @staticmethod
@@ -563,6 +602,7 @@ class ThreadWorld(World):
             host=group.host,
             abort_word=group.abort_word,
             timeout=group.timeout,
+            node=node_of(group.host, rank, group.size),
         )
         self._group = group
 

@@ -17,7 +17,7 @@ from commref.transports.errors import CapabilityError
 from commref.transports.gin import semantics
 from commref.transports.gin.backends import Backend, Requirements, select_backend
 from commref.transports.gin.options import GinOptions, GinProtocol, Network, Path, Wire
-from commref.transports.windows import lsa_team
+from commref.transports.windows import host_team, lsa_team
 
 MAX_GIN_RANKS = 64  # GinArgs.peerMask is one 64-bit word
 
@@ -117,9 +117,14 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
     rank, nranks = world.rank, world.size
     if nranks > MAX_GIN_RANKS:
         raise CapabilityError(f"GIN connections address at most {MAX_GIN_RANKS} ranks in this version")
-    local = set(lsa_team(world))  # collective: every rank asks once, whatever its path
-    team = local if options.path != Path.GIN else set()
+    node = set(lsa_team(world))  # collective: every rank asks once, whatever its path
+    local = set(host_team(world))
+    team = node if options.path != Path.GIN else set()
     others = [r for r in range(nranks) if r != rank]
+    if options.path == Path.LSA and any(r not in node for r in others):
+        elsewhere = [r for r in others if r not in node]
+        raise CapabilityError(f"rank {rank}: path 'lsa' needs every peer on this rank's node ({world.node}); "
+                              f"ranks {elsewhere} are on other nodes: use path='auto' or 'gin'")
     gin_peers = [] if options.path == Path.LSA else [r for r in others if r not in team]
     if not gin_peers:
         return GinPlan(options)
