@@ -251,7 +251,7 @@ def _mpi_main() -> None:
             return None
         proxy = GpuProxy(world, window, layout, region, self.options.queue, self.backend, self.transport,
                          driver=LateCopies(seed=500 + world.rank), network=self.network,
-                         mpi_comm=world.comm.Dup())
+                         mpi_comm=world.comm.Dup(), mpi_tag=gin_plan.network_tag())
         proxy.start()
         return proxy
 

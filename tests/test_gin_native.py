@@ -580,3 +580,13 @@ def _mpi_main(seeds: list[int]) -> None:
 if __name__ == "__main__":
     _mpi_main([int(s) for s in sys.argv[1:]] or list(CONFORMANCE_SEEDS))
     sys.exit(0)
+
+
+def test_each_gin_communicator_on_network_mpi_has_its_own_tag():
+    """A freed communicator's context id may be reused; its messages still in flight must
+    not match a later communicator's engines (plan.network_tag, docs/gin.md "Network mpi")."""
+    from commref.transports.gin import plan
+
+    tags = [plan.network_tag() for _ in range(5)]
+    assert len(set(tags)) == 5
+    assert all(plan.NETWORK_TAG_BASE <= t < plan.NETWORK_TAG_BASE + plan.NETWORK_TAG_SPAN <= 32767 for t in tags)

@@ -68,7 +68,7 @@ from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import Backend
 from commref.transports.gin.proxy import remote_action
 from commref.transports.gin.queue import QueueReader, QueueRegion
-from commref.transports.gin.wires import MpiWire, ProxyError, wait_drained
+from commref.transports.gin.wires import TAG, MpiWire, ProxyError, wait_drained
 
 __all__ = ["GpuProxy", "CudaDriver"]
 
@@ -231,12 +231,12 @@ class GpuProxy:
     stop(), error, stats, pending(), trace, as GinProxy. `layout`: the window's
     WindowLayout (its ginSignalsOff); `region`: the rank's queue.QueueRegion; `window`:
     its symmetric window, with the GIN peers' windows mapped on network "shm"; network
-    "mpi": `mpi_comm`, the proxies' own communicator; `driver`: a CudaDriver (made here
-    when None)."""
+    "mpi": `mpi_comm`, the proxies' own communicator, and `mpi_tag`, their tag
+    (plan.network_tag()); `driver`: a CudaDriver (made here when None)."""
 
     def __init__(self, world, window, layout, region: QueueRegion, capacity: int, backend: Backend,
                  transport: semantics.Transport, device_id: int = 0, driver=None, network: str = "shm",
-                 mpi_comm=None):
+                 mpi_comm=None, mpi_tag: int = TAG):
         if not transport.ordered:
             raise CapabilityError(f"rank {world.rank}: the GIN copy-engine proxy carries the ordered wire only")
         self.world, self.rank, self.backend, self.transport = world, world.rank, backend, transport
@@ -258,7 +258,7 @@ class GpuProxy:
                                  f"proxies' communicator")
             self.memory = DeviceWindow(self)
             self.wire = MpiWire(mpi_comm, self.rank, window, self._signals_off, atomics, world.timeout,
-                                memory=self.memory)
+                                memory=self.memory, tag=mpi_tag)
         elif network != "shm":
             raise ValueError(f"GIN copy-engine proxy network must be 'shm' or 'mpi', not {network!r}")
         self._streams: dict = {}  # peer -> its stream (made in the thread)
@@ -295,8 +295,9 @@ class GpuProxy:
     def stop(self) -> None:
         """Stops and joins the thread (idempotent), waits (bounded) for what its streams
         still hold (network mpi: a peer's last messages may land after this rank's
-        quiesce), then releases the driver's streams. Streams that do not drain by the
-        deadline are left as they are (an error), never destroyed under a copy."""
+        quiesce), then releases the driver's streams (and, network mpi, frees the
+        proxies' communicator). Streams that do not drain by the deadline are left as
+        they are (an error), never destroyed under a copy."""
         if self._stopped:
             return
         self._stopped = True
@@ -318,6 +319,8 @@ class GpuProxy:
         if self.memory is not None:
             self.memory.reap()
         self.driver.close()
+        if self.wire is not None:  # the proxies' own communicator, a Dup made for this proxy
+            self.wire.comm.Free()
 
     # ---- the thread ----
 

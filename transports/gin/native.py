@@ -48,7 +48,7 @@ class EngineConfig(ctypes.Structure):
     _fields_ = [("queueBase", ctypes.c_uint64), ("capacity", ctypes.c_uint64), ("windowBase", ctypes.c_uint64),
                 ("peerWindows", ctypes.c_uint64), ("signalsOff", ctypes.c_uint64), ("countersOff", ctypes.c_uint64),
                 ("abortWord", ctypes.c_uint64), ("mpiComm", ctypes.c_uint64), ("network", ctypes.c_int32),
-                ("pad0", ctypes.c_int32), ("nranks", ctypes.c_int32), ("rank", ctypes.c_int32),
+                ("mpiTag", ctypes.c_int32), ("nranks", ctypes.c_int32), ("rank", ctypes.c_int32),
                 ("strongSignals", ctypes.c_int32), ("vaSignals", ctypes.c_int32), ("strongAlways", ctypes.c_int32),
                 ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
                 ("yieldPolls", ctypes.c_int32), ("pad", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
@@ -193,7 +193,8 @@ class NativeProxy:
 
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
-                 mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY):
+                 mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY,
+                 mpi_tag: int = 0):
         why = supports(transport, network, observer)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
@@ -215,7 +216,7 @@ class NativeProxy:
         self._cfg = EngineConfig(
             queueBase=qbase, capacity=capacity, windowBase=int(window.address), peerWindows=self._peers.ctypes.data,
             signalsOff=int(layout["ginSignalsOff"]), countersOff=int(layout["ginCountersOff"]),
-            abortWord=world.abort_word_address, mpiComm=from_mpi, network=NETWORKS[network],
+            abortWord=world.abort_word_address, mpiComm=from_mpi, network=NETWORKS[network], mpiTag=int(mpi_tag),
             nranks=world.size, rank=world.rank,
             strongSignals=int(caps.strong_signals), vaSignals=int(caps.va_signals),
             strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,

@@ -83,7 +83,7 @@ struct CommrefGinEngineConfig {
   uint64_t abortWord;      // address of the world's abort word (uint64)
   uint64_t mpiComm;        // network mpi: the proxies' communicator (mpi4py's handle of a Dup), else 0
   int32_t network;         // kNetworkShm or kNetworkMpi
-  int32_t pad0;
+  int32_t mpiTag;          // network mpi: the tag of every message (one per GIN communicator)
   int32_t nranks, rank;
   int32_t strongSignals, vaSignals, strongAlways, signalsCountWrites;  // the backend's capabilities
   int32_t trace;                                                       // record landings from the start
@@ -126,6 +126,9 @@ using Clock = std::chrono::steady_clock;
 // (source, communicator, tag) in order, and the receiver handles them one at a time, so
 // what a rank's engine sends to a peer lands there in the order it was sent: the wire
 // stays ordered per (peer, ctx), and a put's signal is applied after its data.
+// The tag (CommrefGinEngineConfig.mpiTag) is the communicator's own (plan.py's
+// network_tag()): a communicator freed at stop may have its context id reused by a later
+// one, and a message still in flight on the old one must not match the new engines.
 //   put (kMsgPut): offset = dst offset at the target, size = bytes (0: a bare signal),
 //     the signal (flags kMsgHasSignal, kMsgVa; signal = index or VA offset; value). Up to
 //     kMpiInlineBytes of data ride inline behind the header (copied: the source is
@@ -141,7 +144,6 @@ struct MpiHeader {
 };
 enum : uint64_t { kMsgPut = 1, kMsgGetRequest = 2, kMsgGetReply = 3 };
 enum : uint64_t { kMsgHasSignal = 1, kMsgVa = 2, kMsgDataFollows = 4 };
-constexpr int kMpiTag = 7172;
 constexpr uint64_t kMpiInlineBytes = 16 << 10;
 constexpr uint64_t kMpiChunkBytes = 1ull << 30;  // MPI counts are int
 
@@ -479,7 +481,7 @@ class Engine {
   bool isend(int32_t peer, const void* buf, uint64_t bytes, char* staging, bool counter, const GinDescriptor* d,
              uint64_t seq) {
     Send s{MPI_REQUEST_NULL, staging, counter, d ? d->counter : 0, peer, d ? d->ctx : 0, seq};
-    const int rc = MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, kMpiTag, comm_, &s.req);
+    const int rc = MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, cfg_.mpiTag, comm_, &s.req);
     if (rc != MPI_SUCCESS) {
       std::free(staging);
       return mpiError("MPI_Isend", rc, peer);
@@ -631,7 +633,7 @@ class Engine {
     int rc = MPI_Get_count(&st, MPI_BYTE, &count);
     if (rc != MPI_SUCCESS) return mpiError("MPI_Get_count", rc, src);
     rbuf_.resize((size_t)count);
-    rc = MPI_Recv(rbuf_.data(), count, MPI_BYTE, src, kMpiTag, comm_, MPI_STATUS_IGNORE);
+    rc = MPI_Recv(rbuf_.data(), count, MPI_BYTE, src, cfg_.mpiTag, comm_, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return mpiError("MPI_Recv", rc, src);
     if ((size_t)count < sizeof(MpiHeader) || src < 0 || src >= cfg_.nranks)
       return fail(who() + "GIN MPI network: a " + std::to_string(count) + "-byte message from peer " +
@@ -656,7 +658,7 @@ class Engine {
       for (uint64_t off = 0; off < h.size; off += kMpiChunkBytes) {
         const uint64_t n = h.size - off < kMpiChunkBytes ? h.size - off : kMpiChunkBytes;
         l.reqs.push_back(MPI_REQUEST_NULL);
-        rc = MPI_Irecv(here_ + h.offset + off, (int)n, MPI_BYTE, src, kMpiTag, comm_, &l.reqs.back());
+        rc = MPI_Irecv(here_ + h.offset + off, (int)n, MPI_BYTE, src, cfg_.mpiTag, comm_, &l.reqs.back());
         if (rc != MPI_SUCCESS) return mpiError("MPI_Irecv", rc, src);
       }
     } else if (h.kind != kMsgGetRequest) {
@@ -683,7 +685,7 @@ class Engine {
     for (; n < 64; n++) {
       int flag = 0;
       MPI_Status st;
-      const int rc = MPI_Iprobe(MPI_ANY_SOURCE, kMpiTag, comm_, &flag, &st);
+      const int rc = MPI_Iprobe(MPI_ANY_SOURCE, cfg_.mpiTag, comm_, &flag, &st);
       if (rc != MPI_SUCCESS) return mpiError("MPI_Iprobe", rc, -1), -1;
       if (!flag) break;
       if (!receive(st)) return -1;

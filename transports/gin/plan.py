@@ -9,6 +9,7 @@ machine cannot do with a CapabilityError that names what is missing.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -65,7 +66,8 @@ class GinPlan:
 
             mpi_comm = world.comm.Dup() if self.network == "mpi" else None  # collective, as below
             proxy = GpuProxy(world, window, layout, region, self.options.queue, self.backend, self.transport,
-                             device_id, network=self.network, mpi_comm=mpi_comm)
+                             device_id, network=self.network, mpi_comm=mpi_comm,
+                             mpi_tag=network_tag() if mpi_comm is not None else 0)
             proxy.start()
             return proxy
         from commref.transports.gin import native
@@ -75,9 +77,9 @@ class GinPlan:
         if engine == "native" and why_not is not None:
             raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
         o = self.options
-        mpi_comm = None
+        mpi_comm, mpi_tag = None, 0
         if self.network == "mpi":  # collective over the world (as Dup is): the engines must speak one protocol
-            mpi_comm = world.comm.Dup()
+            mpi_comm, mpi_tag = world.comm.Dup(), network_tag()
             refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
             if refusals and why_not is None:
                 why_not = f"what another rank's engine speaks ({refusals[0]})"
@@ -85,14 +87,28 @@ class GinPlan:
                     raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
         if engine != "python" and why_not is None:
             proxy = native.NativeProxy(world, window, layout, o.queue, self.backend, self.transport, self.network,
-                                       mpi_comm=mpi_comm)
+                                       mpi_comm=mpi_comm, mpi_tag=mpi_tag)
         else:
             from commref.transports.gin.proxy import GinProxy
 
             proxy = GinProxy(world, window, layout, o.queue, self.backend, self.transport, self.network, o.seed,
-                             o.segment_bytes, mpi_comm, observer)
+                             o.segment_bytes, mpi_comm, observer, mpi_tag=mpi_tag)
         proxy.start()
         return proxy
+
+
+# MPI tags of the proxies' messages on network mpi, one per GIN communicator: a
+# communicator freed at stop may have its context id reused by a later one, and the old
+# one's messages still in flight (a trailing credit) must not match the new proxies.
+NETWORK_TAG_BASE, NETWORK_TAG_SPAN = 1024, 30000  # inside the 32767 every MPI allows
+_network_tags = itertools.count()
+
+
+def network_tag() -> int:
+    """The tag of the next GIN communicator's proxies on network mpi. Every rank draws
+    it while it sets the communicator up, in the same order (the Dup beside it is
+    collective), so the ranks agree."""
+    return NETWORK_TAG_BASE + next(_network_tags) % NETWORK_TAG_SPAN
 
 
 ENGINE_ENV = "COMMREF_GIN_ENGINE"

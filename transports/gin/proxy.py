@@ -34,7 +34,7 @@ from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import Backend
 from commref.transports.gin.queue import QueueReader
 from commref.transports.gin.scheduler import IDLE_RELEASE_S, DeliveryScheduler
-from commref.transports.gin.wires import MpiWire, ProxyError, ShmWire, wait_drained
+from commref.transports.gin.wires import TAG, MpiWire, ProxyError, ShmWire, wait_drained
 
 __all__ = ["GinProxy", "ProxyError", "remote_action"]
 
@@ -48,7 +48,7 @@ class GinProxy:
 
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int, segment_bytes: int,
-                 mpi_comm=None, observer=None):
+                 mpi_comm=None, observer=None, mpi_tag: int = TAG):
         self.world, self.rank, self.backend, self.transport = world, world.rank, backend, transport
         self.network, self.segment_bytes, self.seed = network, segment_bytes, seed
         self.window, self.layout, self.capacity = window, layout, capacity
@@ -64,7 +64,8 @@ class GinProxy:
         if network == "shm":
             self.wire = ShmWire(window, signals_off, atomics)
         elif network == "mpi":
-            self.wire = MpiWire(mpi_comm, self.rank, window, signals_off, atomics, world.timeout, observer)
+            self.wire = MpiWire(mpi_comm, self.rank, window, signals_off, atomics, world.timeout, observer,
+                                tag=mpi_tag)
         else:
             raise ValueError(f"GIN proxy network must be 'shm' or 'mpi', not {network!r}")
         self.scheduler = DeliveryScheduler(transport, backend.strong_always, self.wire, seed, self.rank,

@@ -29,7 +29,7 @@ from commref.transports.gin import semantics
 MSG_DATA, MSG_SIGNAL, MSG_GET_REQ, MSG_GET_RESP = 1, 2, 3, 4
 HEADER_WORDS = 6
 HEADER_BYTES = 8 * HEADER_WORDS
-TAG = 7171
+TAG = 7171  # MpiWire's default tag; a GIN communicator's own comes from plan.network_tag()
 
 
 class ProxyError(RuntimeError):
@@ -132,15 +132,17 @@ class HostMemory:
 class MpiWire(Wire):
     """`comm`: the proxies' own communicator (a Dup of the world's), `timeout`: how long
     a get waits for its reply; `observer`: told of every message sent and received;
-    `memory`: where received data and signals land (default HostMemory(window))."""
+    `memory`: where received data and signals land (default HostMemory(window)); `tag`:
+    the tag of every message (the communicator's own: a freed communicator's context id
+    may be reused, and its messages still in flight must not match a later wire)."""
 
     name = "mpi"
 
     def __init__(self, comm, rank: int, window, signals_off: int, atomics, timeout: float, observer=None,
-                 memory=None):
+                 memory=None, tag: int = TAG):
         from mpi4py import MPI
 
-        self.comm, self.rank, self.timeout, self.observer = comm, rank, timeout, observer
+        self.comm, self.rank, self.timeout, self.observer, self.tag = comm, rank, timeout, observer, tag
         self.memory = memory if memory is not None else HostMemory(window, atomics)
         self.signals_off = signals_off
         self._mpi = MPI
@@ -161,7 +163,7 @@ class MpiWire(Wire):
 
     def _send(self, peer: int, header: np.ndarray, data: np.ndarray | None = None) -> None:
         msg = header.view(np.uint8) if data is None else np.concatenate([header.view(np.uint8), data])
-        self._pending.append((self.comm.Isend(msg, dest=peer, tag=TAG), msg))
+        self._pending.append((self.comm.Isend(msg, dest=peer, tag=self.tag), msg))
         if self.observer is not None:
             self.observer.sent(peer, int(header[0]), msg.size)
 
@@ -171,10 +173,10 @@ class MpiWire(Wire):
 
     def _receive(self) -> int:
         MPI, status, n = self._mpi, self._status, 0
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=self.tag, status=status):
             buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
             src = status.Get_source()
-            self.comm.Recv(buf, source=src, tag=TAG)
+            self.comm.Recv(buf, source=src, tag=self.tag)
             h = buf[:HEADER_BYTES].view(np.uint64)
             kind = int(h[0])
             if kind == MSG_DATA:
