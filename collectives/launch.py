@@ -18,6 +18,7 @@ import numpy as np
 from commref.device_kernels import abi
 from commref.device_kernels.loader import KernelError
 from commref.transports.errors import CommAborted, CommMismatch, CommTimeout, format_seconds
+from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_device_pointer
 
 # The int32 fields a call sets, consecutive in CollArgs (checked below).
 _INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "streamStores")
@@ -72,9 +73,7 @@ def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsi
     return np.array([root, dtype_code, op_code, nchannels, itemsize, 0], np.int32)
 
 
-# CUDA runtime flags and codes used here (cudaHostAllocPortable | cudaHostAllocMapped have
-# the same values as cudaHostRegisterPortable | cudaHostRegisterMapped).
-CUDA_HOST_PORTABLE_MAPPED = 1 | 2
+# CUDA runtime codes used here (the flags: transports/host_memory.py).
 CUDA_HOST_MEMORY_ALREADY_REGISTERED = 712
 _PAGE = 4096
 
@@ -229,34 +228,6 @@ class MappedHostWords:
 
 
 _abort_words = MappedHostWords()
-
-
-def mapped_device_pointer(ptr: int, device_id: int, registered: bool) -> int:
-    """The device address of mapped host memory (what cudaHostGetDevicePointer returns,
-    which CuPy does not wrap). With unified addressing it is the host address itself for
-    cudaHostAlloc'd memory, and for registered memory where the device can use host
-    pointers for it (cudaDevAttrCanUseHostPointerForRegisteredMem); otherwise ask
-    cuda-python, and refuse when it is not installed."""
-    from cupy.cuda import runtime
-
-    if runtime.deviceGetAttribute(runtime.cudaDevAttrUnifiedAddressing, device_id) and (
-            not registered or runtime.deviceGetAttribute(runtime.cudaDevAttrCanUseHostPointerForRegisteredMem,
-                                                         device_id)):
-        return ptr
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        try:
-            from cuda import cudart  # cuda-python before 12.6
-        except ImportError:
-            from commref.transports.errors import CapabilityError
-
-            raise CapabilityError(f"device {device_id} cannot use host pointers for mapped host memory and "
-                                  f"cuda-python (for cudaHostGetDevicePointer) is not installed") from None
-    err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostGetDevicePointer of host address {ptr:#x} on device {device_id}: error {err}")
-    return int(dptr)
 
 
 def address_of(table) -> int:

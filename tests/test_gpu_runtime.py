@@ -578,7 +578,8 @@ def test_gin_on_a_gpu_puts_its_queue_in_pinned_mapped_memory_and_frees_it_at_clo
     (portable, mapped), zeroed, addressed by CollArgs.gin; a GpuProxy over it; close stops
     the proxy, releases its driver and frees the allocation."""
     from commref.transports.gin import gpu_proxy
-    from commref.transports.gin.queue import CUDA_HOST_ALLOC_PORTABLE_MAPPED, queue_bytes
+    from commref.transports.gin.queue import queue_bytes
+    from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED
     from test_gin_gpu_proxy import LateCopies
 
     class Driver(LateCopies, gpu_proxy.CudaDriver):  # the real driver's type, host memory underneath
@@ -590,7 +591,7 @@ def test_gin_on_a_gpu_puts_its_queue_in_pinned_mapped_memory_and_frees_it_at_clo
     for seen, queue_address, closed in results:
         assert seen == ("GpuProxy", True, True, queue_bytes(32), True, True) and closed, seen
         allocs = [c for c in fake.calls("hostAlloc") if c[1] == queue_address]
-        assert allocs and allocs[0][2:] == (queue_bytes(32) + 8 * 2, CUDA_HOST_ALLOC_PORTABLE_MAPPED), allocs
+        assert allocs and allocs[0][2:] == (queue_bytes(32) + 8 * 2, CUDA_HOST_PORTABLE_MAPPED), allocs
         assert [c for c in fake.calls("freeHost") if c[1] == queue_address], "the queue region was not freed"
 
 

@@ -131,9 +131,6 @@ class QueueWriter(_Queue):
             self._store(self.seq_addr(slot), slot + 1)
 
 
-CUDA_HOST_ALLOC_PORTABLE_MAPPED = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped
-
-
 class QueueRegion:
     """A rank's GIN queue and counters: `queue` (uint8, the queue region: ring then
     header, QueueReader(region.queue, QueueRegion.LAYOUT, ...)) and `counters` (uint64)
@@ -142,8 +139,8 @@ class QueueRegion:
 
     device "cpu": views of the window's ginQueueOff and ginCountersOff regions.
     device "cuda": one pinned allocation, portable and mapped (cudaHostAlloc), zeroed,
-    queue then counters; with unified addressing the device uses the host addresses
-    (refused without it). close() frees it: call it once no kernel and no proxy uses it."""
+    queue then counters, addressed by the device as host_memory.mapped_device_pointer
+    says. close() frees it: call it once no kernel and no proxy uses it."""
 
     LAYOUT = {"ginQueueOff": 0}  # the queue starts the `queue` array
 
@@ -156,19 +153,21 @@ class QueueRegion:
             import cupy
             from cupy.cuda import runtime
 
-            from commref.transports.errors import CapabilityError
+            from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_device_pointer
 
+            nbytes = qbytes + 8 * counters
             with cupy.cuda.Device(device_id):
-                if not runtime.deviceGetAttribute(runtime.cudaDevAttrUnifiedAddressing, device_id):
-                    raise CapabilityError(f"GIN on device {device_id}: its queue lives in mapped host memory, "
-                                          f"which needs unified addressing (the device lacks it)")
-                nbytes = qbytes + 8 * counters
-                ptr = runtime.hostAlloc(max(nbytes, 8), CUDA_HOST_ALLOC_PORTABLE_MAPPED)
-            self._free = lambda: runtime.freeHost(ptr)
+                ptr = runtime.hostAlloc(max(nbytes, 8), CUDA_HOST_PORTABLE_MAPPED)
+                try:
+                    self.queue_address = mapped_device_pointer(ptr, device_id, registered=False)
+                except BaseException:
+                    runtime.freeHost(ptr)
+                    raise
+                self._free = lambda: runtime.freeHost(ptr)
             host = np.frombuffer((ctypes.c_char * max(nbytes, 8)).from_address(ptr), dtype=np.uint8)
             host[:] = 0  # cudaHostAlloc does not zero
             self.queue, counters_u8 = host[:qbytes], host[qbytes:nbytes]
-            self.queue_address, self.counters_address = ptr, ptr + qbytes
+            self.counters_address = self.queue_address + qbytes
         else:
             local = window.local
             qoff, coff = int(layout["ginQueueOff"]), int(layout["ginCountersOff"])
