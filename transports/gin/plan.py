@@ -61,30 +61,27 @@ class GinPlan:
         proxy (gpu_proxy.GpuProxy) over `region`, the rank's queue.QueueRegion."""
         if not self.used:
             return None
+        o = self.options
+        mpi_comm, mpi_tag = None, 0
+        if self.network == "mpi":  # the proxies' own communicator and tag: collective, as Dup is
+            mpi_comm, mpi_tag = world.comm.Dup(), network_tag()
         if device == "cuda":
             from commref.transports.gin.gpu_proxy import GpuProxy
 
-            mpi_comm = world.comm.Dup() if self.network == "mpi" else None  # collective, as below
-            proxy = GpuProxy(world, window, layout, region, self.options.queue, self.backend, self.transport,
-                             device_id, network=self.network, mpi_comm=mpi_comm,
-                             mpi_tag=network_tag() if mpi_comm is not None else 0)
+            proxy = GpuProxy(world, window, layout, region, o.queue, self.backend, self.transport, device_id,
+                             network=self.network, mpi_comm=mpi_comm, mpi_tag=mpi_tag)
             proxy.start()
             return proxy
         from commref.transports.gin import native
 
         engine = gin_engine() if engine is None else check_gin_engine(engine)
         why_not = native.supports(self.transport, self.network, observer)
-        if engine == "native" and why_not is not None:
-            raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
-        o = self.options
-        mpi_comm, mpi_tag = None, 0
-        if self.network == "mpi":  # collective over the world (as Dup is): the engines must speak one protocol
-            mpi_comm, mpi_tag = world.comm.Dup(), network_tag()
+        if mpi_comm is not None:  # every rank's engine must speak one protocol
             refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
             if refusals and why_not is None:
                 why_not = f"what another rank's engine speaks ({refusals[0]})"
-                if engine == "native":
-                    raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
+        if engine == "native" and why_not is not None:
+            raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
         if engine != "python" and why_not is None:
             proxy = native.NativeProxy(world, window, layout, o.queue, self.backend, self.transport, self.network,
                                        mpi_comm=mpi_comm, mpi_tag=mpi_tag)
@@ -137,8 +134,8 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
     local = set(host_team(world))
     team = node if options.path != Path.GIN else set()
     others = [r for r in range(nranks) if r != rank]
-    if options.path == Path.LSA and any(r not in node for r in others):
-        elsewhere = [r for r in others if r not in node]
+    elsewhere = [r for r in others if r not in node]
+    if options.path == Path.LSA and elsewhere:
         raise CapabilityError(f"rank {rank}: path 'lsa' needs every peer on this rank's node ({world.node}); "
                               f"ranks {elsewhere} are on other nodes: use path='auto' or 'gin'")
     gin_peers = [] if options.path == Path.LSA else [r for r in others if r not in team]
