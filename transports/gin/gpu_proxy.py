@@ -310,7 +310,7 @@ class GpuProxy:
             return  # its streams stay: the thread may still use them
         self.driver.bind()  # the device's primary context, current here too (CuPy's own)
         deadline = time.monotonic() + self.world.timeout
-        while not all(self.driver.idle(s) for s in self._streams.values()):
+        while not self._streams_idle():
             if time.monotonic() > deadline:
                 self.error = self.error or ProxyError(f"rank {self.rank}: the GIN copy-engine proxy's streams did "
                                                       f"not drain within {self.world.timeout} s of its stop")
@@ -330,14 +330,11 @@ class GpuProxy:
             self.driver.bind()
             while not self._stop.is_set():
                 took = self._drain(DRAIN_BUDGET)
-                reaped = self._reap()
-                if self.wire is not None:
-                    reaped += self.wire.progress() + self.memory.reap()
-                if took or reaped:
+                moved = self._progress()
+                if took or moved:
                     idle = 0
                     continue
-                self._in_flight = bool(self._counters) or not all(self.driver.idle(s) for s in self._streams.values()) \
-                    or (self.wire is not None and (not self.wire.drained() or bool(self.memory.held)))
+                self._in_flight = not self._quiet()
                 idle += 1
                 time.sleep(0 if idle < 2000 else 20e-6)
         except BaseException as e:  # the kernels must not wait forever on a dead proxy
@@ -373,16 +370,29 @@ class GpuProxy:
             raise ProxyError(f"rank {self.rank}: GIN {what} (peer {peer}) reaches [{offset}, {offset + nbytes}), "
                              f"outside the {self._window_bytes}-byte window")
 
+    def _progress(self) -> int:
+        """Counters of completed copies bumped and, on network mpi, messages received,
+        sends finished and landed buffers dropped; how many."""
+        n = self._reap()
+        if self.wire is not None:
+            n += self.wire.progress() + self.memory.reap()
+        return n
+
+    def _streams_idle(self) -> bool:
+        return all(self.driver.idle(s) for s in self._streams.values())
+
+    def _quiet(self) -> bool:
+        """Nothing issued is unfinished: no counter pending, every stream drained, and on
+        network mpi every send complete and every landed buffer dropped."""
+        return not self._counters and self._streams_idle() and (
+            self.wire is None or (self.wire.drained() and not self.memory.held))
+
     def _wait(self, ready, what: str) -> None:
-        """Polls ready() until true, reaping counters and (network mpi) receiving and
-        finishing sends meanwhile, since a peer may wait on this rank; ProxyError at the
-        deadline."""
+        """Polls ready() until true, making progress meanwhile (_progress: a peer may wait
+        on this rank); ProxyError at the deadline."""
         deadline = time.monotonic() + self.world.timeout
         while not ready():
-            self._reap()
-            if self.wire is not None:
-                self.wire.progress()
-                self.memory.reap()
+            self._progress()
             if self.world.abort_word[0]:
                 raise ProxyError(f"rank {self.rank}: GIN copy-engine proxy: the job aborted while {what}")
             if time.monotonic() > deadline:
@@ -406,9 +416,7 @@ class GpuProxy:
     def _execute(self, d) -> None:
         _, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, _ = d
         if op == abi.GIN_FLUSH:
-            self._wait(lambda: not self._counters and all(self.driver.idle(s) for s in self._streams.values())
-                       and (self.wire is None or self.wire.drained()),
-                       f"flushing context {ctx} (every copy, send and counter before it)")
+            self._wait(self._quiet, f"flushing context {ctx} (every copy, send and counter before it)")
             for link in [k for k in self._links if k[1] == ctx]:
                 self._record(*link, ("flush",))
             return
