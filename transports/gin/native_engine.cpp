@@ -549,18 +549,33 @@ class Engine {
     return n;
   }
 
-  // A bounded wait's check: false (failed, with a message naming `what`) past the
-  // deadline or once the job aborts.
-  bool keepWaiting(const Clock::time_point& deadline, const std::string& what) {
+  // A bounded wait's check: false (failed, with a message naming what() was awaited: a
+  // callable, so the message is built only then) past the deadline or once the job aborts.
+  template <typename What>
+  bool keepWaiting(const Clock::time_point& deadline, What what) {
     if (__atomic_load_n(reinterpret_cast<const uint64_t*>(cfg_.abortWord), __ATOMIC_ACQUIRE) != 0)
-      return fail(who() + "GIN MPI network: the job aborted while " + what);
+      return fail(who() + "GIN MPI network: the job aborted while " + what());
     if (Clock::now() > deadline)
-      return fail(who() + "GIN MPI network: timed out after " + std::to_string(cfg_.timeoutS) + " s " + what);
+      return fail(who() + "GIN MPI network: timed out after " + std::to_string(cfg_.timeoutS) + " s " + what());
     return true;
   }
 
-  Clock::time_point deadline() const {
-    return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.timeoutS));
+  Clock::duration timeout() const {
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.timeoutS));
+  }
+
+  // Makes progress (receiving too: a peer may be waiting on this rank) until done(),
+  // within the timeout; false on failure or at the deadline (what(): keepWaiting's).
+  template <typename Done, typename What>
+  bool progressUntil(Done done, What what) {
+    const auto end = Clock::now() + timeout();
+    for (uint32_t spins = 0; !done(); spins++) {
+      if (progressMpi() < 0) return false;
+      if (done()) break;
+      if ((spins & 63) == 0 && !keepWaiting(end, what)) return false;
+      waitPause(spins);
+    }
+    return true;
   }
 
   static void waitPause(uint32_t spins) {
@@ -609,9 +624,10 @@ class Engine {
           const int rc = MPI_Testall((int)l.reqs.size(), l.reqs.data(), &done, MPI_STATUSES_IGNORE);
           if (rc != MPI_SUCCESS) return mpiError("MPI_Testall", rc, src), -1;
           if (!done) {
-            if (!keepWaiting(l.since + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.timeoutS)),
-                             "receiving " + std::to_string(l.h.size) + " bytes of data from peer " + std::to_string(src) +
-                                 " (expected after its header, not all seen)"))
+            if (!keepWaiting(l.since + timeout(), [&] {
+                  return "receiving " + std::to_string(l.h.size) + " bytes of data from peer " + std::to_string(src) +
+                         " (expected after its header, not all seen)";
+                }))
               return -1;
             break;
           }
@@ -699,17 +715,10 @@ class Engine {
   // A flush on the MPI network: every send completes (its source reusable), while this
   // engine keeps receiving (a peer's flush may wait on this rank's receives).
   bool completeSends(int32_t ctx) {
-    const auto end = deadline();
-    for (uint32_t spins = 0; !sends_.empty(); spins++) {
-      if (progressMpi() < 0) return false;
-      if (sends_.empty()) break;
-      if ((spins & 63) == 0 &&
-          !keepWaiting(end, "flushing context " + std::to_string(ctx) + " (expected its " + std::to_string(sends_.size()) +
-                                " sends to complete; the oldest goes to peer " + std::to_string(sends_.front().peer) + ")"))
-        return false;
-      waitPause(spins);
-    }
-    return true;
+    return progressUntil([&] { return sends_.empty(); }, [&] {
+      return "flushing context " + std::to_string(ctx) + " (expected its " + std::to_string(sends_.size()) +
+             " sends to complete; the oldest goes to peer " + std::to_string(sends_.front().peer) + ")";
+    });
   }
 
   // A get: asks `d.peer` and lands its reply before the get's slot is consumed.
@@ -719,17 +728,10 @@ class Engine {
     if (!sendWithData(d.peer, MpiHeader{kMsgGetRequest, d.srcOffset, d.bytes, 0, d.dstOffset, 0}, nullptr, 0, false,
                       nullptr, 0, &counted))
       return false;
-    const auto end = deadline();
-    for (uint32_t spins = 0; getPeer_ >= 0; spins++) {
-      if (progressMpi() < 0) return false;
-      if (getPeer_ < 0) break;
-      if ((spins & 63) == 0 &&
-          !keepWaiting(end, "getting " + std::to_string(d.bytes) + " bytes from peer " + std::to_string(d.peer) +
-                                " (expected its reply, seen none)"))
-        return false;
-      waitPause(spins);
-    }
-    return true;
+    return progressUntil([&] { return getPeer_ < 0; }, [&] {
+      return "getting " + std::to_string(d.bytes) + " bytes from peer " + std::to_string(d.peer) +
+             " (expected its reply, seen none)";
+    });
   }
 
   int network() { return mpi() ? progressMpi() : 0; }
