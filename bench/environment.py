@@ -120,7 +120,7 @@ def gpu_sharing(ranks: list[dict]) -> list[str]:
 def environment(world, device: str, device_id: int | None, baseline, baseline_error: str | None) -> dict:
     """Versions, hosts and devices of the run (one allgather over the ranks of `world`)."""
     w = world
-    mine = {"rank": w.rank, "host": socket.gethostname(), "node": getattr(w, "node", socket.gethostname()),
+    mine = {"rank": w.rank, "host": socket.gethostname(), "node": w.node,
             "pid": os.getpid(), "device": device_name(device, device_id)}
     if device == "cuda":
         try:
