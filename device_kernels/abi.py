@@ -137,7 +137,7 @@ ERROR_RECORD = np.dtype(
 
 GIN_ARGS = np.dtype(
     [("peerMask", "<u8"), ("capacity", "<u4"), ("protocol", "<u4"), ("putsPerSlot", "<u4"), ("checkHeaders", "<u4"),
-     ("creditSignalBase", "<u4"), ("pad", "<u4"), ("queue", "<u8"), ("counters", "<u8")],
+     ("creditSignalBase", "<u4"), ("doorbells", "<u4"), ("queue", "<u8"), ("counters", "<u8")],
     align=True,
 )
 

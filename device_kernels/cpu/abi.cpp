@@ -41,7 +41,8 @@ namespace {
   F(ErrorRecord, code) F(ErrorRecord, what) F(ErrorRecord, rank) F(ErrorRecord, peer) F(ErrorRecord, channel)   \
   F(ErrorRecord, pad) F(ErrorRecord, expected) F(ErrorRecord, seen)                                             \
   F(GinArgs, peerMask) F(GinArgs, capacity) F(GinArgs, protocol) F(GinArgs, putsPerSlot)                        \
-  F(GinArgs, checkHeaders) F(GinArgs, creditSignalBase) F(GinArgs, pad) F(GinArgs, queue) F(GinArgs, counters)     \
+  F(GinArgs, checkHeaders) F(GinArgs, creditSignalBase) F(GinArgs, doorbells)                                   \
+  F(GinArgs, queue) F(GinArgs, counters)                                                                        \
   F(GinDescriptor, seq) F(GinDescriptor, op) F(GinDescriptor, flags) F(GinDescriptor, peer) F(GinDescriptor, ctx) \
   F(GinDescriptor, dstOffset) F(GinDescriptor, srcOffset) F(GinDescriptor, bytes) F(GinDescriptor, signal)      \
   F(GinDescriptor, signalValue) F(GinDescriptor, counter) F(GinDescriptor, pad)                                 \

@@ -50,6 +50,7 @@ class GinPlan:
         gin_args["putsPerSlot"] = o.puts_per_slot
         gin_args["checkHeaders"] = int(o.protocol == GinProtocol.STRONG)
         gin_args["creditSignalBase"] = abi.gin_signals(max_channels, nsteps)[0]
+        gin_args["doorbells"] = int(self.used and not self.transport.ordered)
 
     def start_proxy(self, world, window, layout, observer=None, engine: str | None = None, region=None,
                     device: str = "cpu", device_id: int = 0):

@@ -93,7 +93,8 @@ struct GinArgs {
   uint32_t putsPerSlot;
   uint32_t checkHeaders; // 0 where the header itself may land late (weak protocols)
   uint32_t creditSignalBase;  // ready signals first: (c*4 + k)*nsteps + slot; then credits: base + c*4 + j
-  uint32_t pad;
+  uint32_t doorbells;    // 1: the proxy decides landings at doorbells (unordered wire): connections ring one
+                         // after each slot's puts and each credit; 0: the wire lands in posted order, none rung
   // Where this rank's queue (the descriptors, then the header: gin.h) and its counters
   // live, in host memory the proxy polls and the kernels reach: on the CPU engine the
   // window's ginQueueOff and ginCountersOff regions; on a GPU pinned host memory mapped

@@ -20,8 +20,9 @@
 //                     credit carries no data).
 // Ready signals are per slot: a cumulative per-link count would let signals of step
 // s + 1 stand in for a late put of step s (the sender may run nsteps ahead).
-// Each slot's operations end with a doorbell (gin.h), so an unordered wire reorders
-// within what a step posted, reproducibly for a given seed.
+// On an unordered wire (GinArgs.doorbells) each slot's operations and each credit end
+// with a doorbell (gin.h), so the wire reorders within what a step posted, reproducibly
+// for a given seed; an ordered wire lands in posted order and needs none.
 // Only strong is safe on every wire; the others exist for the ordering experiments.
 // Failure (wait.h): the functions below are thread 0's; once env.failed is set they
 // wait for nothing and post nothing (no header, ready, credit or descriptor).
@@ -159,7 +160,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
     g.flush(s.channel);
     g.signal(s.channel, s.peer, WeakSignalInc(readySignal));
   }
-  g.doorbell(s.channel, s.peer);
+  if (a.gin.doorbells) g.doorbell(s.channel, s.peer);
 }
 // Waits for step `step` and checks its header. Thread 0.
 static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
@@ -187,7 +188,7 @@ static __device__ __forceinline__ void connRelease(const RecvConnection& r, uint
     Gin g{a, env};
     // A credit publishes no data, so a weak signal suffices (and every backend has one).
     g.signal(r.channel, r.peer, WeakSignalInc(r.creditSignal));
-    g.doorbell(r.channel, r.peer);
+    if (a.gin.doorbells) g.doorbell(r.channel, r.peer);
   } else {
     store_release(r.credit, step + 1);
   }
