@@ -233,6 +233,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--gin-protocol", type=option_type("gin_protocol", many=True), default=None,
                    help=f"how a GIN connection publishes a slot: {', '.join(PROTOCOLS)} (comma-separated; "
                         "only strong is safe on every wire)")
+    c.add_argument("--wire-rate", type=option_type("wire_rate", many=True), default=None,
+                   help="the GIN wire model: bytes/s of each rank's wire, e.g. 12.5G (comma-separated; 0: unlimited)")
+    c.add_argument("--wire-latency", type=option_type("wire_latency", many=True), default=None,
+                   help="the GIN wire model: seconds from send to effect, e.g. 5us (comma-separated)")
     c.add_argument("--algorithm", default="auto", type=option_type("algorithm"), choices=Algorithm.words(),
                    help="auto picks direct for symmetric buffers (-R 2), else ring or tree (default auto)")
     c.add_argument("--stream-stores", type=option_type("stream_stores", many=True), default=None,
@@ -275,12 +279,15 @@ class Series:
     wire: str | None = None
     network: str | None = None
     gin_protocol: str | None = None
+    wire_rate: str | None = None  # the wire model (GinOptions.wire_rate, wire_latency)
+    wire_latency: str | None = None
     register: int = 0  # -R: 0 plain buffers, 2 symmetric
     stores: str | None = None  # --stream-stores (None: Communicator's default, auto)
 
     @property
     def label(self) -> str:
-        parts = [self.path, *self.gin_options().values()]
+        parts = [self.path] + [f"{k.removeprefix('wire_')}-{v}" if k in MODEL_FLAGS else str(v)
+                               for k, v in self.gin_options().items()]
         return "/".join(parts + (["sym"] if self.register == 2 else [])
                         + ([f"stores-{self.stores}"] if self.stores else []))
 
@@ -289,7 +296,9 @@ class Series:
         return {k: getattr(self, k) for k in GIN_FLAGS if getattr(self, k) is not None}
 
 
-GIN_FLAGS = {"backend": "--backend", "wire": "--wire", "network": "--network", "gin_protocol": "--gin-protocol"}
+GIN_FLAGS = {"backend": "--backend", "wire": "--wire", "network": "--network", "gin_protocol": "--gin-protocol",
+             "wire_rate": "--wire-rate", "wire_latency": "--wire-latency"}
+MODEL_FLAGS = ("wire_rate", "wire_latency")
 
 
 def series_of(args) -> list[Series]:

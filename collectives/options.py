@@ -116,6 +116,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "gin_queue": ("gin", "queue"),
     "gin_counters": ("gin", "counters"),
     "segment_bytes": ("gin", "segment_bytes"),
+    "wire_rate": ("gin", "wire_rate"),
+    "wire_latency": ("gin", "wire_latency"),
 }
 
 

@@ -98,13 +98,18 @@ def add_check_arguments(c: argparse.ArgumentParser) -> None:
                    help="GIN wire network")
     c.add_argument("--gin-protocol", default="strong", type=option("gin_protocol"), choices=GinProtocol.words(),
                    help="how a GIN connection publishes a slot (only strong is safe on every wire)")
+    c.add_argument("--wire-rate", default=0, type=option("wire_rate"),
+                   help="the GIN wire model: bytes/s of each rank's wire, e.g. 12.5G (0: unlimited)")
+    c.add_argument("--wire-latency", default=0, type=option("wire_latency"),
+                   help="the GIN wire model: seconds from send to effect, e.g. 5us")
 
 
 def check_options(args) -> dict:
     """The Communicator keywords of `commref check`'s flags."""
     return {"max_channels": args.channels, "slot_bytes": args.slot_bytes, "threads": args.threads,
             "path": args.path, "backend": args.backend, "wire": args.wire, "network": args.network,
-            "seed": args.seed, "gin_protocol": args.gin_protocol}
+            "seed": args.seed, "gin_protocol": args.gin_protocol, "wire_rate": args.wire_rate,
+            "wire_latency": args.wire_latency}
 
 
 def validate_check(args) -> None:
@@ -133,6 +138,10 @@ def run_check(args) -> int:
         if world.rank == 0:
             rows = check.summary_rows(case_list, wrong)
             print(check.format_table(rows, world.size, comm.device))
+            gin = comm.options.gin
+            if gin.wire_modeled and comm.peer_mask:
+                rate = f"{gin.wire_rate / 1e9:g} GB/s" if gin.wire_rate else "unlimited bytes/s"
+                print(f"# GIN wire model: {rate} per rank's wire, {gin.wire_latency * 1e6:g} us latency")
             if len(set(nodes)) > 1:
                 members = {n: [r for r, m in enumerate(nodes) if m == n] for n in dict.fromkeys(nodes)}
                 print(f"# {len(members)} nodes: " + "; ".join(f"{n}: ranks {rs}" for n, rs in members.items())

@@ -53,7 +53,7 @@ class EngineConfig(ctypes.Structure):
                 ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
                 ("yieldPolls", ctypes.c_int32), ("pad", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
                 ("traceCapacity", ctypes.c_uint64), ("windowBytes", ctypes.c_uint64), ("timeoutS", ctypes.c_double),
-                ("backend", ctypes.c_char * 32)]
+                ("wireBytesPerS", ctypes.c_double), ("wireLatencyNs", ctypes.c_uint64), ("backend", ctypes.c_char * 32)]
 
 
 NETWORKS = {"shm": 0, "mpi": 1}  # native_engine.cpp's kNetworkShm, kNetworkMpi
@@ -194,7 +194,7 @@ class NativeProxy:
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
                  mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY,
-                 mpi_tag: int = 0):
+                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0):
         why = supports(transport, network, observer)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
@@ -222,7 +222,8 @@ class NativeProxy:
             strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,
             spinPolls=int(poll["spin_polls"]), yieldPolls=int(poll["yield_polls"]),
             sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity),
-            windowBytes=int(window.local.nbytes), timeoutS=float(world.timeout), backend=backend.name.encode()[:31])
+            windowBytes=int(window.local.nbytes), timeoutS=float(world.timeout), wireBytesPerS=float(wire_rate),
+            wireLatencyNs=round(wire_latency * 1e9), backend=backend.name.encode()[:31])
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
         if not self._h:
             raise ProxyError(f"rank {self.rank}: the native GIN engine refused its configuration")

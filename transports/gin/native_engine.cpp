@@ -35,6 +35,15 @@
 // message handled resets the backoff; while MPI sends or receives are in flight the
 // engine yields but does not sleep (MPI moves their data only when polled).
 //
+// Wire model (wireBytesPerS or wireLatencyNs set; GinOptions.wire_rate, wire_latency):
+// this rank's wire is one link that sends the descriptors in queue order. Descriptor i,
+// first seen published at t_i, starts when the wire is free, s_i = max(t_i, f_(i-1)),
+// is sent by f_i = s_i + bytes_i / rate (bytes_i: a put's or a get's bytes, 8 for a
+// putValue, 0 otherwise), and takes effect at d_i = f_i + latency. The d_i never fall,
+// so executing descriptors in queue order, each once the clock reaches its d_i, is the
+// model exactly; a flush therefore returns once everything before it has landed. While
+// the head is not due the engine polls (it never sleeps past d_i).
+//
 // Trace (when on): per descriptor, the events it made happen, appended in the order they
 // happen to one bounded buffer (CommrefGinTraceRecord, decoded by native.py into the
 // Python scheduler's ordered-wire tuples): post (seq, offset, nbytes, the signal as
@@ -92,6 +101,8 @@ struct CommrefGinEngineConfig {
   uint64_t traceCapacity;  // most trace records held at once (beyond: lost and counted)
   uint64_t windowBytes;    // every rank's window is this long: offsets are checked against it
   double timeoutS;         // stop() and the MPI network's waits: how long to wait
+  double wireBytesPerS;    // the wire model (below): this rank's wire sends this many bytes/s; 0: unlimited
+  uint64_t wireLatencyNs;  // ... and an operation takes effect this long after it is sent
   char backend[32];        // the backend's name, for messages
 };
 
@@ -251,7 +262,7 @@ class Engine {
       if (took < 0) break;
       const int moved = network();  // messages received and sends completed (MPI)
       if (moved < 0) break;
-      if (took > 0 || moved > 0) {
+      if (took > 0 || moved > 0 || waitingForWire()) {
         idle = 0;
         sleepNs = 1000;
         continue;
@@ -267,6 +278,40 @@ class Engine {
     }
     abandonLandings();
     exited_.store(true, std::memory_order_release);
+  }
+
+  static uint64_t nowNs() {
+    return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  }
+
+  // The wire model: stamps every descriptor published since the last call with its
+  // landing time, then whether `slot` (the head, published) is due.
+  bool due(uint64_t slot) {
+    const uint64_t now = nowNs();
+    for (; stamped_ < next_ + cfg_.capacity && published(stamped_); stamped_++) {
+      const GinDescriptor& d = ring_[stamped_ % cfg_.capacity];
+      const uint64_t bytes = d.op == kGinPut || d.op == kGinGet ? d.bytes : d.op == kGinPutValue ? 8 : 0;
+      const uint64_t start = now > wireFreeNs_ ? now : wireFreeNs_;
+      wireFreeNs_ = start + (cfg_.wireBytesPerS > 0 ? (uint64_t)((double)bytes * 1e9 / cfg_.wireBytesPerS) : 0);
+      landsAt_[stamped_ % cfg_.capacity] = wireFreeNs_ + cfg_.wireLatencyNs;
+    }
+    headDueNs_ = landsAt_[slot % cfg_.capacity];
+    return now >= headDueNs_;
+  }
+
+  // The head is published but not due (wire model): poll until it is, sleeping for
+  // most of a wait longer than 200 us (the timer slack is 1 us).
+  bool waitingForWire() {
+    if (!modeled_ || !published(next_)) return false;
+    const uint64_t now = nowNs();
+    if (headDueNs_ > now + 200000) {
+      const uint64_t ns = headDueNs_ - now - 100000;
+      struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+      nanosleep(&ts, nullptr);
+    } else if (headDueNs_ > now) {
+      sched_yield();
+    }
+    return true;
   }
 
   bool published(uint64_t slot) const {
@@ -295,6 +340,7 @@ class Engine {
     while (took < budget) {
       const uint64_t slot = next_;
       if (!published(slot)) break;
+      if (modeled_ && !due(slot)) break;
       const GinDescriptor c = ring_[slot % cfg_.capacity];
       if (!execute(c)) return -1;
       next_ = slot + 1;
@@ -773,6 +819,11 @@ class Engine {
   char* here_;
   char* counters_;
   uint64_t next_ = 0;  // the next slot to take (engine thread only)
+  // The wire model (engine thread only): whether it is on, the first slot not stamped
+  // yet, each stamped slot's landing time, when the wire is next free, the head's time.
+  const bool modeled_ = cfg_.wireBytesPerS > 0 || cfg_.wireLatencyNs > 0;
+  uint64_t stamped_ = 0, wireFreeNs_ = 0, headDueNs_ = 0;
+  std::vector<uint64_t> landsAt_ = std::vector<uint64_t>(modeled_ ? cfg_.capacity : 0);
   std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (engine thread only)
   uint64_t lastKey_ = 0;
   Link* lastLink_ = nullptr;

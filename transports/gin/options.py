@@ -3,9 +3,11 @@ under it, and how a connection publishes a slot. Validated once, here."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
-from commref.transports.options import Choice, bounded, choice
+from commref.transports.options import Choice, OptionError, bounded, choice
 
 
 class Path(Choice):
@@ -67,6 +69,11 @@ class GinOptions:
     queue: int = 256  # descriptors in a rank's GIN queue
     counters: int = 0  # GIN counters beyond the connections' own
     segment_bytes: int = 4096  # the unordered wire's unit of placement
+    # The wire model (native engine): each rank's wire sends at this many bytes/s (0:
+    # as fast as the network under it) and an operation takes effect this many seconds
+    # after it is sent. Numbers, or words such as "12.5G" (bytes/s) and "5us".
+    wire_rate: float = 0.0
+    wire_latency: float = 0.0
 
     def __post_init__(self) -> None:
         fix = object.__setattr__
@@ -80,3 +87,30 @@ class GinOptions:
         fix(self, "queue", bounded(self.queue, "gin_queue", 1))
         fix(self, "counters", bounded(self.counters, "gin_counters", 0))
         fix(self, "segment_bytes", bounded(self.segment_bytes, "segment_bytes", 1))
+        fix(self, "wire_rate", quantity(self.wire_rate, "wire_rate", RATE_UNITS, "bytes/s, e.g. 12.5G"))
+        fix(self, "wire_latency", quantity(self.wire_latency, "wire_latency", TIME_UNITS, "seconds, e.g. 5us"))
+        if self.wire_modeled and self.wire != Wire.ORDERED:
+            raise OptionError(f"the wire model (wire_rate, wire_latency) runs in the native GIN engine, which "
+                              f"carries the ordered wire, not the {self.wire.value} one")
+
+    @property
+    def wire_modeled(self) -> bool:
+        """Whether the wire model slows the wire down (wire_rate or wire_latency set)."""
+        return self.wire_rate > 0 or self.wire_latency > 0
+
+
+RATE_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}  # decimal, as GB/s in the benchmark
+TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z/]*)\s*")
+
+
+def quantity(value, what: str, units: dict[str, float], example: str) -> float:
+    """`value` (a number, or a number with one of `units`' suffixes) as a finite float >= 0."""
+    if isinstance(value, str):
+        m = _QUANTITY.fullmatch(value.lower())
+        unit = m.group(2).removesuffix("b/s").removesuffix("b") if m else None
+        if unit is not None and unit in units:
+            value = float(m.group(1)) * units[unit]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise OptionError(f"{what} must be a number >= 0 in {example}, not {value!r}")
+    return float(value)

@@ -83,9 +83,13 @@ class GinPlan:
                 why_not = f"what another rank's engine speaks ({refusals[0]})"
         if engine == "native" and why_not is not None:
             raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
+        if o.wire_modeled and (engine == "python" or why_not is not None):
+            raise CapabilityError(f"the wire model (wire_rate, wire_latency) runs in the native GIN engine, which "
+                                  f"cannot carry {why_not or f'this run ({ENGINE_ENV}=python)'}")
         if engine != "python" and why_not is None:
             proxy = native.NativeProxy(world, window, layout, o.queue, self.backend, self.transport, self.network,
-                                       mpi_comm=mpi_comm, mpi_tag=mpi_tag)
+                                       mpi_comm=mpi_comm, mpi_tag=mpi_tag, wire_rate=o.wire_rate,
+                                       wire_latency=o.wire_latency)
         else:
             from commref.transports.gin.proxy import GinProxy
 
@@ -149,6 +153,9 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
         raise CapabilityError(f"rank {rank}: GIN on GPUs carries the ordered wire in this version (a copy-engine "
                               f"stream per peer keeps order); the {options.wire.value} wire runs on the CPU engine "
                               f"(device='cpu')")
+    if options.wire_modeled and device == "cuda":
+        raise CapabilityError(f"rank {rank}: the wire model (wire_rate, wire_latency) runs in the native GIN engine "
+                              f"of the CPU engine (device='cpu'), not on a GPU in this version")
     if network == Network.SHM and not all(r in local for r in gin_peers):
         raise CapabilityError(f"rank {rank}: network 'shm' needs every GIN peer on this host")
     if network == Network.MPI and world.kind != "mpi":
