@@ -32,7 +32,7 @@ from commref.device_kernels import abi, loader
 from commref.transports.errors import CapabilityError, CommAborted
 from commref.transports.gin.plan import plan_gin
 from commref.transports.gin.queue import QueueRegion
-from commref.transports.windows import register_window
+from commref.transports.windows import rank_nodes, register_window
 
 from . import catalogue, topology, tuner
 from .buffers import BufferChecker
@@ -129,11 +129,24 @@ class Communicator:
         a["layout"] = layout
         a["rank"], a["nranks"] = self.rank, self.nranks
         self.gin.fill_args(a["gin"], self.max_channels, self.nsteps, self._gin_region)
-        a["peers"] = topology.channel_peers(self.rank, self.nranks, self.max_channels)
+        nodes = rank_nodes(world)  # collective: every rank builds the same rings and trees
+        a["peers"] = topology.channel_peers(self.rank, nodes, self.max_channels)
+        self._ring_ranks = self._device_table(topology.ring_ranks(nodes, self.max_channels))
+        a["ringRanks"] = address_of(self._ring_ranks)
         self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window)
         self._direct_possible = not self.peer_mask and self.nranks <= abi.DIRECT_MAX_RANKS
         self._calls: dict = {}  # call signature -> CallPlan
         world.barrier(what="communicator ready")
+
+    def _device_table(self, table: np.ndarray):
+        """`table` where this communicator's kernels read it: itself on the CPU, a copy in
+        device memory on a GPU (made on the communicator's stream, complete on return)."""
+        if self.device != "cuda":
+            return table
+        with self._cupy.cuda.Device(self.device_id), self._stream:
+            copy = self._cupy.asarray(table)
+        self._stream.synchronize()
+        return copy
 
     def _place_on_gpus(self) -> None:
         """Collective (GPU): where every rank runs. Counts the ranks of this process on

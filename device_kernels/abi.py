@@ -116,7 +116,7 @@ CHANNEL_PEERS = np.dtype(
         ("treeChild1", "<i4"),
         ("treeInAtParent", "<i4"),
         ("treeOutAtParent", "<i4"),
-        ("pad", "<i4"),
+        ("ringPos", "<i4"),
     ],
     align=True,
 )
@@ -167,6 +167,7 @@ COLL_ARGS = np.dtype(
         ("recvbuf", "<u8"),
         ("count", "<u8"),
         ("peerWindows", "<u8"),
+        ("ringRanks", "<u8"),
         ("errorRecord", "<u8"),
         ("abortFlag", "<u8"),
         ("callDesc", "<u8"),

@@ -192,7 +192,7 @@ def test_repeated_interleaved_calls(nranks, many_channels):
     # Tree links: every parent/child pair agrees too, in both directions.
     from commref.collectives import topology
 
-    peers = [topology.channel_peers(r, nranks, channels) for r in range(nranks)]
+    peers = [topology.channel_peers(r, [0] * nranks, channels) for r in range(nranks)]
     for r in range(nranks):
         for c in range(channels):
             parent = int(peers[r][c]["treeParent"])

@@ -56,10 +56,16 @@ def host_team(world) -> list[int]:
     return [r for r, h in enumerate(hosts) if h == world.host]
 
 
+def rank_nodes(world) -> list[tuple[str, str]]:
+    """Collective: every rank's node as (world.node, world.host), equal exactly for the
+    ranks of one node."""
+    return world.allgather((world.node, world.host), what="rank nodes")
+
+
 def lsa_team(world) -> list[int]:
     """Collective: the ranks this rank reaches by load and store: those of its node
     (world.node), a subset of its host team."""
-    nodes = world.allgather((world.node, world.host), what="lsa team nodes")
+    nodes = rank_nodes(world)
     return [r for r, n in enumerate(nodes) if n == (world.node, world.host)]
 
 

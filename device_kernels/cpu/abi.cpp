@@ -37,7 +37,7 @@ namespace {
   F(WindowLayout, flagStride)                                                                                   \
   F(ChannelPeers, ringPrev) F(ChannelPeers, ringNext) F(ChannelPeers, treeParent) F(ChannelPeers, treeChild0)   \
   F(ChannelPeers, treeChild1) F(ChannelPeers, treeInAtParent) F(ChannelPeers, treeOutAtParent)                  \
-  F(ChannelPeers, pad)                                                                                          \
+  F(ChannelPeers, ringPos)                                                                                      \
   F(ErrorRecord, code) F(ErrorRecord, what) F(ErrorRecord, rank) F(ErrorRecord, peer) F(ErrorRecord, channel)   \
   F(ErrorRecord, pad) F(ErrorRecord, expected) F(ErrorRecord, seen)                                             \
   F(GinArgs, peerMask) F(GinArgs, capacity) F(GinArgs, protocol) F(GinArgs, putsPerSlot)                        \
@@ -47,7 +47,7 @@ namespace {
   F(GinDescriptor, dstOffset) F(GinDescriptor, srcOffset) F(GinDescriptor, bytes) F(GinDescriptor, signal)      \
   F(GinDescriptor, signalValue) F(GinDescriptor, counter) F(GinDescriptor, pad)                                 \
   F(SymBuffer, peerTable) F(SymBuffer, offset)                                                                  \
-  F(CollArgs, sendbuf) F(CollArgs, recvbuf) F(CollArgs, count) F(CollArgs, peerWindows)                         \
+  F(CollArgs, sendbuf) F(CollArgs, recvbuf) F(CollArgs, count) F(CollArgs, peerWindows) F(CollArgs, ringRanks)  \
   F(CollArgs, errorRecord) F(CollArgs, abortFlag) F(CollArgs, callDesc) F(CollArgs, timeoutNs)                  \
   F(CollArgs, layout) F(CollArgs, rank) F(CollArgs, nranks) F(CollArgs, root) F(CollArgs, dtype)                \
   F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, streamStores) F(CollArgs, gin)       \

@@ -1,13 +1,15 @@
-// Ring collectives, written once on flow primitives. Data flows rank -> rank + 1.
-// Each channel (block) takes a contiguous share of the data and pipelines it through
-// its own FIFOs in steps of at most one slot per chunk.
+// Ring collectives, written once on flow primitives. Data flows along each channel's
+// ring, ringPrev -> this rank -> ringNext (a permutation of the ranks: ChannelPeers);
+// chunks are ordered by ring position, blocks that belong to a rank (AllGather,
+// ReduceScatter) by rank (ringRank). Each channel (block) takes a contiguous share of
+// the data and pipelines it through its own FIFOs in steps of at most one slot per chunk.
 #include "commref/ring.h"
 
 // AllReduce: reduce-scatter around the ring, then all-gather.
-// Within a loop of nranks chunks, rank r finishes chunk r.
+// Within a loop of nranks chunks, the rank at ring position q finishes chunk q.
 template <typename T, typename Op>
 static __device__ void ringAllReduce(const CollArgs& a) {
-  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  const int c = blockIdx.x, n = a.nranks, q = a.peers[c].ringPos;
   const T* src = (const T*)a.sendbuf;
   T* dst = (T*)a.recvbuf;
   const Share share = channelShare(a.count, c, a.nchannels);
@@ -18,20 +20,22 @@ static __device__ void ringAllReduce(const CollArgs& a) {
   FOR_EACH_PIECE(base, ls, share, loop) {
     const uint64_t cs = (ls + n - 1) / n;  // chunk size, at most one slot
 #define CHUNK(j) const uint64_t off = minU((uint64_t)ringMod(j, n) * cs, ls), len = minU(cs, ls - off), at = base + off
-    { CHUNK(r - 1); p.send(src + at, len); }
-    for (int k = 1; k < n - 1; k++) { CHUNK(r - k - 1); p.recvReduceSend(src + at, len); }
-    { CHUNK(r); p.recvReduceCopySend(src + at, dst + at, len, true); }
-    for (int k = 1; k < n - 1; k++) { CHUNK(r - k); p.recvCopySend(dst + at, len); }
-    { CHUNK(r + 1); p.recv(dst + at, len); }
+    { CHUNK(q - 1); p.send(src + at, len); }
+    for (int k = 1; k < n - 1; k++) { CHUNK(q - k - 1); p.recvReduceSend(src + at, len); }
+    { CHUNK(q); p.recvReduceCopySend(src + at, dst + at, len, true); }
+    for (int k = 1; k < n - 1; k++) { CHUNK(q - k); p.recvCopySend(dst + at, len); }
+    { CHUNK(q + 1); p.recv(dst + at, len); }
 #undef CHUNK
   }
   p.finish();
 }
 
-// ReduceScatter: count = elements each rank receives; rank r receives block r.
+// ReduceScatter: count = elements each rank receives; rank r receives block r. Step k
+// carries the block of the rank k + 1 positions back along the ring, so each block's
+// last step is at its rank.
 template <typename T, typename Op>
 static __device__ void ringReduceScatter(const CollArgs& a) {
-  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  const int c = blockIdx.x, n = a.nranks, r = a.rank, q = a.peers[c].ringPos;
   const uint64_t R = a.count;
   const T* src = (const T*)a.sendbuf;
   T* dst = (T*)a.recvbuf;
@@ -39,18 +43,18 @@ static __device__ void ringReduceScatter(const CollArgs& a) {
   Prims<T, Op> p(a, c);
   if (!joinRing(p, a, c, src, dst, share, true)) return;
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
-    p.send(src + (uint64_t)ringMod(r - 1, n) * R + base, len);
-    for (int k = 1; k < n - 1; k++) p.recvReduceSend(src + (uint64_t)ringMod(r - k - 1, n) * R + base, len);
+    p.send(src + (uint64_t)ringRank(a, c, q - 1) * R + base, len);
+    for (int k = 1; k < n - 1; k++) p.recvReduceSend(src + (uint64_t)ringRank(a, c, q - k - 1) * R + base, len);
     p.recvReduceCopy(src + (uint64_t)r * R + base, dst + base, len, true);
   }
   p.finish();
 }
 
-// Reduce: the ring ends at the root, which finishes the reduction.
+// Reduce: the ring starts after the root and ends at it; the root finishes the reduction.
 template <typename T, typename Op>
 static __device__ void ringReduce(const CollArgs& a) {
-  const int c = blockIdx.x, n = a.nranks;
-  const int q = ringMod(a.rank - a.root - 1, n);  // position along the ring; the root is last
+  const int c = blockIdx.x;
+  const bool first = a.peers[c].ringPrev == a.root, last = a.rank == a.root;
   const T* src = (const T*)a.sendbuf;
   T* dst = (T*)a.recvbuf;
   const Share share = channelShare(a.count, c, a.nchannels);
@@ -58,17 +62,18 @@ static __device__ void ringReduce(const CollArgs& a) {
   if (!joinRing(p, a, c, src, dst, share, true)) return;
   p.handshake();  // the root's inbound link carries no data: check the call first
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
-    if (q == 0) p.send(src + base, len);
-    else if (q < n - 1) p.recvReduceSend(src + base, len);
+    if (first) p.send(src + base, len);
+    else if (!last) p.recvReduceSend(src + base, len);
     else p.recvReduceCopy(src + base, dst + base, len, true);
   }
   p.finish();
 }
 
 // AllGather moves bytes: count = bytes each rank contributes; rank j's bytes land at
-// recvbuf + j * count. In place when sendbuf == recvbuf + rank * count.
+// recvbuf + j * count. In place when sendbuf == recvbuf + rank * count. The k-th
+// received block is that of the rank k positions back along the ring.
 static __device__ void ringAllGather(const CollArgs& a) {
-  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  const int c = blockIdx.x, n = a.nranks, r = a.rank, q = a.peers[c].ringPos;
   const uint64_t B = a.count;
   const uint8_t* src = (const uint8_t*)a.sendbuf;
   uint8_t* dst = (uint8_t*)a.recvbuf;
@@ -78,16 +83,16 @@ static __device__ void ringAllGather(const CollArgs& a) {
   p.streamReceived((share.end - share.begin) * (n - 1));
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
     p.copySend(src + base, dst + (uint64_t)r * B + base, len);
-    for (int k = 1; k < n - 1; k++) p.recvCopySend(dst + (uint64_t)ringMod(r - k, n) * B + base, len);
-    p.recv(dst + (uint64_t)ringMod(r + 1, n) * B + base, len);
+    for (int k = 1; k < n - 1; k++) p.recvCopySend(dst + (uint64_t)ringRank(a, c, q - k) * B + base, len);
+    p.recv(dst + (uint64_t)ringRank(a, c, q + 1) * B + base, len);
   }
   p.finish();
 }
 
-// Broadcast moves bytes from the root along the ring that starts at it.
+// Broadcast moves bytes from the root along the ring that starts at it and ends before it.
 static __device__ void ringBroadcast(const CollArgs& a) {
-  const int c = blockIdx.x, n = a.nranks;
-  const int pos = ringMod(a.rank - a.root, n);
+  const int c = blockIdx.x;
+  const bool first = a.rank == a.root, last = a.peers[c].ringNext == a.root;
   const uint8_t* src = (const uint8_t*)a.sendbuf;
   uint8_t* dst = (uint8_t*)a.recvbuf;
   const Share share = channelShare(a.count, c, a.nchannels);
@@ -96,8 +101,8 @@ static __device__ void ringBroadcast(const CollArgs& a) {
   p.streamReceived(share.end - share.begin);
   p.handshake();  // two ranks that both think they are the root must not both send
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
-    if (pos == 0) p.copySend(src + base, dst + base, len);
-    else if (pos < n - 1) p.recvCopySend(dst + base, len);
+    if (first) p.copySend(src + base, dst + base, len);
+    else if (!last) p.recvCopySend(dst + base, len);
     else p.recv(dst + base, len);
   }
   p.finish();

@@ -1,5 +1,7 @@
 // Tree AllReduce over a double binary tree: channel c uses tree c % 2 (the host
-// builds both trees so that most ranks are a leaf in one and inner in the other).
+// builds both over the nodes, a chain inside each node, so that most nodes are a leaf
+// in one and inner in the other: collectives/topology.py). Any tree of at most two
+// children per rank works here.
 // Pass 1 reduces every piece up to the root, pass 2 broadcasts it down; each pass
 // pipelines pieces through the FIFOs.
 #include "commref/ring.h"

@@ -45,13 +45,16 @@ struct WindowLayout {
   uint32_t nsteps, flagStride;  // flagStride: COMMREF_FLAG_STRIDE
 };
 
-// The neighbours of this rank in channel c (-1 where there is none).
+// The neighbours of this rank in channel c (-1 where there is none). A channel's ring
+// is a permutation of the ranks (collectives/topology.py): this rank is at position
+// ringPos, ringPrev at ringPos - 1 and ringNext at ringPos + 1 (mod nranks); the rank at
+// every position is in CollArgs.ringRanks.
 struct ChannelPeers {
   int32_t ringPrev, ringNext;
   int32_t treeParent, treeChild0, treeChild1;
   int32_t treeInAtParent;  // which inbound FIFO of the parent this rank feeds (1 or 2)
   int32_t treeOutAtParent; // which outbound link of the parent feeds this rank (2 or 3)
-  int32_t pad;
+  int32_t ringPos;         // this rank's position in the channel's ring
 };
 
 // The first failure of a kernel, in host-visible memory: the launcher turns it into
@@ -130,6 +133,8 @@ struct CollArgs {
   uint64_t sendbuf, recvbuf;  // device addresses
   uint64_t count;             // elements (bytes for kernels that only move data), see each kernel
   uint64_t peerWindows;       // -> uint64_t[nranks]: each rank's connection window, mapped here
+  uint64_t ringRanks;         // -> int32_t[nchannels][nranks]: the rank at position p of channel c's
+                              //    ring at [c * nranks + p] (ChannelPeers.ringPos: this rank's)
   uint64_t errorRecord;       // -> ErrorRecord
   uint64_t abortFlag;         // -> uint64_t; nonzero when the job is being torn down
   uint64_t callDesc;          // COMMREF_CALL_FIELDS packed; must match on all ranks

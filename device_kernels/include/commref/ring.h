@@ -6,6 +6,12 @@
 static __device__ __forceinline__ int ringMod(int x, int n) { return ((x % n) + n) % n; }
 static __device__ __forceinline__ uint64_t minU(uint64_t x, uint64_t y) { return x < y ? x : y; }
 
+// The rank at position pos (mod nranks) of channel c's ring (CollArgs.ringRanks; this
+// rank's own position is a.peers[c].ringPos).
+static __device__ __forceinline__ int ringRank(const CollArgs& a, int c, int pos) {
+  return ((const int32_t*)a.ringRanks)[(uint64_t)c * a.nranks + ringMod(pos, a.nranks)];
+}
+
 // Channel c's share [begin, end) of n items.
 struct Share {
   uint64_t begin, end;
