@@ -81,6 +81,7 @@ FLAG_STRIDE = 64  # bytes between flag words: two writers never share a cache li
 # After the GIN queue's descriptors: the claimed counter, a cache line later the consumed
 # counter, a line later the engine's idle word (uint32, a futex: gin.h).
 GIN_QUEUE_CLAIMED, GIN_QUEUE_CONSUMED, GIN_QUEUE_IDLE, GIN_QUEUE_HEADER = 0, 64, 128, 192
+GIN_QUEUE_HELP_FN, GIN_QUEUE_HELP_CTX = 136, 144  # the help hook (gin.h)
 
 
 def gin_signals(nchannels: int, nsteps: int) -> tuple[int, int]:

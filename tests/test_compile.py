@@ -68,8 +68,8 @@ def test_abi_table_covers_the_abi(cxx_table):
     for prefix in ("DTYPE_CODES.", "CXX_TYPES.", "OP_CODES.", "COLLECTIVE_CODES.", "ALGORITHM_CODES.",
                    "GIN_PROTOCOLS.", "CALL_FIELDS.", "kernel("):
         assert any(k.startswith(prefix) for k in cxx_table), prefix
-    for name in ("MAX_CHANNELS", "SLOT_HEADER", "FLAG_STRIDE", "GIN_QUEUE_CONSUMED", "GIN_QUEUE_IDLE", "GIN_QUEUE_HEADER",
-                 "LAUNCH_REFUSED", "WAIT_LSA_BARRIER", "GIN_HAS_COUNTER", "ERR_ABORTED", "IN_TREE_PARENT"):
+    for name in ("MAX_CHANNELS", "SLOT_HEADER", "FLAG_STRIDE", "GIN_QUEUE_CONSUMED", "GIN_QUEUE_IDLE",
+                 "GIN_QUEUE_HELP_FN", "GIN_QUEUE_HELP_CTX", "GIN_QUEUE_HEADER", "LAUNCH_REFUSED", "WAIT_LSA_BARRIER", "GIN_HAS_COUNTER", "ERR_ABORTED", "IN_TREE_PARENT"):
         assert name in cxx_table, name
 
 

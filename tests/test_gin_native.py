@@ -286,7 +286,7 @@ def test_native_trace_and_landings_equal_the_python_proxy():
     assert counts["post"] == 12 and counts["signal"] == 9 and counts["counter"] == 3 and counts["get"] == 1, counts
     assert replay_trace(py["trace"], "proxy", "ordered") == counts, "the Python proxy's trace must replay alike"
     doorbells = sum(p["op"] == abi.GIN_DOORBELL for p in posts)
-    assert nat["stats"] == {"ops": len(posts), "doorbells": doorbells, "events": 12}
+    assert nat["stats"] == {"ops": len(posts), "doorbells": doorbells, "events": 12, "by_kernels": 0}  # host-posted
     assert py["stats"] == {"ops": len(posts), "events": 12}  # the Python proxy does not count doorbells
     assert not nat["pending"] and nat["abort"] == 0
     for rank in range(3):  # every window byte alike: data, signals, VA words, counters, the get
@@ -381,7 +381,7 @@ def test_quiesce_names_expected_and_seen_and_stop_is_idempotent():
     msg, waited, running, stopped, error = ThreadWorld.run(2, _stuck_queue, timeout=WORLD_TIMEOUT)[0]
     assert msg == ("rank 0: native GIN engine did not drain within 0.3 s (expected 2 operations taken, seen 1)")
     assert 0.3 <= waited < 5
-    assert running == stopped == {"ops": 1, "doorbells": 0, "events": 1} and error is None
+    assert running == stopped == {"ops": 1, "doorbells": 0, "events": 1, "by_kernels": 0} and error is None
 
 
 def _dead_engine(world):
@@ -536,7 +536,8 @@ def test_an_overflowed_native_trace_is_refused():
     posts = _mixed_posts()
     res, _ = ThreadWorld.run(3, _posted, "native", "proxy", posts, timeout=WORLD_TIMEOUT, trace_capacity=10)[0]
     err = res["trace"]
-    assert res["error"] is None and res["stats"] == {"ops": len(posts), "doorbells": 13, "events": 12}
+    assert res["error"] is None and res["stats"] == {"ops": len(posts), "doorbells": 13, "events": 12,
+                                                                            "by_kernels": 0}
     assert re.fullmatch(r"rank 0: the native GIN engine's trace overflowed: \d+ records not kept \(capacity 10 "
                         r"records between reads of NativeProxy.trace; .*\)", str(err)), err
 
@@ -590,3 +591,34 @@ def test_each_gin_communicator_on_network_mpi_has_its_own_tag():
     tags = [plan.network_tag() for _ in range(5)]
     assert len(set(tags)) == 5
     assert all(plan.NETWORK_TAG_BASE <= t < plan.NETWORK_TAG_BASE + plan.NETWORK_TAG_SPAN <= 32767 for t in tags)
+
+
+def _kernels_help(world):
+    """1 MiB AllReduces over GIN (shm, ordered) in 1 KiB slots: (exact, the engine's stats)."""
+    with Communicator(world, "cpu", path="gin", wire="ordered", network="shm", slot_bytes=1024, nsteps=16) as comm:
+        assert type(comm.proxy).__name__ == "NativeProxy"
+        x = np.arange(1 << 18, dtype=np.float32) % 97 * (world.rank + 1)
+        y = np.empty_like(x)
+        for _ in range(3):
+            comm.allreduce(x, y)
+        exact = bool((y == np.arange(1 << 18, dtype=np.float32) % 97 * sum(range(1, world.size + 1))).all())
+        world.barrier(what="calls done")
+        return exact, comm.proxy.stats
+
+
+def test_kernels_take_descriptors_through_the_help_hook(monkeypatch):
+    """On network shm a CPU kernel takes descriptors itself between its posts and waits
+    (gin.h, "Help"): some of the engine's operations were taken by kernels, and the
+    results are exact; with COMMREF_GIN_KERNELS_HELP=0 the engine's thread takes them all."""
+    from commref.transports.gin import native as nat
+
+    for exact, stats in ThreadWorld.run(2, _kernels_help, timeout=WORLD_TIMEOUT):
+        assert exact
+        assert 0 < stats["by_kernels"] <= stats["ops"], stats
+    monkeypatch.setenv(nat.KERNELS_HELP_ENV, "0")
+    for exact, stats in ThreadWorld.run(2, _kernels_help, timeout=WORLD_TIMEOUT):
+        assert exact
+        assert stats["by_kernels"] == 0 and stats["ops"] > 0, stats
+    monkeypatch.setenv(nat.KERNELS_HELP_ENV, "yes")
+    with pytest.raises(ValueError, match=r"^COMMREF_GIN_KERNELS_HELP must be 0 or 1, not 'yes'$"):
+        nat.kernels_help_enabled()

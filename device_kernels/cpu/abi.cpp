@@ -133,6 +133,7 @@ struct Table {
   C(GIN_ADD, kGinSignalAdd) C(GIN_HAS_COUNTER, kGinHasCounter)                                                 \
   C(SLOT_HEADER, COMMREF_SLOT_HEADER) C(FLAG_STRIDE, COMMREF_FLAG_STRIDE)                                      \
   C(GIN_QUEUE_CLAIMED, COMMREF_GIN_QUEUE_CLAIMED) C(GIN_QUEUE_CONSUMED, COMMREF_GIN_QUEUE_CONSUMED) C(GIN_QUEUE_IDLE, COMMREF_GIN_QUEUE_IDLE)            \
+  C(GIN_QUEUE_HELP_FN, COMMREF_GIN_QUEUE_HELP_FN) C(GIN_QUEUE_HELP_CTX, COMMREF_GIN_QUEUE_HELP_CTX)                                                      \
   C(GIN_QUEUE_HEADER, COMMREF_GIN_QUEUE_HEADER)
 
 // Code tables: (Python dict, enumerator, Python key). DTYPE_CODES and OP_CODES come

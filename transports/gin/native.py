@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -51,12 +52,26 @@ class EngineConfig(ctypes.Structure):
                 ("mpiTag", ctypes.c_int32), ("nranks", ctypes.c_int32), ("rank", ctypes.c_int32),
                 ("strongSignals", ctypes.c_int32), ("vaSignals", ctypes.c_int32), ("strongAlways", ctypes.c_int32),
                 ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
-                ("yieldPolls", ctypes.c_int32), ("pad", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
+                ("yieldPolls", ctypes.c_int32), ("kernelsHelp", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
                 ("traceCapacity", ctypes.c_uint64), ("windowBytes", ctypes.c_uint64), ("timeoutS", ctypes.c_double),
                 ("wireBytesPerS", ctypes.c_double), ("wireLatencyNs", ctypes.c_uint64), ("backend", ctypes.c_char * 32)]
 
 
 NETWORKS = {"shm": 0, "mpi": 1}  # native_engine.cpp's kNetworkShm, kNetworkMpi
+
+# On network shm the CPU engine's kernels take descriptors themselves between their
+# posts and waits (gin.h, "Help"); 0 leaves every descriptor to the engine's thread (to
+# study the proxy thread alone).
+KERNELS_HELP_ENV = "COMMREF_GIN_KERNELS_HELP"
+
+
+def kernels_help_enabled() -> bool:
+    """Whether COMMREF_GIN_KERNELS_HELP (unset or empty: 1) lets kernels help; ValueError
+    with one line for anything but 0 or 1."""
+    value = os.environ.get(KERNELS_HELP_ENV, "").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{KERNELS_HELP_ENV} must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 # native_engine.cpp's CommrefGinTraceRecord (one event on link (peer, ctx)) and its kinds
@@ -194,7 +209,7 @@ class NativeProxy:
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
                  mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY,
-                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0):
+                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0, kernels_help: bool | None = None):
         why = supports(transport, network, observer)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
@@ -221,6 +236,7 @@ class NativeProxy:
             strongSignals=int(caps.strong_signals), vaSignals=int(caps.va_signals),
             strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,
             spinPolls=int(poll["spin_polls"]), yieldPolls=int(poll["yield_polls"]),
+            kernelsHelp=int(kernels_help_enabled() if kernels_help is None else kernels_help),
             sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity),
             windowBytes=int(window.local.nbytes), timeoutS=float(world.timeout), wireBytesPerS=float(wire_rate),
             wireLatencyNs=round(wire_latency * 1e9), backend=backend.name.encode()[:31])
@@ -233,26 +249,28 @@ class NativeProxy:
         self._trace: dict | None = None
         self._trace_lost = 0
         self.trace_capacity = int(trace_capacity)
-        self._words = (ctypes.c_uint64 * 7)()
+        self._words = (ctypes.c_uint64 * 8)()
         self._recs = np.zeros(4096, TRACE_DTYPE)
         self._lost = ctypes.c_uint64(0)
 
     # ---- state ----
 
-    def _poll(self) -> tuple[int, int, int, bool, bool, int, int]:
-        """ops, events, claimed, running, failed, doorbells, sends in flight (from the engine)."""
+    def _poll(self) -> tuple[int, int, int, bool, bool, int, int, int]:
+        """ops, events, claimed, running, failed, doorbells, sends in flight, ops taken by
+        kernels (from the engine)."""
         self._lib.commref_gin_engine_stats(self._h, self._words)
         w = self._words
-        return int(w[0]), int(w[1]), int(w[2]), bool(w[3]), bool(w[4]), int(w[5]), int(w[6])
+        return int(w[0]), int(w[1]), int(w[2]), bool(w[3]), bool(w[4]), int(w[5]), int(w[6]), int(w[7])
 
     @property
     def stats(self) -> dict:
         """{"ops": descriptors taken, "doorbells": of them doorbells, "events": puts and
-        signals landed (network mpi: sent)} (a fresh dict)."""
+        signals landed (network mpi: sent), "by_kernels": of the ops, those kernels took
+        through the queue's help hook (network shm; gin.h, "Help")} (a fresh dict)."""
         if self._final_stats is not None:
             return dict(self._final_stats)
-        ops, events, _, _, _, doorbells, _ = self._poll()
-        return {"ops": ops, "doorbells": doorbells, "events": events}
+        ops, events, _, _, _, doorbells, _, by_kernels = self._poll()
+        return {"ops": ops, "doorbells": doorbells, "events": events, "by_kernels": by_kernels}
 
     @property
     def error(self) -> BaseException | None:
@@ -310,7 +328,7 @@ class NativeProxy:
         mpi: sent, every send complete, every landing here finished); raises ProxyError naming rank, expected and seen
         at the deadline."""
         def state():
-            ops, _, claimed, running, failed, _, in_flight = self._poll() if self._h else (0, 0, 0, False, False, 0, 0)
+            ops, _, claimed, running, failed, _, in_flight, _ = self._poll() if self._h else (0,) * 8
             return (ops >= claimed and not in_flight) or failed or not running, claimed, ops
 
         wait_drained(state, f"rank {self.rank}: native GIN engine", timeout)

@@ -9,7 +9,9 @@
 // transports/gin/queue.py's QueueReader): it takes slot `next` once the slot's seq reads
 // next + 1 (acquire: the descriptor's fields, written before the producer's release
 // store, are visible), executes it, and stores consumed = next + 1 with release. One
-// thread takes every descriptor in slot order, so each (peer, ctx) is FIFO:
+// taker at a time takes every descriptor in slot order, so each (peer, ctx) is FIFO: the
+// engine thread, or on network shm a CPU kernel through the queue's help hook (gin.h,
+// "Help"; the `taking_` flag below decides who):
 //   put:      memcpy src (this window) -> dst (peer window); counter (release add, this
 //             rank's counters + 8*id) once the source is copied; signal (release add,
 //             index: peer window + signals offset + 8*id, VA: peer window + offset);
@@ -96,7 +98,8 @@ struct CommrefGinEngineConfig {
   int32_t nranks, rank;
   int32_t strongSignals, vaSignals, strongAlways, signalsCountWrites;  // the backend's capabilities
   int32_t trace;                                                       // record landings from the start
-  int32_t spinPolls, yieldPolls, pad;
+  int32_t spinPolls, yieldPolls;
+  int32_t kernelsHelp;     // network shm: install the queue's help hook (gin.h, "Help")
   uint64_t sleepMaxNs;     // longest idle sleep
   uint64_t traceCapacity;  // most trace records held at once (beyond: lost and counted)
   uint64_t windowBytes;    // every rank's window is this long: offsets are checked against it
@@ -181,6 +184,8 @@ class Engine {
     consumed_ = reinterpret_cast<uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CONSUMED);
     claimed_ = reinterpret_cast<const uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CLAIMED);
     idle_ = reinterpret_cast<uint32_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_IDLE);
+    helperFn_ = reinterpret_cast<uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_HELP_FN);
+    helperCtx_ = reinterpret_cast<uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_HELP_CTX);
     here_ = reinterpret_cast<char*>(c.windowBase);
     counters_ = here_ + c.countersOff;
     tracing_.store(c.trace != 0, std::memory_order_relaxed);
@@ -193,11 +198,38 @@ class Engine {
 #endif
   }
 
-  void start() { thread_ = std::thread([this] { run(); }); }
+  void start() {
+    thread_ = std::thread([this] { run(); });
+    // On network shm the CPU engine's kernels may take descriptors too (gin.h, "Help"). On
+    // network mpi they do not: MPI progress from kernel threads measured no faster there, and
+    // slowed the other communicators of the process.
+    if (!mpi() && cfg_.kernelsHelp) {
+      __atomic_store_n(helperCtx_, reinterpret_cast<uint64_t>(this), __ATOMIC_RELAXED);
+      __atomic_store_n(helperFn_, reinterpret_cast<uint64_t>(&Engine::helpHook), __ATOMIC_RELEASE);
+    }
+  }
+
+  // A kernel's turn at the queue (the help hook, network shm): takes what is published, if
+  // no other thread is taking descriptors now; how many it took.
+  static int helpHook(void* engine) { return static_cast<Engine*>(engine)->help(); }
+  int help() {
+    if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return 0;  // nothing to take: no RMW
+    if (taking_.exchange(true, std::memory_order_acquire)) return 0;
+    const int took = drain(64);  // a failure sets failed_: the engine thread ends
+    taking_.store(false, std::memory_order_release);
+    if (took <= 0) return 0;
+    byKernels_.fetch_add((uint64_t)took, std::memory_order_relaxed);
+    return took;
+  }
 
   // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
   int stop(double timeoutS) {
     stop_.store(true, std::memory_order_seq_cst);
+    __atomic_store_n(helperFn_, 0, __ATOMIC_RELEASE);  // no new helper; wait out one inside drain()
+    __atomic_store_n(helperCtx_, 0, __ATOMIC_RELAXED);
+    while (taking_.exchange(true, std::memory_order_acquire)) std::this_thread::yield();
+    taking_.store(false, std::memory_order_release);
     if (!thread_.joinable()) return 0;
     wake();
     const auto deadline = Clock::now() + std::chrono::duration<double>(timeoutS);
@@ -217,6 +249,7 @@ class Engine {
     out[4] = failed_.load(std::memory_order_acquire);
     out[5] = doorbells_.load(std::memory_order_relaxed);
     out[6] = inFlight_.load(std::memory_order_acquire);
+    out[7] = byKernels_.load(std::memory_order_relaxed);
   }
 
   int failed() const { return failed_.load(std::memory_order_acquire); }
@@ -257,11 +290,14 @@ class Engine {
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: short sleeps stay short
     uint64_t idle = 0, sleepNs = 1000;
     const uint64_t spin = (uint64_t)cfg_.spinPolls, yields = spin + (uint64_t)cfg_.yieldPolls;
-    while (!stop_.load(std::memory_order_acquire)) {
-      const int took = drain(64);
-      if (took < 0) break;
-      const int moved = network();  // messages received and sends completed (MPI)
-      if (moved < 0) break;
+    while (!stop_.load(std::memory_order_acquire) && !failed_.load(std::memory_order_acquire)) {
+      int took = 0, moved = 0;  // descriptors taken; messages received and sends completed (MPI)
+      if (!taking_.exchange(true, std::memory_order_acquire)) {
+        took = drain(64);
+        if (took >= 0) moved = network();
+        taking_.store(false, std::memory_order_release);
+      }
+      if (took < 0 || moved < 0) break;
       if (took > 0 || moved > 0 || waitingForWire()) {
         idle = 0;
         sleepNs = 1000;
@@ -276,7 +312,9 @@ class Engine {
         sleepNs = sleepNs * 2 < cfg_.sleepMaxNs ? sleepNs * 2 : cfg_.sleepMaxNs;
       }
     }
+    while (taking_.exchange(true, std::memory_order_acquire)) std::this_thread::yield();  // a helper leaves first
     abandonLandings();
+    taking_.store(false, std::memory_order_release);
     exited_.store(true, std::memory_order_release);
   }
 
@@ -295,20 +333,20 @@ class Engine {
       wireFreeNs_ = start + (cfg_.wireBytesPerS > 0 ? (uint64_t)((double)bytes * 1e9 / cfg_.wireBytesPerS) : 0);
       landsAt_[stamped_ % cfg_.capacity] = wireFreeNs_ + cfg_.wireLatencyNs;
     }
-    headDueNs_ = landsAt_[slot % cfg_.capacity];
-    return now >= headDueNs_;
+    headDueNs_.store(landsAt_[slot % cfg_.capacity], std::memory_order_relaxed);
+    return now >= landsAt_[slot % cfg_.capacity];
   }
 
   // The head is published but not due (wire model): poll until it is, sleeping for
   // most of a wait longer than 200 us (the timer slack is 1 us).
   bool waitingForWire() {
-    if (!modeled_ || !published(next_)) return false;
-    const uint64_t now = nowNs();
-    if (headDueNs_ > now + 200000) {
-      const uint64_t ns = headDueNs_ - now - 100000;
+    if (!modeled_ || !published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return false;
+    const uint64_t now = nowNs(), headDue = headDueNs_.load(std::memory_order_relaxed);
+    if (headDue > now + 200000) {
+      const uint64_t ns = headDue - now - 100000;
       struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
       nanosleep(&ts, nullptr);
-    } else if (headDueNs_ > now) {
+    } else if (headDue > now) {
       sched_yield();
     }
     return true;
@@ -322,7 +360,7 @@ class Engine {
   void sleep(uint64_t ns) {
     __atomic_store_n(idle_, 1u, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!published(next_) && !stop_.load(std::memory_order_seq_cst)) {
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst)) {
       struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
       syscall(SYS_futex, idle_, FUTEX_WAIT_PRIVATE, 1u, &ts, nullptr, 0);
     }
@@ -795,7 +833,7 @@ class Engine {
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
-  // In flight, oldest first (engine thread only). Sends still in flight when the engine
+  // In flight, oldest first (taker only). Sends still in flight when the engine
   // is destroyed (after a failure) keep their staging buffers: MPI may still read them.
   std::deque<Send> sends_;
   std::vector<char> rbuf_;   // the message being received
@@ -816,19 +854,27 @@ class Engine {
   uint64_t* consumed_;
   const uint64_t* claimed_;
   uint32_t* idle_;  // the queue's idle word (the engine alone stores it)
+  uint64_t* helperFn_;   // the queue's help hook (gin.h): the function, 0 when none ...
+  uint64_t* helperCtx_;  // ... and its argument (this engine)
+  // Whoever holds it takes descriptors: the engine thread, or a kernel waiting on the
+  // queue (help()). So descriptors are taken one at a time, in slot order, as before; the
+  // state below marked "taker only" is touched under it.
+  std::atomic<bool> taking_{false};
   char* here_;
   char* counters_;
-  uint64_t next_ = 0;  // the next slot to take (engine thread only)
-  // The wire model (engine thread only): whether it is on, the first slot not stamped
+  uint64_t next_ = 0;  // the next slot to take (taker only)
+  // The wire model (taker only): whether it is on, the first slot not stamped
   // yet, each stamped slot's landing time, when the wire is next free, the head's time.
   const bool modeled_ = cfg_.wireBytesPerS > 0 || cfg_.wireLatencyNs > 0;
-  uint64_t stamped_ = 0, wireFreeNs_ = 0, headDueNs_ = 0;
+  uint64_t stamped_ = 0, wireFreeNs_ = 0;
+  std::atomic<uint64_t> headDueNs_{0};  // stored by the taker, read by the engine thread
   std::vector<uint64_t> landsAt_ = std::vector<uint64_t>(modeled_ ? cfg_.capacity : 0);
-  std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (engine thread only)
+  std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (taker only)
   uint64_t lastKey_ = 0;
   Link* lastLink_ = nullptr;
   std::atomic<bool> stop_{false}, exited_{false}, tracing_{false};
   std::atomic<uint64_t> ops_{0}, events_{0}, doorbells_{0}, inFlight_{0};
+  std::atomic<uint64_t> byKernels_{0};  // of ops_, descriptors kernels took through the help hook
   std::atomic<int> failed_{0};
   std::mutex mu_;  // error_, trace_, traceLost_
   std::string error_;
@@ -874,7 +920,8 @@ COMMREF_GIN_API int commref_gin_engine_start(void* h) {
 COMMREF_GIN_API int commref_gin_engine_stop(void* h, double timeoutS) { return static_cast<Engine*>(h)->stop(timeoutS); }
 COMMREF_GIN_API void commref_gin_engine_destroy(void* h) { delete static_cast<Engine*>(h); }
 // out: ops (descriptors taken), events (puts and signals landed), claimed, running, failed,
-// doorbells (of the ops), in flight (MPI network: sends not complete, landings not finished).
+// doorbells (of the ops), in flight (MPI network: sends not complete, landings not finished),
+// by kernels (of the ops, taken by kernels through the help hook).
 COMMREF_GIN_API void commref_gin_engine_stats(void* h, uint64_t* out) { static_cast<Engine*>(h)->stats(out); }
 COMMREF_GIN_API int commref_gin_engine_failed(void* h) { return static_cast<Engine*>(h)->failed(); }
 COMMREF_GIN_API uint64_t commref_gin_engine_error(void* h, char* buf, uint64_t n) {

@@ -119,8 +119,13 @@ static __device__ __forceinline__ uint32_t signalsPerSlot(const CollArgs& a) {
 static __device__ __forceinline__ void connWaitCredit(const SendConnection& s, uint64_t step, const CollArgs& a,
                                                       KernelEnv& env) {
   if (step + 1 > a.layout.nsteps) {
-    if (s.gin) Gin{a, env}.wakeEngine();  // the credit comes through it (network mpi: it receives it)
-    waitAtLeast(s.credit, step + 1 - a.layout.nsteps, env, kWaitSendCredit, s.peer, s.channel);
+    const uint64_t* help = nullptr;
+    if (s.gin) {  // the credit comes through it (network mpi: it receives it); help it meanwhile (gin.h)
+      Gin g{a, env};
+      g.wakeEngine();
+      help = g.helpHook();
+    }
+    waitAtLeast(s.credit, step + 1 - a.layout.nsteps, env, kWaitSendCredit, s.peer, s.channel, help);
   }
 }
 // Where the block writes the data of step `step` (the header goes 64 bytes before).
@@ -161,13 +166,15 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
     g.signal(s.channel, s.peer, WeakSignalInc(readySignal));
   }
   if (a.gin.doorbells) g.doorbell(s.channel, s.peer);
+  commref_help_progress(g.helpHook());  // a turn at the queue (gin.h, "Help"): the engine may be off its core
 }
 // Waits for step `step` and checks its header. Thread 0.
 static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
   if (r.gin) {
-    Gin{a, env}.wakeEngine();  // the data comes through it (network mpi: it receives it)
+    Gin g{a, env};
+    g.wakeEngine();  // the data comes through it (network mpi: it receives it); help it meanwhile (gin.h)
     waitReached(r.ready + step % a.layout.nsteps, (step / a.layout.nsteps + 1) * signalsPerSlot(a), env,
-                kWaitRecvReady, r.peer, r.channel);
+                kWaitRecvReady, r.peer, r.channel, g.helpHook());
     if (!a.gin.checkHeaders) return;
   } else {
     waitAtLeast(r.ready, step + 1, env, kWaitRecvReady, r.peer, r.channel);

@@ -38,13 +38,29 @@
 // reads 1 (commref_wake_sleeper, port.h). One of the two sees the other's store, so no
 // descriptor waits for a sleeper. GPU producers never ring: an engine serving a GPU
 // does not sleep on the word.
+//
+// Help (the help hook, two words: a function int (*)(void*) and its argument): a host
+// engine in this process that lets waiting kernels take descriptors too (the native
+// engine on network shm; MPI's rule that a waiting thread makes progress) stores them
+// while it starts and clears the function before it stops, and it stops only when no
+// kernel of its communicator runs. A CPU kernel that waits on something its GIN queue
+// leads to (a signal, a counter, a credit, a free slot, a flush) calls the hook between
+// polls (commref_help_progress, port.h): it takes what is published, in slot order, if
+// no other thread is taking descriptors at that moment. One taker at a time keeps each
+// (peer, context) FIFO. On a handful of cores this saves the handoff to the engine
+// thread, which may be waiting for the very core the kernel spins on. GPU kernels do
+// not call it.
 #define COMMREF_GIN_QUEUE_CLAIMED 0    // slots claimed by producers (fetch-add)
 #define COMMREF_GIN_QUEUE_CONSUMED 64  // slots the proxy has completed (it alone stores)
 #define COMMREF_GIN_QUEUE_IDLE 128     // 1 while the engine sleeps or is about to (it alone stores)
+#define COMMREF_GIN_QUEUE_HELP_FN 136  // the help hook: int (*)(void*), 0 when none (the engine alone stores)
+#define COMMREF_GIN_QUEUE_HELP_CTX 144 // ... and its argument
 #define COMMREF_GIN_QUEUE_HEADER 192
 static_assert(COMMREF_GIN_QUEUE_CONSUMED >= COMMREF_GIN_QUEUE_CLAIMED + 8 &&
                   COMMREF_GIN_QUEUE_IDLE >= COMMREF_GIN_QUEUE_CONSUMED + 8 &&
-                  COMMREF_GIN_QUEUE_HEADER >= COMMREF_GIN_QUEUE_IDLE + 8 && COMMREF_GIN_QUEUE_CLAIMED % 8 == 0 &&
+                  COMMREF_GIN_QUEUE_HELP_FN >= COMMREF_GIN_QUEUE_IDLE + 8 &&
+                  COMMREF_GIN_QUEUE_HELP_CTX >= COMMREF_GIN_QUEUE_HELP_FN + 8 &&
+                  COMMREF_GIN_QUEUE_HEADER >= COMMREF_GIN_QUEUE_HELP_CTX + 8 && COMMREF_GIN_QUEUE_CLAIMED % 8 == 0 &&
                   COMMREF_GIN_QUEUE_CONSUMED % 8 == 0 && COMMREF_GIN_QUEUE_IDLE % 8 == 0,
               "the GIN queue words are aligned inside the header");
 
@@ -98,6 +114,7 @@ struct Gin {
   // Rings the engine if it sleeps (see COMMREF_GIN_QUEUE_IDLE): after a publish, and
   // before a wait on what the engine delivers (on network mpi it receives it).
   __device__ void wakeEngine() const { commref_wake_sleeper((uint32_t*)(queueHeader() + COMMREF_GIN_QUEUE_IDLE)); }
+  __device__ const uint64_t* helpHook() const { return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_HELP_FN); }
   __device__ uint64_t* signals() const { return (uint64_t*)(windowOfGin() + a.layout.ginSignalsOff); }
   __device__ uint64_t* counters() const { return (uint64_t*)a.gin.counters; }
   __device__ char* windowOfGin() const { return (char*)((const uint64_t*)a.peerWindows)[a.rank]; }
@@ -108,7 +125,7 @@ struct Gin {
     if (env.failed) return 0;
     const uint64_t slot = fetch_add_relaxed(claimed(), 1);
     if (slot >= a.gin.capacity) {
-      waitAtLeast(consumed(), slot + 1 - a.gin.capacity, env, kWaitGinQueue, peer, ctx);
+      waitAtLeast(consumed(), slot + 1 - a.gin.capacity, env, kWaitGinQueue, peer, ctx, helpHook());
       if (env.failed) return slot;
     }
     GinDescriptor* d = ring() + slot % a.gin.capacity;
@@ -146,20 +163,20 @@ struct Gin {
   __device__ void flush(int ctx) const {
     const uint64_t slot = post(kGinFlush, 0, -1, ctx, 0, 0, 0, 0, 0, 0);
     if (env.failed) return;
-    waitAtLeast(consumed(), slot + 1, env, kWaitGinFlush, -1, ctx);
+    waitAtLeast(consumed(), slot + 1, env, kWaitGinFlush, -1, ctx, helpHook());
   }
 
   __device__ uint64_t readSignal(uint64_t id) const { return load_acquire(signals() + id); }
   // Waits until signal `id` has reached `least` (wrap-around compare).
   __device__ uint64_t waitSignal(uint64_t id, uint64_t least, int peer, int channel) const {
     wakeEngine();
-    return waitReached(signals() + id, least, env, kWaitRecvReady, peer, channel);
+    return waitReached(signals() + id, least, env, kWaitRecvReady, peer, channel, helpHook());
   }
   __device__ void resetSignal(uint64_t id) const { store_relaxed(signals() + id, 0); }
   __device__ uint64_t readCounter(uint64_t id) const { return load_acquire(counters() + id); }
   __device__ uint64_t waitCounter(uint64_t id, uint64_t least) const {
     wakeEngine();
-    return waitReached(counters() + id, least, env, kWaitGinFlush, -1, -1);
+    return waitReached(counters() + id, least, env, kWaitGinFlush, -1, -1, helpHook());
   }
   __device__ void resetCounter(uint64_t id) const { store_relaxed(counters() + id, 0); }
 };

@@ -10,6 +10,9 @@
 //   - commref_wake_sleeper(word): after a sequentially consistent fence, wakes a host
 //     thread of this process that sleeps on `word` (a futex) if the word reads nonzero
 //     (the GIN engine's idle word, gin.h); nothing on the GPU
+//   - commref_help_progress(hook): a waiting thread's turn at what a host progress engine
+//     of this process would do next (the GIN queue's help hook, gin.h): calls
+//     ((int (*)(void*))hook[0])((void*)hook[1]) when hook[0] is set; nothing on the GPU
 //   - COMMREF_ELEM_STRIDE: the stride of a thread's element loop (see below)
 //
 // On the CPU (COMMREF_CPU defined) the CPU execution engine (cpu/engine.cpp) runs a
@@ -101,6 +104,7 @@ static __device__ __forceinline__ void commref_spin_pause(uint32_t spins) {
   __builtin_unreachable();
 }
 static __device__ __forceinline__ void commref_wake_sleeper(uint32_t*) {}
+static __device__ __forceinline__ void commref_help_progress(const uint64_t*) {}
 
 #else  // COMMREF_CPU
 
@@ -172,6 +176,10 @@ static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(
 // Throws out of the fiber: the engine abandons the block and returns kLaunchFailed.
 [[noreturn]] static inline void commref_block_exit() { commref_cpu::kernel_abort(); }
 static inline void commref_wake_sleeper(uint32_t* word) { commref_cpu::wake_sleeper(word); }
+static inline void commref_help_progress(const uint64_t* hook) {
+  const uint64_t fn = __atomic_load_n(hook, __ATOMIC_ACQUIRE);
+  if (fn) reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
+}
 #endif
 
 // A thread's share of n elements: for (i = begin; i < n_end; i += COMMREF_ELEM_STRIDE).

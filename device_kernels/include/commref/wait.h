@@ -114,13 +114,16 @@ static __device__ __forceinline__ bool keepWaiting(KernelEnv& env, uint64_t star
 }
 
 // Returns the value seen: >= expected, unless the wait failed (env.failed; at once if
-// it was already set).
+// it was already set). `help`: a progress hook (port.h, commref_help_progress) the wait
+// calls before each pause, or nullptr.
 static __device__ COMMREF_NOINLINE uint64_t waitAtLeast(const uint64_t* flag, uint64_t expected, KernelEnv& env,
-                                                        uint32_t what, int peer, int channel) {
+                                                        uint32_t what, int peer, int channel,
+                                                        const uint64_t* help = nullptr) {
   uint64_t v = load_acquire(flag);
   if (v >= expected || env.failed) return v;
   uint64_t start = commref_now_ns();
   for (uint32_t spins = 1;; spins++) {
+    if (help) commref_help_progress(help);
     commref_spin_pause(spins);
     v = load_acquire(flag);
     if (v >= expected) return v;
@@ -130,11 +133,13 @@ static __device__ COMMREF_NOINLINE uint64_t waitAtLeast(const uint64_t* flag, ui
 
 // Like waitAtLeast, for counters that may wrap: done once (int64_t)(*flag - least) >= 0.
 static __device__ COMMREF_NOINLINE uint64_t waitReached(const uint64_t* flag, uint64_t least, KernelEnv& env,
-                                                        uint32_t what, int peer, int channel) {
+                                                        uint32_t what, int peer, int channel,
+                                                        const uint64_t* help = nullptr) {
   uint64_t v = load_acquire(flag);
   if ((int64_t)(v - least) >= 0 || env.failed) return v;
   uint64_t start = commref_now_ns();
   for (uint32_t spins = 1;; spins++) {
+    if (help) commref_help_progress(help);
     commref_spin_pause(spins);
     v = load_acquire(flag);
     if ((int64_t)(v - least) >= 0) return v;
