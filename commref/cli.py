@@ -32,7 +32,9 @@ from commref.collectives.options import CommOptions, Device
 from commref.collectives.verify import DTYPES, OPS
 from commref.transports import launch
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
-from commref.transports.gin.plan import gin_engine
+from commref.transports.errors import CapabilityError
+from commref.transports.gin.backends import select_backend
+from commref.transports.gin.plan import gin_engine, requirements
 from commref.transports.world import NODES_ENV, MPIWorld, check_nodes, default_timeout
 
 
@@ -113,7 +115,9 @@ def check_options(args) -> dict:
 
 
 def validate_check(args) -> None:
-    CommOptions.from_kwargs(device=args.device, **check_options(args))
+    options = CommOptions.from_kwargs(device=args.device, **check_options(args))
+    if options.gin.path != Path.LSA:  # a backend that cannot carry the wire or protocol: one line, no ranks
+        select_backend(requirements(options.gin), options.gin.backend.value)
     if args.nodes is not None and not MPIWorld.launched_under_mpi():  # under mpiexec: the world checks it
         check_nodes(args.nodes, args.np or 1)
 
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         export_nodes(args)
         if args.np is not None and args.np > 1 and not MPIWorld.launched_under_mpi():
             return relaunch(args, argv)
-    except (ValueError, launch.LaunchError) as e:  # OptionError and NotAvailable are ValueErrors
+    except (ValueError, CapabilityError, launch.LaunchError) as e:  # OptionError, NotAvailable: ValueErrors
         print(f"commref {command}: error: {one_line(e)}", file=sys.stderr)
         return 2
     del args.command  # not one of the command's own flags (bench writes its flags to JSON)

@@ -130,6 +130,15 @@ def gin_engine() -> str:
     return check_gin_engine(os.environ.get(ENGINE_ENV, "").strip() or "auto")
 
 
+def requirements(options: GinOptions, signals_counters: int = 0) -> Requirements:
+    """What GIN connections with `options` need from a backend (`signals_counters`: how
+    many signals and counters the window holds; 0 checks the rest alone, before any rank
+    starts)."""
+    return Requirements(strong_signals_required=options.protocol == GinProtocol.STRONG, wire=options.wire.value,
+                        flush_orders_later_writes=options.protocol == GinProtocol.FLUSH_SIGNAL,
+                        signals_counters=signals_counters)
+
+
 def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps: int) -> GinPlan:
     """Collective: the GIN plan of this rank of `world` (see the module docstring)."""
     rank, nranks = world.rank, world.size
@@ -160,9 +169,7 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
         raise CapabilityError(f"rank {rank}: network 'shm' needs every GIN peer on this host")
     if network == Network.MPI and world.kind != "mpi":
         raise CapabilityError("network 'mpi' needs an MPI world (run under mpiexec)")
-    req = Requirements(strong_signals_required=options.protocol == GinProtocol.STRONG, wire=options.wire.value,
-                       flush_orders_later_writes=options.protocol == GinProtocol.FLUSH_SIGNAL,
-                       signals_counters=abi.gin_signals(max_channels, nsteps)[1] + options.counters)
+    req = requirements(options, abi.gin_signals(max_channels, nsteps)[1] + options.counters)
     backend = select_backend(req, options.backend.value)
     transport = semantics.Transport(
         options.wire.value, ordered=options.wire == Wire.ORDERED,
