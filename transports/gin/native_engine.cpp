@@ -181,11 +181,12 @@ class Engine {
     const uint64_t* peers = reinterpret_cast<const uint64_t*>(c.peerWindows);
     peers_.assign(peers, peers + c.nranks);
     ring_ = reinterpret_cast<GinDescriptor*>(c.queueBase);
-    consumed_ = reinterpret_cast<uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CONSUMED);
-    claimed_ = reinterpret_cast<const uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CLAIMED);
-    idle_ = reinterpret_cast<uint32_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_IDLE);
-    helperFn_ = reinterpret_cast<uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_HELP_FN);
-    helperCtx_ = reinterpret_cast<uint64_t*>(c.queueBase + c.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_HELP_CTX);
+    const uint64_t header = c.queueBase + c.capacity * sizeof(GinDescriptor);  // gin.h: the words after the ring
+    consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
+    claimed_ = reinterpret_cast<const uint64_t*>(header + COMMREF_GIN_QUEUE_CLAIMED);
+    idle_ = reinterpret_cast<uint32_t*>(header + COMMREF_GIN_QUEUE_IDLE);
+    helperFn_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_FN);
+    helperCtx_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_CTX);
     here_ = reinterpret_cast<char*>(c.windowBase);
     counters_ = here_ + c.countersOff;
     tracing_.store(c.trace != 0, std::memory_order_relaxed);
@@ -215,9 +216,9 @@ class Engine {
   int help() {
     if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
     if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return 0;  // nothing to take: no RMW
-    if (taking_.exchange(true, std::memory_order_acquire)) return 0;
+    if (!tryTake()) return 0;
     const int took = drain(64);  // a failure sets failed_: the engine thread ends
-    taking_.store(false, std::memory_order_release);
+    release();
     if (took <= 0) return 0;
     byKernels_.fetch_add((uint64_t)took, std::memory_order_relaxed);
     return took;
@@ -228,8 +229,8 @@ class Engine {
     stop_.store(true, std::memory_order_seq_cst);
     __atomic_store_n(helperFn_, 0, __ATOMIC_RELEASE);  // no new helper; wait out one inside drain()
     __atomic_store_n(helperCtx_, 0, __ATOMIC_RELAXED);
-    while (taking_.exchange(true, std::memory_order_acquire)) std::this_thread::yield();
-    taking_.store(false, std::memory_order_release);
+    take();
+    release();
     if (!thread_.joinable()) return 0;
     wake();
     const auto deadline = Clock::now() + std::chrono::duration<double>(timeoutS);
@@ -292,10 +293,10 @@ class Engine {
     const uint64_t spin = (uint64_t)cfg_.spinPolls, yields = spin + (uint64_t)cfg_.yieldPolls;
     while (!stop_.load(std::memory_order_acquire) && !failed_.load(std::memory_order_acquire)) {
       int took = 0, moved = 0;  // descriptors taken; messages received and sends completed (MPI)
-      if (!taking_.exchange(true, std::memory_order_acquire)) {
+      if (tryTake()) {
         took = drain(64);
         if (took >= 0) moved = network();
-        taking_.store(false, std::memory_order_release);
+        release();
       }
       if (took < 0 || moved < 0) break;
       if (took > 0 || moved > 0 || waitingForWire()) {
@@ -312,11 +313,20 @@ class Engine {
         sleepNs = sleepNs * 2 < cfg_.sleepMaxNs ? sleepNs * 2 : cfg_.sleepMaxNs;
       }
     }
-    while (taking_.exchange(true, std::memory_order_acquire)) std::this_thread::yield();  // a helper leaves first
+    take();  // a helper leaves first
     abandonLandings();
-    taking_.store(false, std::memory_order_release);
+    release();
     exited_.store(true, std::memory_order_release);
   }
+
+  // The taker's turn (taking_, below): try once, wait for it, give it back.
+  bool tryTake() { return !taking_.exchange(true, std::memory_order_acquire); }
+  void take() {
+    while (!tryTake()) std::this_thread::yield();
+  }
+  void release() { taking_.store(false, std::memory_order_release); }
+
+  static struct timespec timespecOf(uint64_t ns) { return {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)}; }
 
   static uint64_t nowNs() {
     return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -343,8 +353,7 @@ class Engine {
     if (!modeled_ || !published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return false;
     const uint64_t now = nowNs(), headDue = headDueNs_.load(std::memory_order_relaxed);
     if (headDue > now + 200000) {
-      const uint64_t ns = headDue - now - 100000;
-      struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+      const struct timespec ts = timespecOf(headDue - now - 100000);
       nanosleep(&ts, nullptr);
     } else if (headDue > now) {
       sched_yield();
@@ -361,7 +370,7 @@ class Engine {
     __atomic_store_n(idle_, 1u, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst)) {
-      struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+      const struct timespec ts = timespecOf(ns);
       syscall(SYS_futex, idle_, FUTEX_WAIT_PRIVATE, 1u, &ts, nullptr, 0);
     }
     __atomic_store_n(idle_, 0u, __ATOMIC_RELAXED);
