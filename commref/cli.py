@@ -34,6 +34,7 @@ from commref.transports import launch
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
 from commref.transports.errors import CapabilityError
 from commref.transports.gin.backends import select_backend
+from commref.transports.gin.native import kernels_help_enabled
 from commref.transports.gin.plan import gin_engine, requirements
 from commref.transports.world import NODES_ENV, MPIWorld, check_nodes, default_timeout
 
@@ -251,6 +252,7 @@ def validate(args) -> None:
     """Every check that needs no rank; ValueError (OptionError included) with one line."""
     default_timeout()  # COMMREF_TIMEOUT, which every rank's waits use
     gin_engine()  # COMMREF_GIN_ENGINE: auto, native or python (transports/gin/plan.py)
+    kernels_help_enabled()  # COMMREF_GIN_KERNELS_HELP: 0 or 1 (transports/gin/native.py)
     COMMANDS[args.command][1](args)
 
 

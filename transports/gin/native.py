@@ -209,7 +209,7 @@ class NativeProxy:
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
                  mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY,
-                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0, kernels_help: bool | None = None):
+                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0):
         why = supports(transport, network, observer)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
@@ -236,7 +236,7 @@ class NativeProxy:
             strongSignals=int(caps.strong_signals), vaSignals=int(caps.va_signals),
             strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,
             spinPolls=int(poll["spin_polls"]), yieldPolls=int(poll["yield_polls"]),
-            kernelsHelp=int(kernels_help_enabled() if kernels_help is None else kernels_help),
+            kernelsHelp=int(kernels_help_enabled()),
             sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity),
             windowBytes=int(window.local.nbytes), timeoutS=float(world.timeout), wireBytesPerS=float(wire_rate),
             wireLatencyNs=round(wire_latency * 1e9), backend=backend.name.encode()[:31])
