@@ -2,15 +2,17 @@
 
 An option's choices are an Enum whose values are the words users type (the API
 takes the word or the member, the command line offers the same words); bounded
-integers are checked by `bounded`. Both raise OptionError with one line that names
-the option, what it accepts and what it got, whoever asked: the Python API,
-`commref check` or `commref bench`.
+integers are checked by `bounded`, quantities with units ("12.5G", "5us") by
+`quantity`. All raise OptionError with one line that names the option, what it
+accepts and what it got, whoever asked: the Python API, `commref check` or
+`commref bench`.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import re
 from typing import TypeVar
 
 E = TypeVar("E", bound=enum.Enum)
@@ -68,3 +70,20 @@ def seconds(value, what: str = "timeout") -> float:
     if not s > 0 or math.isinf(s):
         raise OptionError(f"{what} must be a positive, finite number of seconds, got {value!r}")
     return s
+
+
+RATE_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}  # decimal, as GB/s in the benchmark
+TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z/]*)\s*")
+
+
+def quantity(value, what: str, units: dict[str, float], example: str) -> float:
+    """`value` (a number, or a number with one of `units`' suffixes) as a finite float >= 0."""
+    if isinstance(value, str):
+        m = _QUANTITY.fullmatch(value.lower())
+        unit = m.group(2).removesuffix("b/s").removesuffix("b") if m else None
+        if unit is not None and unit in units:
+            value = float(m.group(1)) * units[unit]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise OptionError(f"{what} must be a number >= 0 in {example}, not {value!r}")
+    return float(value)

@@ -3,11 +3,9 @@ under it, and how a connection publishes a slot. Validated once, here."""
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 
-from commref.transports.options import Choice, OptionError, bounded, choice
+from commref.transports.options import RATE_UNITS, TIME_UNITS, Choice, OptionError, bounded, choice, quantity
 
 
 class Path(Choice):
@@ -97,20 +95,3 @@ class GinOptions:
     def wire_modeled(self) -> bool:
         """Whether the wire model slows the wire down (wire_rate or wire_latency set)."""
         return self.wire_rate > 0 or self.wire_latency > 0
-
-
-RATE_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}  # decimal, as GB/s in the benchmark
-TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
-_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z/]*)\s*")
-
-
-def quantity(value, what: str, units: dict[str, float], example: str) -> float:
-    """`value` (a number, or a number with one of `units`' suffixes) as a finite float >= 0."""
-    if isinstance(value, str):
-        m = _QUANTITY.fullmatch(value.lower())
-        unit = m.group(2).removesuffix("b/s").removesuffix("b") if m else None
-        if unit is not None and unit in units:
-            value = float(m.group(1)) * units[unit]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise OptionError(f"{what} must be a number >= 0 in {example}, not {value!r}")
-    return float(value)
