@@ -173,6 +173,8 @@ class World(abc.ABC):
         host: host name (the machine: what shared memory and CUDA IPC can reach).
         node: node identity (node_of: the host, unless overridden or simulated); the
             ranks of one node are an LSA team.
+        members: each rank's rank in the world this one was split from (split);
+            ``range(size)`` for a world that is no split.
         kind: ``"mpi"`` or ``"thread"``.
         timeout: default deadline of every wait, in seconds.
         abort_word: ``uint64[1]``; nonzero means the job is aborting. Kept alive
@@ -204,6 +206,7 @@ class World(abc.ABC):
         self.node = host if node is None else node
         self.abort_word = abort_word
         self.timeout = default_timeout() if timeout is None else _check_timeout(timeout)
+        self.members: list[int] = list(range(size))
 
     # -- helpers -------------------------------------------------------------------
 
@@ -263,6 +266,27 @@ class World(abc.ABC):
     def check_aborted(self) -> None:
         """Raise CommAborted if the job is being torn down (see subclasses)."""
 
+    def split(self, color: int, what: str = "split") -> "World":
+        """Collective: the world of the ranks that pass the same `color` (an int), ranked
+        in this world's order (MPI_Comm_split with key = rank). Each rank keeps its node
+        identity, so a split's LSA teams are the parent's; the split shares the parent's
+        abort word and deadline, and `members` lists its ranks by their parent rank.
+        Every rank must call it; a rank that does not makes the others fail at the
+        deadline, naming it."""
+        colors = self.allgather(int(color), what=f"{what}: colors")
+        members = [r for r, c in enumerate(colors) if c == colors[self.rank]]
+        world = self._split(colors, members, what)
+        world.members = members
+        return world
+
+    @abc.abstractmethod
+    def _split(self, colors: list[int], members: list[int], what: str) -> "World":
+        """The split world of this rank (split() has gathered the colors)."""
+
+    def free(self) -> None:
+        """Releases what a split world holds of the parent's resources (idempotent);
+        the world must not be used afterwards."""
+
 
 # ======================================================================================
 # MPI
@@ -291,7 +315,10 @@ class MPIWorld(World):
 
     kind: ClassVar[str] = "mpi"
 
-    def __init__(self, comm: "_MPI.Comm | None" = None, *, timeout: float | None = None) -> None:
+    def __init__(self, comm: "_MPI.Comm | None" = None, *, timeout: float | None = None,
+                 node: str | None = None, abort_word: np.ndarray | None = None) -> None:
+        """`node` and `abort_word` (default: node_of and a fresh word) are a split's,
+        inherited from its parent."""
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -316,10 +343,11 @@ class MPIWorld(World):
             local_rank=local_rank,
             local_size=local_size,
             host=host,
-            abort_word=np.zeros(1, dtype=np.uint64),
+            abort_word=np.zeros(1, dtype=np.uint64) if abort_word is None else abort_word,
             timeout=timeout,
-            node=node_of(host, rank, size),
+            node=node_of(host, rank, size) if node is None else node,
         )
+        self._split_comm: "_MPI.Comm | None" = None  # the communicator split() made, freed by free()
 
     @staticmethod
     def launched_under_mpi() -> bool:
@@ -361,6 +389,19 @@ class MPIWorld(World):
 
     def check_aborted(self) -> None:
         return None
+
+    def _split(self, colors: list[int], members: list[int], what: str) -> "MPIWorld":
+        # Every rank is known present (split's allgather), so MPI_Comm_split returns.
+        sub = self._comm.Split(colors[self.rank], self.rank)
+        world = MPIWorld(sub, timeout=self.timeout, node=self.node, abort_word=self.abort_word)
+        world._split_comm = sub
+        return world
+
+    def free(self) -> None:
+        if self._split_comm is not None:
+            self._comm.Free()
+            self._split_comm.Free()
+            self._split_comm = None
 
     def _sync(self, op: int, root: int, what: str, seconds: float) -> None:
         """Deadline-bounded all-to-all token exchange (the barrier)."""
@@ -431,11 +472,12 @@ class MPIWorld(World):
 class _ThreadGroup:
     """State shared by the ranks of one ThreadWorld group (guarded by ``cond``)."""
 
-    def __init__(self, size: int, timeout: float) -> None:
+    def __init__(self, size: int, timeout: float, abort_word: np.ndarray | None = None) -> None:
         self.size = size
         self.timeout = timeout
         self.host = socket.gethostname()
-        self.abort_word = np.zeros(1, dtype=np.uint64)
+        # A split's group shares its parent's word: a failure anywhere stops both.
+        self.abort_word = np.zeros(1, dtype=np.uint64) if abort_word is None else abort_word
         self.cond = threading.Condition()
         # Barrier state for the generation in progress.
         self.generation = 0
@@ -592,8 +634,8 @@ class ThreadWorld(World):
 
     kind: ClassVar[str] = "thread"
 
-    def __init__(self, group: _ThreadGroup, rank: int) -> None:
-        """Internal: use :meth:`run` or :meth:`single`."""
+    def __init__(self, group: _ThreadGroup, rank: int, node: str | None = None) -> None:
+        """Internal: use :meth:`run` or :meth:`single` (`node`: a split's, its parent's)."""
         super().__init__(
             rank=rank,
             size=group.size,
@@ -602,7 +644,7 @@ class ThreadWorld(World):
             host=group.host,
             abort_word=group.abort_word,
             timeout=group.timeout,
-            node=node_of(group.host, rank, group.size),
+            node=node_of(group.host, rank, group.size) if node is None else node,
         )
         self._group = group
 
@@ -710,6 +752,12 @@ class ThreadWorld(World):
         """Raise CommAborted if the group was marked failed or the abort word is set."""
         if self._group.failed:
             raise self._group.aborted_error(self.rank, "check_aborted")
+
+    def _split(self, colors: list[int], members: list[int], what: str) -> "ThreadWorld":
+        # The first rank of each color makes its group; a second exchange hands it out.
+        mine = _ThreadGroup(len(members), self.timeout, self.abort_word) if members[0] == self.rank else None
+        groups = self.allgather(mine, what=f"{what}: groups")
+        return ThreadWorld(groups[members[0]], members.index(self.rank), node=self.node)
 
 
 def world_from_env(timeout: float | None = None) -> World:
