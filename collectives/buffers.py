@@ -26,6 +26,7 @@ class Buffer:
     """A validated user buffer: where it is, what it holds."""
 
     obj: object
+    array: object  # obj as a numpy or CuPy array
     address: int
     count: int
     dtype: np.dtype
@@ -69,7 +70,7 @@ class BufferChecker:
             raise ValueError(f"rank {self.rank}: {name} is read-only")
         if address % dt.itemsize and arr.size:
             raise ValueError(f"rank {self.rank}: {name} is not aligned to its element size {dt.itemsize}")
-        return Buffer(obj, address, arr.size, dt, arr.nbytes, writeable)
+        return Buffer(obj, arr, address, arr.size, dt, arr.nbytes, writeable)
 
     def root(self, root) -> int:
         if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.nranks:

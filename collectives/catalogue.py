@@ -22,6 +22,8 @@ from typing import Any, Callable, Mapping
 
 from commref.device_kernels import abi
 
+from .hierarchical import HIERARCHICAL
+
 SEND, RECV = "sendbuf", "recvbuf"
 
 
@@ -39,10 +41,12 @@ class Collective:
     # (copy bytes, add bytes) one rank must at least move for a call whose larger buffer
     # is `size` bytes, out of place or in place (bench/bound.py).
     bound_bytes: Callable[[int, int, bool], tuple[int, int]]
+    # Algorithms made of other calls rather than one kernel: "hierarchical" (hierarchical.py).
+    composed: tuple[str, ...] = ()
 
     @property
     def algorithms(self) -> tuple[str, ...]:
-        return tuple(self.kernels)
+        return tuple(self.kernels) + self.composed
 
     def counts(self, count: int, nranks: int) -> tuple[int, int]:
         """(sendbuf, recvbuf) elements of a call of NCCL count `count`."""
@@ -130,7 +134,7 @@ CATALOGUE: dict[str, Collective] = {c.name: c for c in (
         kernels={"ring": "commref_ring_allreduce", "tree": "commref_tree_allreduce",
                  "direct": "commref_direct_allreduce"},
         scaled=None, root_only=None, peer_accessed=(SEND, RECV),
-        bus_factor=lambda n: 2 * (n - 1) / n, bound_bytes=_reduce_bound),
+        bus_factor=lambda n: 2 * (n - 1) / n, bound_bytes=_reduce_bound, composed=(HIERARCHICAL,)),
     Collective(
         "allgather", "all_gather", reducing=False, rooted=False,
         kernels={"ring": "commref_ring_allgather", "direct": "commref_direct_allgather"},
@@ -138,14 +142,15 @@ CATALOGUE: dict[str, Collective] = {c.name: c for c in (
         bus_factor=lambda n: (n - 1) / n,
         # Land the n - 1 other ranks' shards in this rank's recvbuf, and out of place
         # this rank's own shard too.
-        bound_bytes=lambda size, n, in_place=False: (((n - 1) * size // n if in_place else size), 0)),
+        bound_bytes=lambda size, n, in_place=False: (((n - 1) * size // n if in_place else size), 0),
+        composed=(HIERARCHICAL,)),
     Collective(
         "reduce_scatter", "reduce_scatter", reducing=True, rooted=False,
         kernels={"ring": "commref_ring_reduce_scatter", "direct": "commref_direct_reduce_scatter"},
         scaled=SEND, root_only=None, peer_accessed=(SEND,),
         bus_factor=lambda n: (n - 1) / n,
         # Reduce this rank's 1/n shard from the n inputs.
-        bound_bytes=lambda size, n, in_place=False: (0, (n - 1) * size // n)),
+        bound_bytes=lambda size, n, in_place=False: (0, (n - 1) * size // n), composed=(HIERARCHICAL,)),
     Collective(
         "broadcast", "broadcast", reducing=False, rooted=True,
         kernels={"ring": "commref_ring_broadcast"},
@@ -162,7 +167,7 @@ CATALOGUE: dict[str, Collective] = {c.name: c for c in (
         bound_bytes=_reduce_bound),
 )}
 NAMES = tuple(CATALOGUE)
-ALGORITHMS = tuple(abi.ALGORITHM_CODES)
+ALGORITHMS = tuple(abi.ALGORITHM_CODES) + (HIERARCHICAL,)
 
 
 def _key(name: str) -> str:
@@ -186,4 +191,4 @@ def get(name: str) -> Collective:
 
 def with_algorithm(algorithm: str) -> tuple[str, ...]:
     """The collectives that implement `algorithm`."""
-    return tuple(c.name for c in CATALOGUE.values() if algorithm in c.kernels)
+    return tuple(c.name for c in CATALOGUE.values() if algorithm in c.algorithms)

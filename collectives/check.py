@@ -15,10 +15,13 @@ from .verify import DTYPES, OPS
 DEFAULT_COUNTS = (0, 1, 7, 1001)
 
 
-def algorithms_for(coll: str, direct: bool = True) -> tuple[str, ...]:
+def algorithms_for(coll: str, direct: bool = True, hierarchical: bool = False) -> tuple[str, ...]:
     """The algorithms implemented for `coll`; without `direct`, not the direct kernels
-    (their cases need symmetric buffers and every peer over LSA)."""
-    return tuple(a for a in catalogue.get(coll).algorithms if direct or a != "direct")
+    (their cases need symmetric buffers and every peer over LSA); without
+    `hierarchical`, not the hierarchical algorithm (it needs several nodes of
+    several ranks each)."""
+    return tuple(a for a in catalogue.get(coll).algorithms
+                 if (direct or a != "direct") and (hierarchical or a != "hierarchical"))
 
 
 @dataclass(frozen=True)
@@ -35,14 +38,15 @@ class Case:
 
 
 def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True),
-          direct: bool = True, denormals: bool = True):
+          direct: bool = True, denormals: bool = True, hierarchical: bool = False):
     """Every case of the sweep, in a fixed order (all ranks enumerate the same list).
-    `direct`: include the direct kernels (a communicator whose peers are all LSA).
+    `direct`: include the direct kernels (a communicator whose peers are all LSA);
+    `hierarchical`: include the hierarchical algorithm (several nodes of several ranks).
     `denormals`: after the cases of each count, one out of place on denormal inputs
     where the dtype and op have them (verify.has_denormal_case)."""
     out = []
     for coll in collectives:
-        for algo in algorithms_for(coll, direct):
+        for algo in algorithms_for(coll, direct, hierarchical):
             if algorithms and algo not in algorithms:
                 continue
             for di, dtype in enumerate(dtypes):
@@ -118,10 +122,11 @@ def summary_rows(case_list, wrong):
 
 def format_table(rows, nranks: int, device: str) -> str:
     cols = list(OPS) + ["copy"]
-    head = f"{'collective':<15}{'algo':<8}{'dtype':<18}" + "".join(f"{c:>9}" for c in cols)
+    width = max([8] + [len(algo) + 1 for _, algo, _, _ in rows])
+    head = f"{'collective':<15}{'algo':<{width}}{'dtype':<18}" + "".join(f"{c:>9}" for c in cols)
     lines = [f"# commref check: {nranks} ranks, device {device}; wrong elements per collective x dtype x op",
              head, "-" * len(head)]
     for coll, algo, dtype, cells in rows:
         vals = "".join(f"{(str(cells[c][1]) if c in cells else '-'):>9}" for c in cols)
-        lines.append(f"{coll:<15}{algo:<8}{dtype:<18}{vals}")
+        lines.append(f"{coll:<15}{algo:<{width}}{dtype:<18}{vals}")
     return "\n".join(lines)

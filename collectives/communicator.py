@@ -36,6 +36,7 @@ from commref.transports.windows import rank_nodes, register_window
 
 from . import catalogue, topology, tuner
 from .buffers import BufferChecker
+from .hierarchical import HIERARCHICAL, Hierarchy, NodeShape, node_shape
 from .launch import CallPlan, HostWords, LaunchRecord, address_of, plan_fields
 from .options import CommOptions, resolve_device
 from .symmetric import SymmetricWindows, describe_unmapped
@@ -49,7 +50,7 @@ class Communicator:
     """Collectives among the ranks of `world` on `device` ("auto", "cpu" or "cuda").
 
     Options (collectives/options.py, CommOptions; as keywords or `options=`):
-    `algorithm` ("auto", "ring", "tree", "direct"), `max_channels` (blocks per launch;
+    `algorithm` ("auto", "ring", "tree", "direct", "hierarchical"), `max_channels` (blocks per launch;
     also sizes the window), `slot_bytes` and `nsteps` (FIFO geometry), `threads` per
     block, `timeout` seconds for every wait (default: world.timeout), `device_id`,
     `stream_stores` ("auto", "on", "off": on the CPU, whether what another core reads
@@ -67,6 +68,12 @@ class Communicator:
     (catalogue.Collective.peer_accessed) and every peer is over LSA: each byte is read
     once where its owner left it and stored where it must land, instead of being
     copied twice through a FIFO.
+
+    Several nodes (hierarchical.py): with N nodes of L consecutive ranks each (L >= 2),
+    AllReduce, ReduceScatter and AllGather also run "hierarchical": inside each node
+    over LSA, across nodes over GIN, on two child communicators that the first such
+    call (or alloc_symmetric) builds collectively. alloc_symmetric then allocates in
+    the node's windows, so the intra-node phases run direct kernels on its arrays.
     """
 
     def __init__(self, world, device: str = "auto", *, options: CommOptions | None = None, **kwargs):
@@ -131,6 +138,8 @@ class Communicator:
         self.gin.fill_args(a["gin"], self.max_channels, self.nsteps, self._gin_region)
         nodes = rank_nodes(world)  # collective: every rank builds the same rings and trees
         a["peers"] = topology.channel_peers(self.rank, nodes, self.max_channels)
+        self.node_shape = node_shape(nodes, self.rank)  # NodeShape, or why "hierarchical" cannot run
+        self._hierarchy: Hierarchy | None = None  # built by the first call that needs it
         self._ring_ranks = self._device_table(topology.ring_ranks(nodes, self.max_channels))
         a["ringRanks"] = address_of(self._ring_ranks)
         self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window)
@@ -220,7 +229,11 @@ class Communicator:
         window (NCCL's ncclMemAlloc + ncclCommWindowRegister with
         NCCL_WIN_COLL_SYMMETRIC): every rank must call it with the same size, in the
         same order, and every peer maps it. numpy on the CPU, CuPy on a GPU; peers map
-        it until free_symmetric() or close()."""
+        it until free_symmetric() or close(). On a communicator of several nodes that can
+        run "hierarchical", the array lives in the intra-node child's windows: every
+        rank of this rank's node maps it (no peer on another node could)."""
+        if isinstance(self.node_shape, NodeShape):
+            return self.hierarchy().intra.alloc_symmetric(count, dtype)
         return self._symmetric.alloc(count, dtype)
 
     def free_symmetric(self, array) -> None:
@@ -231,13 +244,20 @@ class Communicator:
         array no longer counts as symmetric. On the CPU the array stays valid memory
         for as long as it is referenced; on a GPU the memory is freed and the array must
         not be used again."""
+        if self._hierarchy is not None:
+            self._hierarchy.intra.free_symmetric(array)
+            return
         address = self._check.buffer(array, "array").address
         self.synchronize()
         self._symmetric.free(address)
 
     # ---- launch ----
 
-    def _collective(self, coll: str, sendbuf, recvbuf, op, root, stream, algorithm) -> None:
+    def _collective(self, coll: str, sendbuf, recvbuf, op, root, stream, algorithm,
+                    avg_divisor: int | None = None, flat: bool = False) -> None:
+        """One call. `avg_divisor` (op avg): divide by this instead of nranks (a
+        hierarchical phase divides by the whole job's ranks); `flat`: never the
+        hierarchical algorithm (its own tail)."""
         spec = catalogue.CATALOGUE[coll]
         if spec.rooted:
             root = self._check.root(root)
@@ -248,10 +268,14 @@ class Communicator:
         sym = None
         if self._symmetric.windows and self._direct_possible and "direct" in spec.kernels:
             sym = self._symmetric.direct(spec, s, r)
-        key = (coll, algorithm or self.algorithm, count, s.dtype, op, root, sym is not None)
+        key = (coll, algorithm or self.algorithm, count, s.dtype, op, root, sym is not None, avg_divisor, flat)
         plan = self._calls.get(key)
         if plan is None:
-            plan = self._calls[key] = self._plan_call(spec, key[1], s.dtype, count, op, root, sym is not None)
+            plan = self._calls[key] = self._plan_call(spec, key[1], s.dtype, count, op, root, sym is not None,
+                                                      avg_divisor, flat)
+        if plan.hierarchical:
+            self._run_hierarchical(spec, s, r, op, stream)
+            return
         record = self._record
         if plan.direct:
             record.set_symmetric(sym)
@@ -271,6 +295,39 @@ class Communicator:
             raise self.proxy.error
         if status:
             raise self._failure()
+
+    def hierarchy(self) -> Hierarchy:
+        """Collective on first use: the intra- and inter-node child communicators (split
+        worlds; this communicator's options, the algorithm left to their tuners)."""
+        if self._hierarchy is None:
+            shape = self.node_shape
+            options = self.options.replace(algorithm="auto", max_channels=self.max_channels, nsteps=self.nsteps,
+                                           threads=self.threads, timeout=self.timeout, device_id=self.device_id)
+            intra = inter = None
+            try:
+                intra = Communicator(self.world.split(shape.node, what="hierarchical: the node's ranks"),
+                                     options=options)
+                inter = Communicator(self.world.split(shape.local, what="hierarchical: one rank per node"),
+                                     options=options)
+            except BaseException:
+                for child in (inter, intra):
+                    if child is not None:
+                        child.close()
+                raise
+            self._hierarchy = Hierarchy(shape, intra, inter, self.nranks)
+        return self._hierarchy
+
+    def _run_hierarchical(self, spec: catalogue.Collective, s, r, op, stream) -> None:
+        h = self.hierarchy()
+        send, recv = s.array.reshape(-1), r.array.reshape(-1)
+        xp = np if self.device == "cpu" else self._cupy
+        if spec.name == "allreduce":
+            h.allreduce(send, recv, op, stream,
+                        lambda a, b: self._collective("allreduce", a, b, op, 0, stream, "auto", flat=True))
+        elif spec.name == "reduce_scatter":
+            h.reduce_scatter(send, recv, op, stream, xp)
+        else:
+            h.allgather(send, recv, stream, xp)
 
     def _launch_gpu(self, plan: CallPlan, send: int, recv: int, stream) -> int:
         """Enqueues the call on the communicator's stream, joined to the caller's
@@ -318,7 +375,7 @@ class Communicator:
         self._resident.add(key)
 
     def _plan_call(self, spec: catalogue.Collective, algorithm: str, dtype: np.dtype, count: int, op, root: int,
-                   symmetric: bool) -> CallPlan:
+                   symmetric: bool, avg_divisor: int | None = None, flat: bool = False) -> CallPlan:
         """Everything about a call that depends only on its signature (cached per signature)."""
         dname = dtype_name(dtype)
         if not spec.reducing:
@@ -328,11 +385,16 @@ class Communicator:
         else:
             op_code = OPS[op]
         nbytes = max(spec.counts(count, self.nranks)) * dtype.itemsize
+        shape = None if flat else self.node_shape
         try:
-            plan = tuner.plan(spec.name, algorithm, nbytes, self.nranks, self.device, self.max_channels, symmetric)
+            plan = tuner.plan(spec.name, algorithm, nbytes, self.nranks, self.device, self.max_channels, symmetric,
+                              shape)
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {e}") from None
-        fields32 = plan_fields(root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize)
+        if plan.algorithm == HIERARCHICAL:
+            return CallPlan(HIERARCHICAL, 0, None, None, 0, count, False, hierarchical=True)
+        divisor = (avg_divisor or self.nranks) if op == "avg" else 0
+        fields32 = plan_fields(root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize, divisor)
         desc = abi.pack_call(spec.name, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
         kernel, kspec = spec.kernels[plan.algorithm], self.kernel_spec(spec.name, dname, op)
         if self.device == "cuda":
@@ -411,6 +473,12 @@ class Communicator:
             return
         self._closed = True
         gpu, errors = self.device == "cuda", []
+        hierarchy = getattr(self, "_hierarchy", None)
+        if hierarchy is not None:  # its children first: collective, like the rest of close
+            try:
+                hierarchy.close()
+            except Exception as e:
+                errors.append(e)
         kernels_done = self._wait_quietly(errors) if gpu else True
         proxy = getattr(self, "proxy", None)
         if proxy is not None:

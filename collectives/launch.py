@@ -21,7 +21,7 @@ from commref.transports.errors import CommAborted, CommMismatch, CommTimeout, fo
 from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_device_pointer
 
 # The int32 fields a call sets, consecutive in CollArgs (checked below).
-_INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "streamStores")
+_INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "avgDivisor", "streamStores")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class CallPlan:
     desc: int
     count: int  # CollArgs.count (catalogue.Collective.kernel_count)
     direct: bool  # a direct kernel: the symmetric buffer fields are read
+    hierarchical: bool = False  # no kernel of this communicator: its hierarchy's calls (hierarchical.py)
 
 
 class LaunchRecord:
@@ -69,8 +70,9 @@ class LaunchRecord:
         self._u64[self._sym : self._sym + 4] = sym
 
 
-def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsize: int) -> np.ndarray:
-    return np.array([root, dtype_code, op_code, nchannels, itemsize, 0], np.int32)
+def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsize: int,
+                avg_divisor: int) -> np.ndarray:
+    return np.array([root, dtype_code, op_code, nchannels, itemsize, avg_divisor, 0], np.int32)
 
 
 # CUDA runtime codes used here (the flags: transports/host_memory.py).

@@ -34,6 +34,7 @@ class Algorithm(Choice):
     RING = "ring"
     TREE = "tree"
     DIRECT = "direct"
+    HIERARCHICAL = "hierarchical"
 
 
 class StreamStores(Choice):

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from . import catalogue
+from .hierarchical import HIERARCHICAL, NodeShape
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,22 @@ TREE_MAX_BYTES = 64 * 1024
 # symmetric: below, its handshake and barriers cost more than the ring's few steps
 # (the measured crossover: docs/performance.md, "Tuner settings").
 DIRECT_MIN_BYTES = 16 * 1024
+# The size from which "auto" takes the hierarchical algorithm (hierarchical.py) on a job of
+# several nodes of several ranks: below, its three launches cost more than the GIN hops
+# it saves (the measured crossover: docs/performance.md, "Tuner settings").
+HIERARCHICAL_MIN_BYTES = 1024 * 1024
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024
 
 
 def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int,
-         symmetric: bool = False) -> Plan:
+         symmetric: bool = False, nodes: NodeShape | str | None = None) -> Plan:
     """Algorithm and channel count for one call. `nbytes` is the size of the full
     (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
-    that the direct kernels can run (symmetric buffers, every peer over LSA)."""
+    that the direct kernels can run (symmetric buffers, every peer over LSA); `nodes`
+    is the job's NodeShape where the hierarchical algorithm can run, else why not
+    (hierarchical.node_shape) or None. A hierarchical plan has no channels: its
+    children plan their own calls."""
     spec = catalogue.get(coll)
     if algorithm != "auto" and algorithm not in spec.algorithms:
         raise ValueError(f"algorithm {algorithm!r} is implemented for "
@@ -71,6 +79,14 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     if algorithm == "direct" and not symmetric:
         raise ValueError(f"algorithm 'direct' needs buffers from Communicator.alloc_symmetric ({coll}: "
                          f"{' and '.join(spec.peer_accessed)}) and every peer over LSA")
+    if algorithm == HIERARCHICAL and not isinstance(nodes, NodeShape):
+        raise ValueError(f"algorithm 'hierarchical' cannot run on this communicator: "
+                         f"{nodes or 'it needs ranks on several nodes'}")
+    if algorithm == "auto" and isinstance(nodes, NodeShape) and HIERARCHICAL in spec.algorithms \
+            and nbytes >= HIERARCHICAL_MIN_BYTES:
+        algorithm = HIERARCHICAL
+    if algorithm == HIERARCHICAL:
+        return Plan(HIERARCHICAL, 0)
     if algorithm == "auto" and symmetric and "direct" in spec.algorithms and nbytes >= DIRECT_MIN_BYTES:
         algorithm = "direct"
     if algorithm == "auto":

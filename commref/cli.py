@@ -28,6 +28,7 @@ import time
 from commref.bench import harness
 from commref.collectives import catalogue
 from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.hierarchical import HIERARCHICAL, NodeShape, node_shape
 from commref.collectives.options import CommOptions, Device
 from commref.collectives.verify import DTYPES, OPS
 from commref.transports import launch
@@ -121,6 +122,14 @@ def validate_check(args) -> None:
         select_backend(requirements(options.gin), options.gin.backend.value)
     if args.nodes is not None and not MPIWorld.launched_under_mpi():  # under mpiexec: the world checks it
         check_nodes(args.nodes, args.np or 1)
+        if args.nodes > 1 and options.gin.path == Path.LSA:
+            raise ValueError(f"--path lsa needs every rank on one node, not {args.nodes} nodes: use --path auto "
+                             f"(LSA inside a node, GIN between nodes) or --path gin")
+    if HIERARCHICAL in args.algorithm and not MPIWorld.launched_under_mpi():
+        np_, nodes = args.np or 1, args.nodes or 1
+        shape = node_shape([r * nodes // np_ for r in range(np_)], 0)
+        if not isinstance(shape, NodeShape):
+            raise ValueError(f"--algorithm hierarchical with --np {np_} and --nodes {nodes}: {shape}")
 
 
 def run_check(args) -> int:
@@ -135,8 +144,11 @@ def run_check(args) -> int:
     with Communicator(world, args.device, **check_options(args)) as comm:
         colls = list(dict.fromkeys(args.collectives)) or list(COLLECTIVES)
         direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
+        hierarchical = isinstance(comm.node_shape, NodeShape)
+        if HIERARCHICAL in args.algorithm and not hierarchical:
+            raise ValueError(f"--algorithm hierarchical cannot run on this job: {comm.node_shape}")
         case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
-                                direct=direct)
+                                direct=direct, hierarchical=hierarchical)
         t0 = time.perf_counter()
         wrong = check.run_sweep(comm, case_list)
         elapsed = time.perf_counter() - t0

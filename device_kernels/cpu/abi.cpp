@@ -50,8 +50,8 @@ namespace {
   F(CollArgs, sendbuf) F(CollArgs, recvbuf) F(CollArgs, count) F(CollArgs, peerWindows) F(CollArgs, ringRanks)  \
   F(CollArgs, errorRecord) F(CollArgs, abortFlag) F(CollArgs, callDesc) F(CollArgs, timeoutNs)                  \
   F(CollArgs, layout) F(CollArgs, rank) F(CollArgs, nranks) F(CollArgs, root) F(CollArgs, dtype)                \
-  F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, streamStores) F(CollArgs, gin)       \
-  F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)                                                  \
+  F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, avgDivisor) F(CollArgs, streamStores) \
+  F(CollArgs, pad) F(CollArgs, gin) F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)               \
   F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)
 
 struct Field {

@@ -64,7 +64,7 @@ static __device__ void directReduceScatter(const CollArgs& a) {
   directEnter<T, Op>(a, env);
   const T* in[COMMREF_DIRECT_MAX_RANKS];
   for (int k = 0; k < n; k++) in[k] = (const T*)symPeer(a.symSend, (r + k) % n) + (uint64_t)r * a.count + s.begin;
-  foldInto<T, Op>(in, n, (T*)a.recvbuf + s.begin, s.end - s.begin, a.op == kAvg ? n : 0);
+  foldInto<T, Op>(in, n, (T*)a.recvbuf + s.begin, s.end - s.begin, a.avgDivisor);
   lsaBarrier(a, c, env, false);
 }
 
@@ -103,7 +103,7 @@ static __device__ void directAllReduce(const CollArgs& a) {
     in[k] = (const T*)symPeer(a.symSend, j) + mine + s.begin;
     out[k] = (T*)symPeer(a.symRecv, j) + mine + s.begin;
   }
-  foldToAll<T, Op>(in, n, out, n, s.end - s.begin, a.op == kAvg ? n : 0, userStreamMin(a.streamStores));
+  foldToAll<T, Op>(in, n, out, n, s.end - s.begin, a.avgDivisor, userStreamMin(a.streamStores));
   lsaBarrier(a, c, env, false);
 }
 

@@ -141,7 +141,10 @@ struct CollArgs {
   int64_t timeoutNs;          // deadline of every wait
   WindowLayout layout;
   int32_t rank, nranks, root, dtype, op, nchannels, elemSize;
+  int32_t avgDivisor;         // what the rank that finishes a reduction divides it by: nranks for op
+                              //    avg, 0 for none; a hierarchical phase's final step: the whole job's ranks
   int32_t streamStores;       // CPU: 1 = stream what another agent reads next past the cache (move.h)
+  int32_t pad;
   GinArgs gin;
   SymBuffer symSend, symRecv;  // direct kernels only
   ChannelPeers peers[COMMREF_MAX_CHANNELS];

@@ -123,7 +123,7 @@ class Prims {
     // Outputs from `handoff` on are streamed (see the top of this file).
     const int handoff = dst && !(streamReceived_ && !src) ? 1 : 0;
     if (nin > 0 && nout > 0)
-      reduceCopy<T, Op>(in, nin, out, nout, n, last && a.op == kAvg ? a.nranks : 0, handoff,
+      reduceCopy<T, Op>(in, nin, out, nout, n, last ? a.avgDivisor : 0, handoff,
                         handoffStreamMin(a.streamStores));
     __syncthreads();
     if (threadIdx.x == 0) {
