@@ -237,8 +237,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the GIN wire model: bytes/s of each rank's wire, e.g. 12.5G (comma-separated; 0: unlimited)")
     c.add_argument("--wire-latency", type=option_type("wire_latency", many=True), default=None,
                    help="the GIN wire model: seconds from send to effect, e.g. 5us (comma-separated)")
-    c.add_argument("--algorithm", default="auto", type=option_type("algorithm"), choices=Algorithm.words(),
-                   help="auto picks direct for symmetric buffers (-R 2), else ring or tree (default auto)")
+    c.add_argument("--algorithm", default=["auto"], type=option_type("algorithm", many=True),
+                   help=f"{', '.join(Algorithm.words())}: auto picks direct for symmetric buffers (-R 2), hierarchical "
+                        "from 1 MiB on several nodes, else ring or tree; comma-separated values are measured side by "
+                        "side (default auto)")
     c.add_argument("--stream-stores", type=option_type("stream_stores", many=True), default=None,
                    help=f"CPU: store what another core reads next past the cache: {', '.join(StreamStores.words())} "
                         "(auto measures both, the default); comma-separated values are measured side by side")
@@ -283,12 +285,19 @@ class Series:
     wire_latency: str | None = None
     register: int = 0  # -R: 0 plain buffers, 2 symmetric
     stores: str | None = None  # --stream-stores (None: Communicator's default, auto)
+    algorithm: str = "auto"
+    # Whose ranks run it: "job" (every rank), or with several nodes "intra-node" (each
+    # node's ranks, over LSA) or "inter-node" (one rank per node, over GIN), the
+    # hierarchical algorithm's two child communicators, all teams at once.
+    team: str = "job"
 
     @property
     def label(self) -> str:
         parts = [self.path] + [f"{k.removeprefix('wire_')}-{v}" if k in MODEL_FLAGS else str(v)
                                for k, v in self.gin_options().items()]
-        return "/".join(parts + (["sym"] if self.register == 2 else [])
+        return "/".join(([self.team] if self.team != "job" else []) + parts
+                        + ([self.algorithm] if self.algorithm != "auto" else [])
+                        + (["sym"] if self.register == 2 else [])
                         + ([f"stores-{self.stores}"] if self.stores else []))
 
     def gin_options(self) -> dict:
@@ -305,17 +314,37 @@ def series_of(args) -> list[Series]:
     """Every configuration the flags ask for. LSA takes no GIN options; gin and auto
     are crossed with every backend, wire, network and protocol given."""
     out = []
-    for register, stores in itertools.product(getattr(args, "local_register", None) or [0],
-                                              getattr(args, "stream_stores", None) or [None]):
+    for register, stores, algorithm in itertools.product(getattr(args, "local_register", None) or [0],
+                                                         getattr(args, "stream_stores", None) or [None],
+                                                         _algorithms(args)):
         for path in args.path:
             if path == "lsa":
-                out.append(Series("lsa", register=register, stores=stores))
+                out.append(Series("lsa", register=register, stores=stores, algorithm=algorithm))
                 continue
             for combo in itertools.product(*[getattr(args, k, None) or [None] for k in GIN_FLAGS]):
-                out.append(Series(path, *combo, register=register, stores=stores))
+                out.append(Series(path, *combo, register=register, stores=stores, algorithm=algorithm))
     if any(getattr(args, k, None) for k in GIN_FLAGS) and all(s.path == "lsa" for s in out):
         raise NotAvailable(f"{', '.join(GIN_FLAGS.values())} choose GIN transports; add --path gin (or auto)")
     return list(dict.fromkeys(out))
+
+
+def _algorithms(args) -> list[str]:
+    value = getattr(args, "algorithm", None) or ["auto"]
+    return [value] if isinstance(value, str) else list(value)
+
+
+def team_series(series: Series, comm) -> list[tuple[Series, Any]]:
+    """With several nodes that can run the hierarchical algorithm: the intra-node and
+    inter-node rows beside `series` (the first on a path that crosses nodes), run on
+    its communicator's two child communicators; else none."""
+    from commref.collectives.hierarchical import NodeShape
+
+    if series.path == "lsa" or not isinstance(getattr(comm, "node_shape", None), NodeShape):
+        return []
+    h = comm.hierarchy()
+    base = dataclasses.replace(series, algorithm="auto")
+    return [(dataclasses.replace(base, team="intra-node"), h.intra), (dataclasses.replace(base, team="inter-node"),
+                                                                       h.inter)]
 
 
 def communicator_kwargs(args, series: Series) -> dict:
@@ -324,7 +353,7 @@ def communicator_kwargs(args, series: Series) -> dict:
     so a path works here as soon as Communicator offers it)."""
     from commref.collectives.communicator import Communicator
 
-    kw: dict[str, Any] = {"algorithm": args.algorithm, "max_channels": args.channels,
+    kw: dict[str, Any] = {"algorithm": series.algorithm, "max_channels": args.channels,
                           "slot_bytes": args.slot_bytes, "threads": args.threads}
     if series.stores:
         kw["stream_stores"] = series.stores
@@ -423,9 +452,11 @@ def time_calls(world, call: Callable[[], None], sync: Callable[[], None], iters:
 
 
 def measure(ctx: Ctx, runner, label: str, x, expected, counts, in_place: bool) -> dict:
-    """One rank's times and wrong elements for one variant of one size."""
+    """One rank's times and wrong elements for one variant of one size (on the
+    runner's ranks: the job's, or a team's)."""
     args, plugin, w = ctx.args, ctx.plugin, ctx.world
-    b = plugin.buffers(ctx.memory_of(label), x, counts, w.rank, w.size, args.root, in_place)
+    rank, n = _team(runner, w)
+    b = plugin.buffers(ctx.memory_of(label), x, counts, rank, n, args.root, in_place)
     op = args.op if plugin.reducing else None
     check = bool(args.check)
     times = time_calls(w, lambda: plugin.run(runner, b, op, args.root), runner.synchronize, args.iters,
@@ -448,6 +479,12 @@ def _result(times_per_rank: list[list[float]], nbytes: int, factor: float, wrong
     return out
 
 
+def _team(runner, world) -> tuple[int, int]:
+    """(rank, ranks) of the ranks a runner calls among: a communicator's own (a team's
+    child communicator has fewer), else the world's (baselines)."""
+    return getattr(runner, "rank", world.rank), getattr(runner, "nranks", world.size)
+
+
 def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMeter | None,
           emit: Callable[[list[dict]], None] | None = None, progress: Callable[[int, int, int], None] | None = None
           ) -> list[dict]:
@@ -466,9 +503,16 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
         x = plugin.input(counts, ctx.dtype, op, args.seed, w.rank, n)
         expected = plugin.expected(counts, ctx.dtype, op, args.seed, w.rank, n, args.root) if args.check else None
         mine: dict[str, Any] = {}
+        data = {(w.rank, n): (counts, x, expected)}  # a team's own counts, input and expected output
         for s, comm in runners:
+            team = _team(comm, w)
+            if team not in data:
+                tc = plugin.counts(size, itemsize, team[1])
+                data[team] = (tc, plugin.input(tc, ctx.dtype, op, args.seed, *team),
+                              plugin.expected(tc, ctx.dtype, op, args.seed, *team, args.root) if args.check else None)
+            tc, tx, texp = data[team]
             for in_place in (False, True):
-                mine[f"{s.label}|{int(in_place)}"] = measure(ctx, comm, s.label, x, expected, counts, in_place)
+                mine[f"{s.label}|{int(in_place)}"] = measure(ctx, comm, s.label, tx, texp, tc, in_place)
         if baseline is not None:
             b = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, n, args.root, False)
             mine["baseline"] = time_calls(w, lambda: plugin.run(baseline, b, op, args.root), baseline.synchronize,
@@ -499,23 +543,30 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
         size_rows = []
         for s, comm in runners:
             res = {}
+            tn = _team(comm, w)[1]
+            tc = data[(comm.rank, tn)][0] if s.team != "job" else counts
+            t_factor, t_bytes = plugin.bus_factor(tn), plugin.algbw_bytes(tc, itemsize, tn)
             for in_place in (False, True):
                 key = f"{s.label}|{int(in_place)}"
                 res["in_place" if in_place else "out_of_place"] = _result(
-                    [r[key]["times"] for r in every], nbytes, factor, [r[key]["wrong"] for r in every])
+                    [r[key]["times"] for r in every], t_bytes, t_factor, [r[key]["wrong"] for r in every])
             oop = res["out_of_place"]
+            if s.team != "job":  # the job's baseline and bound do not compare with a team's
+                base_s, bound_s = None, None
+            else:
+                base_s, bound_s = base, bound
             size_rows.append({
-                "series": s.label, "path": f"{s.label}:{series_link(comm, ctx.link)}", "size": size_col,
-                "count": counts.param,
+                "series": s.label, "path": f"{s.label}:{series_link(comm, ctx.link)}", "size": tc.size_bytes(itemsize),
+                "count": tc.param,
                 "type": NCCL_TYPE_NAMES[args.datatype],
                 "redop": args.op if plugin.reducing else "none", "root": args.root if plugin.rooted else -1,
                 "out_of_place": oop, "in_place": res["in_place"],
-                "baseline": base,
-                "ratio": (oop["busbw"] / base["busbw"]) if base and base["busbw"] > 0 else None,
-                "bound": bound,
-                "pct_of_bound": (100 * oop["busbw"] / bound["busbw"]) if bound and bound["busbw"] > 0 else None,
-                "in_place_pct_of_bound": (100 * res["in_place"]["busbw"] / bound["in_place_busbw"])
-                if bound and bound["in_place_busbw"] > 0 else None,
+                "baseline": base_s,
+                "ratio": (oop["busbw"] / base_s["busbw"]) if base_s and base_s["busbw"] > 0 else None,
+                "bound": bound_s,
+                "pct_of_bound": (100 * oop["busbw"] / bound_s["busbw"]) if bound_s and bound_s["busbw"] > 0 else None,
+                "in_place_pct_of_bound": (100 * res["in_place"]["busbw"] / bound_s["in_place_busbw"])
+                if bound_s and bound_s["in_place_busbw"] > 0 else None,
             })
         rows.extend(size_rows)
         if emit is not None:
@@ -618,7 +669,13 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
         lines.append(f"#  Rank {r:2d} Group  0 Pid {d['pid']:6d} on {d['node']:>10} device {d['device']}")
     lines.append("#")
     paths = ", ".join(s.label for s, _ in runners)
-    lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {a.algorithm}; seed {a.seed}")
+    lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {','.join(_algorithms(a))}; "
+                 f"seed {a.seed}")
+    teams = {s.team: c for s, c in runners if s.team != "job"}
+    if teams:
+        lines.append(f"# Teams: intra-node = each node's {teams['intra-node'].nranks} ranks at once, inter-node = "
+                     f"one rank per node ({teams['inter-node'].nranks}), every rail at once; the same bytes per rank, "
+                     f"busbw with the team's bus factor, no baseline or bound")
     lines.extend(f"# GPU sharing: {line}" for line in env.get("gpu_sharing", ()))
     lines.extend(f"# Skipped {s.label}: {why}" for s, why in skipped)
     if baseline is not None:
@@ -764,6 +821,8 @@ def setup_communicators(world, args, device: str, device_id: int | None, plugin,
         if hasattr(comm, "prepare"):  # GPU: load the kernel module before any collective runs
             comm.prepare([comm.kernel_spec(plugin.coll, args.datatype, op)])
         runners.append((s, comm))
+        if getattr(args, "nodes", None) and not any(t.team != "job" for t, _ in runners):
+            runners.extend(team_series(s, comm))
     if not runners:
         raise NotAvailable("no configuration can run here: "
                            + "; ".join(f"{s.label}: {why}" for s, why in skipped))
