@@ -821,7 +821,7 @@ def setup_communicators(world, args, device: str, device_id: int | None, plugin,
         if hasattr(comm, "prepare"):  # GPU: load the kernel module before any collective runs
             comm.prepare([comm.kernel_spec(plugin.coll, args.datatype, op)])
         runners.append((s, comm))
-        if getattr(args, "nodes", None) and not any(t.team != "job" for t, _ in runners):
+        if not any(t.team != "job" for t, _ in runners):  # with several nodes: the teams, once
             runners.extend(team_series(s, comm))
     if not runners:
         raise NotAvailable("no configuration can run here: "
