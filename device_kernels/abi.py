@@ -57,7 +57,7 @@ OP_CODES = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 # across ranks, packed as (name, shift, bits). Collective and algorithm codes below.
 CALL_FIELDS = (("collective", 0, 4), ("algorithm", 4, 4), ("dtype", 8, 8), ("op", 16, 8), ("root", 24, 16),
                ("nchannels", 40, 8))
-COLLECTIVE_CODES = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "broadcast": 3, "reduce": 4}
+COLLECTIVE_CODES = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "broadcast": 3, "reduce": 4, "alltoall": 5}
 ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2}
 
 # Kernel entry points (COMMREF_KERNEL names in kernels/*.cu): the collectives, which
@@ -66,7 +66,7 @@ ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2}
 KERNEL_NAMES = (
     "commref_ring_allreduce", "commref_tree_allreduce", "commref_ring_reduce_scatter", "commref_ring_allgather",
     "commref_ring_broadcast", "commref_ring_reduce", "commref_direct_allreduce", "commref_direct_reduce_scatter",
-    "commref_direct_allgather",
+    "commref_direct_allgather", "commref_ring_alltoall", "commref_direct_alltoall",
 )
 ENGINE_KERNEL_NAMES = ("commref_copy", "commref_empty", "commref_engine_selftest")
 

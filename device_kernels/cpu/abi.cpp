@@ -141,7 +141,7 @@ struct Table {
 #define COMMREF_ABI_CODES(C)                                                                                   \
   C(COLLECTIVE_CODES, kAllReduce, "allreduce") C(COLLECTIVE_CODES, kAllGather, "allgather")                    \
   C(COLLECTIVE_CODES, kReduceScatter, "reduce_scatter") C(COLLECTIVE_CODES, kBroadcast, "broadcast")           \
-  C(COLLECTIVE_CODES, kReduce, "reduce")                                                                       \
+  C(COLLECTIVE_CODES, kReduce, "reduce") C(COLLECTIVE_CODES, kAlltoAll, "alltoall")                            \
   C(ALGORITHM_CODES, kRing, "ring") C(ALGORITHM_CODES, kTree, "tree") C(ALGORITHM_CODES, kDirect, "direct")    \
   C(GIN_PROTOCOLS, kGinStrong, "strong") C(GIN_PROTOCOLS, kGinWeakLast, "weak-last")                           \
   C(GIN_PROTOCOLS, kGinSignalPerPut, "signal-per-put") C(GIN_PROTOCOLS, kGinFlushSignal, "flush-signal")

@@ -7,10 +7,12 @@
 //   ReduceScatter  each rank loads its part of every rank's sendbuf and reduces it
 //                  into its own recvbuf (ReduceScatter_LD);
 //   AllReduce      each rank loads its part of every sendbuf, reduces it, and stores
-//                  the result into that part of every rank's recvbuf (RSxLD_AGxST).
+//                  the result into that part of every rank's recvbuf (RSxLD_AGxST);
+//   AlltoAll       each rank stores block j of its sendbuf into its slot of rank j's
+//                  recvbuf.
 //
 // Preconditions (the host checks them, the first barrier re-checks the offsets): the
-// buffers peers access (AllGather: recvbuf; ReduceScatter: sendbuf; AllReduce: both)
+// buffers peers access (AllGather, AlltoAll: recvbuf; ReduceScatter: sendbuf; AllReduce: both)
 // lie in symmetric windows (Communicator.alloc_symmetric) at the same offsets on every
 // rank, every rank maps every other rank's windows, and there are at most
 // COMMREF_DIRECT_MAX_RANKS ranks.
@@ -107,9 +109,30 @@ static __device__ void directAllReduce(const CollArgs& a) {
   lsaBarrier(a, c, env, false);
 }
 
+// AlltoAll (count = bytes per block): rank r stores block j of its sendbuf into slot r
+// of rank j's recvbuf, starting with its own (j = r + k for k = 0, 1, ...: the ranks
+// start on different peers). Only recvbufs are shared. Not in place (no such form:
+// catalogue.py): a peer may store into this rank's recvbuf while it still reads its
+// sendbuf.
+static __device__ void directAlltoAll(const CollArgs& a) {
+  KernelEnv env = kernelEnv(a);
+  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  const uint64_t B = a.count;
+  const Share s = channelShare(B, c, a.nchannels);
+  directEnter<uint8_t, OpSum>(a, env);
+  for (int k = 0; k < n; k++) {
+    const int j = (r + k) % n;
+    uint8_t* out[1] = {(uint8_t*)symPeer(a.symRecv, j) + (uint64_t)r * B + s.begin};
+    copyToAll((const uint8_t*)a.sendbuf + (uint64_t)j * B + s.begin, out, 1, s.end - s.begin, 0,
+              userStreamMin(a.streamStores));
+  }
+  lsaBarrier(a, c, env, false);
+}
+
 #define DIRECT_ALLREDUCE(T, Op) directAllReduce<T, Op>(args)
 #define DIRECT_REDUCE_SCATTER(T, Op) directReduceScatter<T, Op>(args)
 
 COMMREF_KERNEL(commref_direct_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_ALLREDUCE) }
 COMMREF_KERNEL(commref_direct_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_REDUCE_SCATTER) }
 COMMREF_KERNEL(commref_direct_allgather, CollArgs, args) { directAllGather(args); }
+COMMREF_KERNEL(commref_direct_alltoall, CollArgs, args) { directAlltoAll(args); }

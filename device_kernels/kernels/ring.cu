@@ -108,6 +108,37 @@ static __device__ void ringBroadcast(const CollArgs& a) {
   p.finish();
 }
 
+// AlltoAll moves bytes: count = bytes per block; block j of this rank's sendbuf
+// (sendbuf + j * count) lands in block `rank` of rank j's recvbuf (not in place: no such
+// form). Over the ring links, LSA or GIN per peer like every ring kernel, each block
+// travels from its rank to its destination along the ring: for each distance k in
+// 1..n-1, one step sends this rank's block for the rank k positions ahead, k - 1 steps
+// pass on blocks that travel through (recvSend), one step receives the block from the
+// rank k positions back. Traffic: a rank sends n (n - 1) / 2 blocks (block k goes k
+// hops) against the n - 1 of a direct exchange, n / 2 times the bytes (2x at 4 ranks,
+// 4x at 8); the direct kernel (direct.cu) stores each block once, where it lands.
+static __device__ void ringAlltoAll(const CollArgs& a) {
+  const int c = blockIdx.x, n = a.nranks, r = a.rank, q = a.peers[c].ringPos;
+  const uint64_t B = a.count;
+  const uint8_t* src = (const uint8_t*)a.sendbuf;
+  uint8_t* dst = (uint8_t*)a.recvbuf;
+  const Share share = channelShare(B, c, a.nchannels);
+  Prims<uint8_t, OpSum> p(a, c);
+  // This rank's own block (with a single rank, the whole call).
+  p.copy(src + (uint64_t)r * B + share.begin, dst + (uint64_t)r * B + share.begin, share.end - share.begin, false);
+  if (n == 1) return;
+  connectRing(p, a, c);
+  p.streamReceived((share.end - share.begin) * (n - 1));
+  FOR_EACH_PIECE(base, len, share, p.slotElems()) {
+    for (int k = 1; k < n; k++) {
+      p.send(src + (uint64_t)ringRank(a, c, q + k) * B + base, len);
+      for (int h = 1; h < k; h++) p.recvSend(len);
+      p.recv(dst + (uint64_t)ringRank(a, c, q - k) * B + base, len);
+    }
+  }
+  p.finish();
+}
+
 #define RING_ALLREDUCE(T, Op) ringAllReduce<T, Op>(args)
 #define RING_REDUCE_SCATTER(T, Op) ringReduceScatter<T, Op>(args)
 #define RING_REDUCE(T, Op) ringReduce<T, Op>(args)
@@ -117,3 +148,4 @@ COMMREF_KERNEL(commref_ring_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_R
 COMMREF_KERNEL(commref_ring_reduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, RING_REDUCE) }
 COMMREF_KERNEL(commref_ring_allgather, CollArgs, args) { ringAllGather(args); }
 COMMREF_KERNEL(commref_ring_broadcast, CollArgs, args) { ringBroadcast(args); }
+COMMREF_KERNEL(commref_ring_alltoall, CollArgs, args) { ringAlltoAll(args); }

@@ -126,7 +126,9 @@ struct SymBuffer {
   X(op, 16, 8)          /* RedOp (reduce.h) */ \
   X(root, 24, 16)       /* rooted collectives; 0 otherwise */ \
   X(nchannels, 40, 8)
-enum Collective : uint32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kReduce = 4 };
+enum Collective : uint32_t {
+  kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kReduce = 4, kAlltoAll = 5
+};
 enum Algorithm : uint32_t { kRing = 0, kTree = 1, kDirect = 2 };
 
 struct CollArgs {

@@ -10,6 +10,7 @@
 //   recvReduceCopy(src, dst, n, last)   src (+) recv   -> dst
 //   recvReduceCopySend(src, dst, n, l)  src (+) recv   -> dst and send peers
 //   recvCopySend(dst, n)                recv           -> dst and send peers
+//   recvSend(n)                         recv           -> send peers
 //   copySend(src, dst, n)               src            -> dst (unless in place) and send peers
 //   copy(src, dst, n, last)             src            -> dst (single-rank case)
 //   handshake()                         no data: only the call descriptors are checked
@@ -102,6 +103,7 @@ class Prims {
   __device__ void recvReduceCopy(const T* src, T* dst, uint64_t n, bool last) { step(true, false, src, dst, n, last); }
   __device__ void recvReduceCopySend(const T* src, T* dst, uint64_t n, bool last) { step(true, true, src, dst, n, last); }
   __device__ void recvCopySend(T* dst, uint64_t n) { step(true, true, nullptr, dst, n, false); }
+  __device__ void recvSend(uint64_t n) { step(true, true, nullptr, nullptr, n, false); }
   __device__ void copySend(const T* src, T* dst, uint64_t n) { step(false, true, src, dst == src ? nullptr : dst, n, false); }
   __device__ void copy(const T* src, T* dst, uint64_t n, bool last) { step(false, false, src, dst, n, last); }
 
