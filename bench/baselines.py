@@ -5,7 +5,8 @@ Communicator), so a plugin's ``run`` drives either one:
 
     allreduce(sendbuf, recvbuf, op)      allgather(sendbuf, recvbuf)
     reduce_scatter(sendbuf, recvbuf, op) broadcast(sendbuf, recvbuf, root)
-    reduce(sendbuf, recvbuf, op, root)   synchronize()
+    reduce(sendbuf, recvbuf, op, root)   alltoall(sendbuf, recvbuf)
+    synchronize()
 
 The harness times baselines out of place only (the MPI and NCCL in-place layouts of
 reduce_scatter differ). GPU libraries are imported only when a GPU baseline is built.
@@ -27,7 +28,7 @@ class BaselineUnavailable(RuntimeError):
 
 class MPIBaseline:
     """MPI's own collectives through mpi4py on numpy buffers (MPI_Allreduce,
-    MPI_Allgather, MPI_Reduce_scatter_block, MPI_Bcast, MPI_Reduce).
+    MPI_Allgather, MPI_Reduce_scatter_block, MPI_Bcast, MPI_Reduce, MPI_Alltoall).
 
     Data-movement collectives move bytes (MPI_BYTE), so every dtype works; reductions
     need an MPI datatype for the numpy dtype (bfloat16 has none). MPI has no average:
@@ -86,6 +87,9 @@ class MPIBaseline:
     def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0) -> None:
         send = self.MPI.IN_PLACE if sendbuf is recvbuf and self.rank == root else sendbuf
         self.comm.Reduce(send, recvbuf if self.rank == root else None, self._op(op), root)
+
+    def alltoall(self, sendbuf, recvbuf) -> None:
+        self.comm.Alltoall(_bytes(sendbuf), _bytes(recvbuf))
 
     def synchronize(self) -> None:
         pass
@@ -176,6 +180,22 @@ class NCCLBaseline:
         else:
             self._comm.reduce(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, _code(sendbuf), self._op(op), root,
                               self._stream())
+
+    def alltoall(self, sendbuf, recvbuf) -> None:
+        if self._api == "nccl4py":
+            self._comm.alltoall(sendbuf, recvbuf, stream=self._stream())
+            return
+        # CuPy's bindings have no ncclAlltoAll: a send and a receive per peer in one
+        # group, as nccl-tests' alltoall calls it.
+        count, code, stream = sendbuf.size // self.nranks, _code(sendbuf), self._stream()
+        step = count * sendbuf.itemsize
+        self._nccl.groupStart()
+        try:
+            for peer in range(self.nranks):
+                self._comm.send(sendbuf.data.ptr + peer * step, count, code, peer, stream)
+                self._comm.recv(recvbuf.data.ptr + peer * step, count, code, peer, stream)
+        finally:
+            self._nccl.groupEnd()
 
     def synchronize(self) -> None:
         self.cupy.cuda.get_current_stream().synchronize()

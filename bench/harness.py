@@ -511,7 +511,7 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
                 data[team] = (tc, plugin.input(tc, ctx.dtype, op, args.seed, *team),
                               plugin.expected(tc, ctx.dtype, op, args.seed, *team, args.root) if args.check else None)
             tc, tx, texp = data[team]
-            for in_place in (False, True):
+            for in_place in plugin.placements:
                 mine[f"{s.label}|{int(in_place)}"] = measure(ctx, comm, s.label, tx, texp, tc, in_place)
         if baseline is not None:
             b = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, n, args.root, False)
@@ -542,11 +542,11 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
                      "in_place_busbw": bw_ip, "in_place_time_us": t_ip * 1e6}
         size_rows = []
         for s, comm in runners:
-            res = {}
+            res = {"in_place": None}  # stays None where the collective has no in-place form
             tn = _team(comm, w)[1]
             tc = data[(comm.rank, tn)][0] if s.team != "job" else counts
             t_factor, t_bytes = plugin.bus_factor(tn), plugin.algbw_bytes(tc, itemsize, tn)
-            for in_place in (False, True):
+            for in_place in plugin.placements:
                 key = f"{s.label}|{int(in_place)}"
                 res["in_place" if in_place else "out_of_place"] = _result(
                     [r[key]["times"] for r in every], t_bytes, t_factor, [r[key]["wrong"] for r in every])
@@ -566,7 +566,7 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
                 "bound": bound_s,
                 "pct_of_bound": (100 * oop["busbw"] / bound_s["busbw"]) if bound_s and bound_s["busbw"] > 0 else None,
                 "in_place_pct_of_bound": (100 * res["in_place"]["busbw"] / bound_s["in_place_busbw"])
-                if bound_s and bound_s["in_place_busbw"] > 0 else None,
+                if res["in_place"] and bound_s and bound_s["in_place_busbw"] > 0 else None,
             })
         rows.extend(size_rows)
         if emit is not None:
@@ -619,9 +619,11 @@ def format_row(r: dict) -> str:
     o, i = r["out_of_place"], r["in_place"]
     base, bound = r.get("baseline"), r.get("bound")
     wrong = lambda v: "N/A" if v is None else str(v)  # noqa: E731
+    in_place = (f"  {_time_str(i['time_us']):>7}  {i['algbw']:6.2f}  {i['busbw']:6.2f}  {wrong(i.get('wrong')):>6}"
+                if i else f"  {'-':>7}  {'-':>6}  {'-':>6}  {'N/A':>6}")  # no in-place form
     return (f"{r['size']:12d}  {r['count']:12d}  {r['type']:>8}  {r['redop']:>6}  {r['root']:6d}"
             f"  {_time_str(o['time_us']):>7}  {o['algbw']:6.2f}  {o['busbw']:6.2f}  {wrong(o.get('wrong')):>6}"
-            f"  {_time_str(i['time_us']):>7}  {i['algbw']:6.2f}  {i['busbw']:6.2f}  {wrong(i.get('wrong')):>6}"
+            + in_place +
             f"  {_time_str(base['time_us']) if base else '-':>7}  {_num(base and base['busbw']):>7}"
             f"  {_num(r.get('ratio')):>6}"
             f"  {_num(bound and bound['busbw']):>7}  {_num(r.get('pct_of_bound'), '{:.0f}'):>6}"
@@ -633,7 +635,7 @@ def summary(rows: list[dict]) -> dict:
     the mean busbw over every size, out-of-place and in-place (nccl-tests' average)."""
     out = {}
     for label in dict.fromkeys(r["series"] for r in rows):
-        cells = [r[k] for r in rows if r["series"] == label for k in ("out_of_place", "in_place")]
+        cells = [r[k] for r in rows if r["series"] == label for k in ("out_of_place", "in_place") if r[k]]
         wrongs = [c["wrong"] for c in cells]
         out[label] = {"out_of_bounds": None if None in wrongs else int(sum(wrongs)),
                       "avg_busbw": sum(c["busbw"] for c in cells) / len(cells) if cells else 0.0}

@@ -47,8 +47,9 @@ def plot(docs: list[dict], path: str, title: str | None = None) -> None:
             all_sizes += sizes
             line, = ax.plot(sizes, [r["out_of_place"]["busbw"] for r in mine], marker="o", ms=3,
                             label=f"commref {label} out-of-place{tag}")
-            ax.plot(sizes, [r["in_place"]["busbw"] for r in mine], ls="--", marker=".", ms=3,
-                    color=line.get_color(), label=f"commref {label} in-place{tag}")
+            if all(r["in_place"] for r in mine):  # else no in-place form (alltoall)
+                ax.plot(sizes, [r["in_place"]["busbw"] for r in mine], ls="--", marker=".", ms=3,
+                        color=line.get_color(), label=f"commref {label} in-place{tag}")
         first = [r for r in rows if r["series"] == rows[0]["series"] and r["size"] > 0] if rows else []
         base = doc.get("baseline")
         if base and any(r.get("baseline") for r in first) and (base["label"], tag) not in drawn_baselines:

@@ -14,9 +14,9 @@ As in nccl-tests, a plugin answers four questions and the harness does the rest:
 
 Bandwidth definitions (nccl-tests' doc/PERFORMANCE.md), for n ranks, element size t
 and NCCL's count c: algbw bytes are the larger buffer's, c * t (all_reduce,
-broadcast, reduce) or c * t * n (all_gather: recvbuf, reduce_scatter: sendbuf); the
-bus factors are 2 (n - 1) / n (all_reduce), (n - 1) / n (all_gather,
-reduce_scatter) and 1 (broadcast, reduce).
+broadcast, reduce) or c * t * n (all_gather: recvbuf, reduce_scatter: sendbuf,
+alltoall: either); the bus factors are 2 (n - 1) / n (all_reduce), (n - 1) / n
+(all_gather, reduce_scatter, alltoall) and 1 (broadcast, reduce).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class Collective:
         self.name = spec.nccl_tests_name  # nccl-tests' name: all_reduce
         self.coll = spec.name  # commref's and nccl4py's: allreduce
         self.reducing, self.rooted = spec.reducing, spec.rooted
+        # The variants measured: out of place, and in place where NCCL defines it.
+        self.placements = (False, True) if spec.in_place_ok else (False,)
         self._form = spec.call_form  # run() is timed: no lookups beyond the method
 
     def counts(self, nbytes: int, itemsize: int, nranks: int) -> Counts:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import catalogue
-from .catalogue import RECV, SEND
+from .catalogue import BOTH, RECV, SEND
 from .verify import DTYPES, dtype_name
 
 _SUPPORTED = frozenset(DTYPES.values())
@@ -92,6 +92,8 @@ class BufferChecker:
         scaled, n = spec.scaled, self.nranks
         if scaled is None:
             count, fits = r.count, s.count == r.count
+        elif scaled == BOTH:
+            count, fits = s.count // n, s.count == r.count and s.count % n == 0
         elif scaled == SEND:
             count, fits = r.count, s.count == r.count * n
         else:
@@ -99,6 +101,9 @@ class BufferChecker:
         if not fits:
             self._count_error(spec, s, r, count)
         if s.overlaps(r):
+            if not spec.in_place_ok:
+                raise ValueError(f"rank {self.rank}: {spec.name} buffers overlap, and {spec.name} has no in-place "
+                                 f"form ({spec.in_place_layout})")
             at = spec.in_place_at(self.rank, count) * s.dtype.itemsize
             if not (r.address == s.address + at if scaled == SEND else s.address == r.address + at):
                 raise ValueError(f"rank {self.rank}: {spec.name} buffers overlap but are not in place "
@@ -107,7 +112,10 @@ class BufferChecker:
 
     def _count_error(self, spec: catalogue.Collective, s: Buffer, r: Buffer, count: int):
         n = self.nranks
-        if spec.scaled == SEND:
+        if spec.scaled == BOTH:
+            what = (f"sendbuf and recvbuf of nranks * count elements each, the same multiple of nranks = {n}, "
+                    f"got {s.count} and {r.count}")
+        elif spec.scaled == SEND:
             what = f"sendbuf of nranks * recvcount = {n} * {count} = {n * count} elements, got {s.count}"
         elif spec.scaled == RECV:
             what = f"recvbuf of nranks * sendcount = {n} * {count} = {n * count} elements, got {r.count}"

@@ -10,8 +10,9 @@ nothing else branches on a collective's name. Adding a collective is an entry he
 a kernel and a test.
 
 Counts follow NCCL: `count` is the count NCCL's call takes (per-rank recvcount for
-reduce_scatter, per-rank sendcount for allgather); the buffer named by `scaled` holds
-nranks * count elements, the other count elements.
+reduce_scatter, per-rank sendcount for allgather, per-peer count for alltoall); the
+buffer named by `scaled` holds nranks * count elements, the other count elements
+(BOTH: each buffer holds nranks * count, block j of sendbuf going to rank j).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from commref.device_kernels import abi
 from .hierarchical import HIERARCHICAL
 
 SEND, RECV = "sendbuf", "recvbuf"
+BOTH = "sendbuf and recvbuf"  # Collective.scaled of a personalized exchange (alltoall)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Collective:
     reducing: bool
     rooted: bool
     kernels: Mapping[str, str]  # algorithm -> kernel entry point (abi.KERNEL_NAMES); ring first
-    scaled: str | None  # the buffer of nranks * count elements (SEND, RECV), or None: both count
+    scaled: str | None  # the buffer of nranks * count elements (SEND, RECV, BOTH), or None: both count
     root_only: str | None  # the buffer only the root passes (others' is ignored), if any
     peer_accessed: tuple[str, ...]  # buffers the direct kernel loads from or stores to on peers
     bus_factor: Callable[[int], float]  # nccl-tests' busbw = algbw * bus_factor(nranks)
@@ -43,6 +45,9 @@ class Collective:
     bound_bytes: Callable[[int, int, bool], tuple[int, int]]
     # Algorithms made of other calls rather than one kernel: "hierarchical" (hierarchical.py).
     composed: tuple[str, ...] = ()
+    # Whether NCCL defines an in-place form (in_place_layout); False: overlapping buffers
+    # are refused, and check and bench run out of place only.
+    in_place_ok: bool = True
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -50,11 +55,14 @@ class Collective:
 
     def counts(self, count: int, nranks: int) -> tuple[int, int]:
         """(sendbuf, recvbuf) elements of a call of NCCL count `count`."""
-        return (count * nranks if self.scaled == SEND else count), (count * nranks if self.scaled == RECV else count)
+        return ((count * nranks if self.scaled in (SEND, BOTH) else count),
+                (count * nranks if self.scaled in (RECV, BOTH) else count))
 
     @property
     def in_place_layout(self) -> str:
         """NCCL's in-place layout, in words."""
+        if not self.in_place_ok:
+            return "none: sendbuf and recvbuf must not overlap"
         if self.scaled == SEND:
             return "recvbuf == sendbuf + rank * recvcount"
         if self.scaled == RECV:
@@ -86,6 +94,8 @@ class Collective:
         (collectives.memory.Memory): out of place, a copy of x and a sentinel-filled
         recvbuf; in place, NCCL's layout with x where this rank's input belongs."""
         send_n, recv_n = self.counts(count, nranks)
+        if in_place and not self.in_place_ok:
+            raise ValueError(f"{self.name} has no in-place form ({self.in_place_layout})")
         if not in_place:
             recv = mem.sentinel(recv_n, x.dtype)
             return CallBuffers(mem.copy_of(x), recv, recv)
@@ -165,6 +175,16 @@ CATALOGUE: dict[str, Collective] = {c.name: c for c in (
         bus_factor=lambda n: 1.0,
         # Work spread evenly: reduce a 1/n shard from the n inputs; the root gathers the rest.
         bound_bytes=_reduce_bound),
+    Collective(
+        "alltoall", "alltoall", reducing=False, rooted=False,
+        kernels={"ring": "commref_ring_alltoall", "direct": "commref_direct_alltoall"},
+        scaled=BOTH, root_only=None, peer_accessed=(RECV,),
+        bus_factor=lambda n: (n - 1) / n,
+        # Land the n - 1 other ranks' blocks in this rank's recvbuf, and its own block.
+        bound_bytes=lambda size, n, in_place=False: (size, 0),
+        # NCCL defines no in-place alltoall (its in-place page names the other
+        # collectives only) and nccl-tests does not check its in-place column.
+        in_place_ok=False),
 )}
 NAMES = tuple(CATALOGUE)
 ALGORITHMS = tuple(abi.ALGORITHM_CODES) + (HIERARCHICAL,)

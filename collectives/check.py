@@ -43,9 +43,11 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
     `direct`: include the direct kernels (a communicator whose peers are all LSA);
     `hierarchical`: include the hierarchical algorithm (several nodes of several ranks).
     `denormals`: after the cases of each count, one out of place on denormal inputs
-    where the dtype and op have them (verify.has_denormal_case)."""
+    where the dtype and op have them (verify.has_denormal_case). A collective without an
+    in-place form (catalogue.Collective.in_place_ok) runs out of place only."""
     out = []
     for coll in collectives:
+        placements = [ip for ip in in_place if not ip or catalogue.get(coll).in_place_ok]
         for algo in algorithms_for(coll, direct, hierarchical):
             if algorithms and algo not in algorithms:
                 continue
@@ -53,7 +55,7 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
                 for oi, op in enumerate(ops if catalogue.get(coll).reducing else [None]):
                     for count in counts:
                         root = (count + di + oi) % nranks
-                        for ip in in_place:
+                        for ip in placements:
                             out.append(Case(coll, algo, dtype, op, count, ip, root, seed * 1_000_003 + len(out)))
                         if denormals and verify.has_denormal_case(DTYPES[dtype], op):
                             out.append(Case(coll, algo, dtype, op, count, False, root, seed * 1_000_003 + len(out),

@@ -2,8 +2,9 @@
 
 Method names and argument order follow nccl4py: allreduce(sendbuf, recvbuf, op),
 allgather(sendbuf, recvbuf), reduce_scatter(sendbuf, recvbuf, op),
-broadcast(sendbuf, recvbuf, root), reduce(sendbuf, recvbuf, op, root); in place with
-NCCL's layouts (catalogue.py). Buffers are checked before anything is launched
+broadcast(sendbuf, recvbuf, root), reduce(sendbuf, recvbuf, op, root),
+alltoall(sendbuf, recvbuf); in place with NCCL's layouts (catalogue.py; alltoall has
+none). Buffers are checked before anything is launched
 (buffers.py: TypeError / ValueError on the rank that got them). Arguments that must
 agree across ranks (collective, algorithm, dtype, op, root, count) travel with every
 pipeline step; a rank whose peer called something else fails with CommMismatch
@@ -221,6 +222,16 @@ class Communicator:
     def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0, *, stream=None,
                algorithm: str | None = None) -> None:
         self._collective("reduce", sendbuf, recvbuf, op, root, stream, algorithm)
+
+    def alltoall(self, sendbuf, recvbuf, *, stream=None, algorithm: str | None = None) -> None:
+        """NCCL's ncclAlltoAll: sendbuf and recvbuf hold nranks * count elements each
+        (count: elements per peer, sendbuf.size // nranks); block j of sendbuf lands in
+        block `rank` of rank j's recvbuf. Out of place only: NCCL defines no in-place
+        alltoall, so overlapping buffers raise ValueError. Algorithms: "ring" (plain
+        buffers, forwarded along the ring over LSA or GIN), "direct" (recvbufs from
+        alloc_symmetric and every peer over LSA: each block stored once into its peer's
+        recvbuf)."""
+        self._collective("alltoall", sendbuf, recvbuf, None, 0, stream, algorithm)
 
     # ---- symmetric memory ----
 

@@ -10,6 +10,12 @@ integers chosen so that every reduction is exact in every dtype and in any order
   for up to 8 ranks (exact in every float type; int8/uint8 wrap exactly like numpy);
 - allgather and broadcast move data only: integers that use the whole type (integers)
   or its exactly representable range (floats), so a misplaced shard shows;
+- alltoall (a personalized exchange, catalogue.BOTH): the same kinds of values, and each
+  block names its route: element i of the block rank s sends to rank d is
+  tag + nranks**2 * h(seed, s, d * count + i) with tag = s * nranks + d, so every
+  element of a block that lands in the wrong place or comes from the wrong rank differs
+  from what belongs there (where the type has nranks**2 distinct values; beyond that,
+  only the hash tells blocks apart);
 - denormal inputs (values="denormal", floating dtypes, sum/avg/min/max): the sum
   inputs times the dtype's smallest subnormal, so results stay exact and subnormal,
   in float32 too for float16 and bfloat16 (their compute type). A build that flushes
@@ -95,17 +101,45 @@ def input_values(dtype, op: str | None, seed: int, rank: int, n: int, values: st
     if values != "small":
         raise ValueError(f"unknown input values {values!r}; known: {', '.join(VALUES)}")
     signed = dt.kind == "i" or _is_float(dt)
-    if op is None:  # data movement: use the type's range
-        if _is_float(dt):
-            span = 256 if dt == DTYPES["bfloat16"] else 2048
-            return ((h % np.uint64(2 * span + 1)).astype(np.int64) - span).astype(dt)
-        return h.astype(dt)  # wraps: every bit pattern of the integer type
+    if op is None:  # data movement: use the type's range (integers wrap: every bit pattern)
+        nvalues, low = _movement_values(dt)
+        return _movement_dtype(h if low == 0 else h % np.uint64(nvalues), dt, low)
     if op == "prod":
         if signed:
             return np.array([-1, 1, 2], dtype=np.int64)[(h % np.uint64(3)).astype(np.intp)].astype(dt)
         return (h % np.uint64(2) + np.uint64(1)).astype(dt)
     v = (h % np.uint64(17)).astype(np.int64)
     return (v - 8 if signed else v).astype(dt)
+
+
+def _movement_values(dt: np.dtype) -> tuple[int, int]:
+    """(number of values, lowest value) of the data-movement inputs of `dt`: every bit
+    pattern of an integer type (the lowest as an unsigned pattern: 0), the exactly
+    representable integers [-span, span] of a float type."""
+    if _is_float(dt):
+        span = 256 if dt == DTYPES["bfloat16"] else 2048
+        return 2 * span + 1, -span
+    return 1 << (8 * dt.itemsize), 0
+
+
+def exchange_input(dtype, seed: int, rank: int, nranks: int, count: int) -> np.ndarray:
+    """Rank `rank`'s sendbuf of an exchange (alltoall): nranks blocks of `count`, block
+    d tagged with its route (rank, d) (see the top of this file)."""
+    dt = np.dtype(dtype)
+    nvalues, low = _movement_values(dt)
+    tags = nranks * nranks
+    if tags > nvalues:  # more routes than the type has values: the hash alone
+        return input_values(dt, None, seed, rank, nranks * count)
+    dest = np.arange(nranks * count, dtype=np.uint64) // np.uint64(max(count, 1))
+    tag = np.uint64(rank * nranks) + dest
+    h = _hash(seed, rank, nranks * count)
+    v = tag + np.uint64(tags) * (h % np.uint64(min(nvalues // tags, 2**64 - 1)))  # < nvalues
+    return _movement_dtype(v, dt, low)
+
+
+def _movement_dtype(v: np.ndarray, dt: np.dtype, low: int) -> np.ndarray:
+    """Data-movement values v in [0, number of values) as `dt` (see _movement_values)."""
+    return v.astype(dt) if low == 0 else (v.astype(np.int64) + low).astype(dt)
 
 
 def _compute_dtype(dt: np.dtype) -> np.dtype:
@@ -144,6 +178,8 @@ def make_input(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: i
                values: str = "small") -> np.ndarray:
     """Rank `rank`'s sendbuf for a call of `coll` with NCCL count `count`."""
     c = catalogue.get(coll)
+    if c.scaled == catalogue.BOTH:
+        return exchange_input(dtype, seed, rank, nranks, count)
     return input_values(dtype, op if c.reducing else None, seed, rank, c.counts(count, nranks)[0], values)
 
 
@@ -161,6 +197,8 @@ def expected_output(coll: str, dtype, op: str | None, seed: int, rank: int, nran
         return out[at : at + c.counts(count, nranks)[1]]
     if c.scaled == catalogue.RECV:  # every rank's input, in rank order
         return np.concatenate(ins) if ins else np.zeros(0, dtype)
+    if c.scaled == catalogue.BOTH:  # block `rank` of every rank's input, in rank order
+        return np.concatenate([x[rank * count : (rank + 1) * count] for x in ins])
     return ins[root if c.rooted else rank]
 
 

@@ -166,7 +166,10 @@ def run_check(args) -> int:
                       f"network {comm.network}")
             bad = sum(1 for w in wrong if w)
             denormal = sum(c.values == "denormal" for c in case_list)
-            print(f"# {len(case_list)} cases, counts {list(args.count)}, in-place and out-of-place, "
+            out_only = [c for c in colls if not catalogue.get(c).in_place_ok]  # no in-place form
+            placements = "out-of-place" if len(out_only) == len(colls) else "in-place and out-of-place" + (
+                f" ({', '.join(out_only)} out-of-place only: no in-place form)" if out_only else "")
+            print(f"# {len(case_list)} cases, counts {list(args.count)}, {placements}, "
                   f"{denormal} on denormal inputs, "
                   f"{sum(wrong)} wrong elements in {bad} cases, {elapsed:.1f} s")
             sys.stdout.flush()

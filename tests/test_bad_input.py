@@ -98,6 +98,12 @@ def _case(name: str, comm: Communicator):
         "overlap_allgather_wrong_slot": (
             lambda: (lambda b: comm.allgather(b[1:3], b[: 2 * n]))(np.zeros(2 * n + 1, f)),
             ValueError, "allgather buffers overlap but are not in place (sendbuf == recvbuf + rank * sendcount)"),
+        "alltoall_sizes_differ": (lambda: comm.alltoall(np.zeros(2 * n, f), np.zeros(2 * n + 1, f)), ValueError,
+                                  "alltoall needs sendbuf and recvbuf of nranks * count elements each"),
+        "alltoall_in_place": (lambda: (lambda b: comm.alltoall(b, b))(np.zeros(2 * n, f)), ValueError,
+                              "alltoall buffers overlap, and alltoall has no in-place form"),
+        "alltoall_tree": (lambda: comm.alltoall(np.zeros(2 * n, f), np.zeros(2 * n, f), algorithm="tree"),
+                          ValueError, "'tree' is implemented for allreduce only"),
         "overlap_reduce_scatter_wrong_slot": (
             lambda: (lambda b: comm.reduce_scatter(b[: 2 * n], b[1:3]))(np.zeros(2 * n + 1, f)),
             ValueError, "reduce_scatter buffers overlap but are not in place"),
@@ -116,7 +122,7 @@ BAD_CASES = [
     "recvbuf_misaligned", "broadcast_root_out_of_range", "reduce_root_negative", "root_not_an_int",
     "wrong_device_send", "wrong_device_recv", "not_an_array", "none_buffer", "tree_allgather",
     "tree_reduce_scatter", "overlap_allreduce", "overlap_allgather_wrong_slot",
-    "overlap_reduce_scatter_wrong_slot",
+    "overlap_reduce_scatter_wrong_slot", "alltoall_sizes_differ", "alltoall_in_place", "alltoall_tree",
 ]
 
 
@@ -179,7 +185,7 @@ def test_every_rank_bad_input_in_thread_world():
 
 ONE_RANK_CASES = ["allgather_recv_too_small", "dtype_complex64", "op_xor", "recvbuf_readonly",
                   "sendbuf_misaligned", "broadcast_root_out_of_range", "wrong_device_send", "tree_allgather",
-                  "overlap_allreduce"]
+                  "overlap_allreduce", "alltoall_in_place"]
 
 
 def _good_call(name: str, comm: Communicator):
@@ -191,6 +197,8 @@ def _good_call(name: str, comm: Communicator):
         return lambda: comm.allgather(x, np.zeros(6 * n, f))
     if name.startswith("broadcast"):
         return lambda: comm.broadcast(x, np.zeros(6, f), 0)
+    if name.startswith("alltoall"):
+        return lambda: comm.alltoall(np.zeros(6 * n, f), np.zeros(6 * n, f))
     return lambda: comm.allreduce(x, np.zeros(6, f))
 
 

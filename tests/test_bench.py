@@ -38,6 +38,7 @@ def test_bus_factors_are_nccl_tests(n: int) -> None:
     assert plugins.get("reduce_scatter").bus_factor(n) == pytest.approx((n - 1) / n)
     assert plugins.get("broadcast").bus_factor(n) == 1.0
     assert plugins.get("reduce").bus_factor(n) == 1.0
+    assert plugins.get("alltoall").bus_factor(n) == pytest.approx((n - 1) / n)
 
 
 def test_algbw_bytes_and_counts_follow_nccl_tests() -> None:
@@ -55,16 +56,21 @@ def test_algbw_bytes_and_counts_follow_nccl_tests() -> None:
     rs = plugins.get("reduce_scatter").counts(100, t, 3)
     assert (rs.send, rs.recv, rs.param) == (24, 8, 8)
     assert rs.size_bytes(t) == 96 and plugins.get("reduce_scatter").algbw_bytes(rs, t, 3) == 96
+    # alltoall: both buffers hold n blocks of count = size / t / n (per peer).
+    aa = plugins.get("alltoall").counts(100, t, 3)
+    assert (aa.send, aa.recv, aa.param) == (24, 24, 8)
+    assert aa.size_bytes(t) == 96 and plugins.get("alltoall").algbw_bytes(aa, t, 3) == 96
     # Sizes below typesize * nranks round to zero elements, as in nccl-tests.
     assert plugins.get("all_gather").counts(8, t, 4).size_bytes(t) == 0
 
 
 def test_collective_names_in_both_spellings() -> None:
     for a, b in [("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
-                 ("broadcast", "broadcast"), ("reduce", "reduce"), ("All-Reduce", "all_reduce")]:
+                 ("broadcast", "broadcast"), ("reduce", "reduce"), ("All-Reduce", "all_reduce"),
+                 ("alltoall", "alltoall"), ("all_to_all", "alltoall")]:
         assert plugins.get(a).name == b
     with pytest.raises(ValueError, match="unknown collective"):
-        plugins.get("alltoall")
+        plugins.get("gather")
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,11 +152,12 @@ def test_registration_flag() -> None:
             args_for("all_reduce", "-R", bad)
 
 
-@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
+@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "alltoall"])
 def test_symmetric_series_checks_clean_and_runs_direct_kernels(coll: str) -> None:
     """-R 2 allocates every rank's buffers from one symmetric window at equal offsets,
-    so allreduce, allgather and reduce_scatter run the direct kernels (a planted
-    error still counts: the check reads the symmetric buffers themselves)."""
+    so allreduce, allgather, reduce_scatter and alltoall run the direct kernels (a
+    planted error still counts: the check reads the symmetric buffers themselves).
+    alltoall has no in-place form: its in-place column is empty."""
     kernels: list[str] = []
 
     def corrupt(label, in_place, rank, out):
@@ -173,7 +180,11 @@ def test_symmetric_series_checks_clean_and_runs_direct_kernels(coll: str) -> Non
     rows = docs[0]["rows"]
     assert [r["series"] for r in rows] == ["lsa", "lsa/sym"] * 2
     for r in rows:
-        assert r["in_place"]["wrong"] == 0
+        if coll == "alltoall":
+            assert r["in_place"] is None and r["in_place_pct_of_bound"] is None
+            assert "     -       -       -     N/A" in harness.format_row(r)
+        else:
+            assert r["in_place"]["wrong"] == 0
         assert r["out_of_place"]["wrong"] == (1 if r["series"] == "lsa/sym" else 0)
     direct = {k for k in kernels if "direct" in k}
     assert bool(direct) == (coll != "broadcast"), direct
@@ -344,9 +355,10 @@ def test_check_takes_nccl4py_or_nccl_tests_names(capsys) -> None:
     args = cli.build_parser().parse_args(["check", "all_gather", "Reduce_Scatter", "allreduce"])
     assert args.collectives == ["allgather", "reduce_scatter", "allreduce"]
     assert cli.build_parser().parse_args(["check"]).collectives == []
+    assert cli.build_parser().parse_args(["check", "all_to_all"]).collectives == ["alltoall"]
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["check", "all_to_all"])
-    assert "unknown collective 'all_to_all'; choose from allreduce, allgather" in capsys.readouterr().err
+        cli.build_parser().parse_args(["check", "gather"])
+    assert "unknown collective 'gather'; choose from allreduce, allgather" in capsys.readouterr().err
     # A collective named twice is checked once.
     assert cli.main(["check", "broadcast", "broadcast", "--dtype", "int8", "--count", "5"]) == 0
     assert "# 2 cases, counts [5]" in capsys.readouterr().out

@@ -43,7 +43,7 @@ PROBES = [
      "argument --gin-protocol: gin_protocol must be one of strong, weak-last, signal-per-put, flush-signal, "
      "not 'weak'"),
     (["check", "--path", "nvls"], {}, "argument --path: path must be one of lsa, gin, auto, not 'nvls'"),
-    (["check", "all_to_all"], {}, "argument collective: unknown collective 'all_to_all'; choose from allreduce"),
+    (["check", "gather"], {}, "argument collective: unknown collective 'gather'; choose from allreduce"),
     (["check", "--dtype", "complex64"], {}, "argument --dtype: invalid choice: 'complex64'"),
     (["check", "--op", "xor"], {}, "argument --op: invalid choice: 'xor'"),
     (["check", "--np", "2", "--bogus"], {}, "unrecognized arguments: --bogus"),
@@ -55,7 +55,7 @@ PROBES = [
      "argument --gin-protocol: gin_protocol must be one of strong, weak-last, signal-per-put, flush-signal, "
      "not 'weak'"),
     (["bench", "all_reduce", "--backend", "ib"], {}, "argument --backend: backend must be one of"),
-    (["bench", "all_to_all"], {}, "argument collective: unknown collective 'all_to_all'"),
+    (["bench", "gather"], {}, "argument collective: unknown collective 'gather'"),
     (["bench", "all_reduce", "-d", "complex64"], {}, "argument -d/--datatype: unknown dtype 'complex64'"),
     (["bench", "all_reduce", "--np", "2", "--threads", "5000"], {},
      "argument --threads: threads must be in [1, 1024], got 5000"),
@@ -150,6 +150,39 @@ def test_bench_runs_every_gin_protocol(protocol, capsys):
     assert rc == 0, out
     assert "# Out of bounds values : 0 OK" in out
     assert f"gin/{protocol}" in out
+
+
+def test_bench_alltoall_prints_nccl_tests_columns(capsys):
+    """`commref bench alltoall`: nccl-tests' columns, busbw = algbw * (n - 1) / n, every
+    element checked, and an empty in-place column (alltoall has no in-place form)."""
+    n = 3
+    rc = cli.main(["bench", "alltoall", "-b", "3K", "-e", "48K", "-f", "4", "-n", "2", "-w", "1", "-t", str(n),
+                   "--path", "lsa,gin", "--no-baseline", "--no-bound"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "# Out of bounds values : 0 OK (lsa)" in out and "# Out of bounds values : 0 OK (gin)" in out
+    rows = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
+    assert [int(r[0]) for r in rows] == [3072, 3072, 12288, 12288, 49152, 49152]
+    for size, count, _type, redop, root, _t, algbw, busbw, wrong, *in_place_and_rest in rows:
+        assert int(count) == int(size) // 4 // n and (redop, root, wrong) == ("none", "-1", "0")
+        assert float(busbw) == pytest.approx(float(algbw) * (n - 1) / n, abs=0.011)
+        assert in_place_and_rest[:4] == ["-", "-", "-", "N/A"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("extra", [[], ["--nodes", "2", "--path", "auto"]])
+def test_check_alltoall_under_np(extra, shm_leak_check):
+    """`commref check alltoall --np 4`: ring and direct kernels; on two simulated nodes
+    with path auto (LSA inside a node, GIN between them) the ring kernel only."""
+    if mpiexec() is None:
+        pytest.skip("mpiexec not found")
+    proc = run_cmd([sys.executable, "-m", "commref", "check", "alltoall", "--np", "4", *extra], timeout=120,
+                   env=clean_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cases = 10 * 4 * (1 if extra else 2)  # dtypes x counts x algorithms, out of place only
+    assert f"# {cases} cases, counts [0, 1, 7, 1001], out-of-place, 0 on denormal inputs, 0 wrong elements in " \
+           f"0 cases" in proc.stdout, proc.stdout[-3000:]
+    assert ("alltoall       direct" in proc.stdout) == (not extra)
 
 
 @pytest.mark.mpi

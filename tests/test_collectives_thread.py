@@ -74,11 +74,13 @@ def test_sweep(nranks, geometry, many_channels):
     # (collective, algorithm) pairs are allreduce ring, tree and direct, reduce_scatter
     # ring and direct, reduce ring; moving ones allgather ring and direct, broadcast ring.
     assert {(c.coll, c.algorithm) for c in case_list} >= {("allreduce", "direct"), ("reduce_scatter", "direct"),
-                                                           ("allgather", "direct")}
-    reducing, moving = 6, 3
+                                                           ("allgather", "direct"), ("alltoall", "direct")}
+    # alltoall ring and direct: out of place only (no in-place form).
+    reducing, moving, out_of_place_only = 6, 3, 2
     floats = [d for d in DTYPES if d in verify.SUBNORMAL_EXPONENT]
     denormal = reducing * len(verify.DENORMAL_OPS) * len(floats) * len(counts)
-    assert len(case_list) == (reducing * len(OPS) + moving) * len(DTYPES) * len(counts) * 2 + denormal
+    assert len(case_list) == ((reducing * len(OPS) + moving) * 2 + out_of_place_only) * len(DTYPES) * len(counts) \
+        + denormal
     assert sum(c.values == "denormal" for c in case_list) == denormal
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:5]}"
@@ -102,6 +104,55 @@ class _CorruptingComm:
         self._comm.allreduce(sendbuf, recvbuf, op, **kw)
         if self._comm.rank == self._bad_rank:
             recvbuf.view(np.uint8)[self._index * recvbuf.itemsize] ^= 0xFF
+
+
+class _MisroutingComm:
+    """Wraps a Communicator; alltoall on one rank swaps two blocks of recvbuf, as a
+    kernel that stores a block at the wrong slot would."""
+
+    def __init__(self, comm, bad_rank: int):
+        self._comm, self._bad_rank = comm, bad_rank
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def alltoall(self, sendbuf, recvbuf, **kw):
+        self._comm.alltoall(sendbuf, recvbuf, **kw)
+        if self._comm.rank == self._bad_rank:
+            blocks = recvbuf.reshape(self._comm.nranks, -1)
+            blocks[[0, 1]] = blocks[[1, 0]]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_run_case_sees_a_misplaced_alltoall_block(algorithm):
+    """Every element of two swapped blocks counts wrong, on the rank whose recvbuf they
+    are in; the other ranks' results are exact."""
+    count = 10
+
+    def fn(world):
+        comm = _MisroutingComm(Communicator(world, "cpu", timeout=WORLD_TIMEOUT), bad_rank=1)
+        case = check.Case("alltoall", algorithm, "int8", None, count, False, 0, 9)
+        return check.run_sweep(comm, [case])
+
+    assert ThreadWorld.run(3, fn, timeout=WORLD_TIMEOUT) == [[2 * count]] * 3
+
+
+@pytest.mark.parametrize("dtype", list(verify.DTYPES))
+@pytest.mark.parametrize("nranks", [2, 3, 8])
+def test_alltoall_blocks_name_their_route(dtype, nranks):
+    """A block that lands in another slot, or that another rank sent, differs in every
+    element from what belongs there, even one element long: each value's residue
+    modulo nranks**2 is the block's (source, destination) pair."""
+    for count in (1, 5):
+        got = [verify.expected_output("alltoall", dtype, None, 4, d, nranks, count) for d in range(nranks)]
+        for d in range(nranks):
+            blocks = got[d].reshape(nranks, count)
+            assert verify.count_wrong(blocks[[1, 0, *range(2, nranks)]].ravel(), got[d]) == 2 * count
+            # Block 0 replaced by the block rank 0 sent to another rank (a wrong destination).
+            wrong_dest = got[(d + 1) % nranks].reshape(nranks, count)[0]
+            assert verify.count_wrong(np.concatenate([wrong_dest, blocks[1:].ravel()]), got[d]) == count
+        send = verify.make_input("alltoall", dtype, None, 4, 1, nranks, count).reshape(nranks, count)
+        assert all(verify.count_wrong(send[d], got[d].reshape(nranks, count)[1]) == 0 for d in range(nranks))
 
 
 @pytest.mark.parametrize("nranks", [1, 3])

@@ -62,9 +62,9 @@ def test_auto_takes_direct_for_symmetric_buffers_only(nranks):
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 def test_which_buffers_must_be_symmetric(nranks):
-    """Only the buffers peers access must be symmetric: allgather stores into peers'
-    recvbufs (any sendbuf), reduce_scatter loads peers' sendbufs (any recvbuf),
-    allreduce does both. Each call runs the direct kernel where it can and gives the
+    """Only the buffers peers access must be symmetric: allgather and alltoall store
+    into peers' recvbufs (any sendbuf), reduce_scatter loads peers' sendbufs (any
+    recvbuf), allreduce does both. Each call runs the direct kernel where it can and gives the
     reference's result either way."""
     def body(world):
         comm = _comm(world)
@@ -73,14 +73,15 @@ def test_which_buffers_must_be_symmetric(nranks):
         results = {}
         for coll, send_sym, recv_sym in [("allgather", False, True), ("allgather", True, False),
                                          ("reduce_scatter", True, False), ("reduce_scatter", False, True),
-                                         ("allreduce", True, False)]:
+                                         ("allreduce", True, False), ("alltoall", False, True),
+                                         ("alltoall", True, False)]:
             count = per if coll != "reduce_scatter" else per * n
             x = verify.make_input(coll, np.int32, "sum", 3, r, n, count)
             exp = verify.expected_output(coll, np.int32, "sum", 3, r, n, count)
             send = comm.alloc_symmetric(x.size, x.dtype) if send_sym else np.empty_like(x)
             send[...] = x
             out = comm.alloc_symmetric(exp.size, exp.dtype) if recv_sym else np.zeros_like(exp)
-            op = () if coll == "allgather" else ("sum",)
+            op = ("sum",) if catalogue.get(coll).reducing else ()
             getattr(comm, coll)(send, out, *op)
             results[(coll, send_sym, recv_sym)] = (_kernel_of(comm, coll, send).split("_")[1],
                                                    verify.count_wrong(out, exp))
@@ -93,7 +94,8 @@ def test_which_buffers_must_be_symmetric(nranks):
         kernels = {case: kernel for case, (kernel, _) in results.items()}
         assert kernels.pop(("allreduce", True, False)) in ("ring", "tree")  # tree: small, > 2 ranks
         assert kernels == {("allgather", False, True): "direct", ("allgather", True, False): "ring",
-                           ("reduce_scatter", True, False): "direct", ("reduce_scatter", False, True): "ring"}
+                           ("reduce_scatter", True, False): "direct", ("reduce_scatter", False, True): "ring",
+                           ("alltoall", False, True): "direct", ("alltoall", True, False): "ring"}
 
 
 def test_back_to_back_direct_calls_with_changing_counts(monkeypatch):
@@ -242,7 +244,7 @@ def test_gin_peers_run_the_ring_kernel_on_symmetric_buffers():
 
 
 def test_check_sweep_lists_direct_cases_only_where_they_can_run():
-    colls = ["allreduce", "reduce_scatter", "allgather", "broadcast"]
+    colls = ["allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall"]
     with_direct = check.cases(colls, ["float32"], ["sum"], [], [7], 2, 1)
     without = check.cases(colls, ["float32"], ["sum"], [], [7], 2, 1, direct=False)
     assert {c.coll for c in with_direct if c.algorithm == "direct"} == set(catalogue.with_algorithm("direct"))

@@ -39,9 +39,10 @@ def test_check_reduced(nranks, shm_leak_check):
     proc = run_mpi(nranks, [*CHECK, *REDUCED, "--slot-bytes", "1024"], timeout=90, module=True)
     cases = _assert_clean(proc)
     # (allreduce ring+tree+direct, reduce_scatter ring+direct, reduce) x 4 ops
-    # + (allgather ring+direct, broadcast); x 4 dtypes x 5 counts x 2; and on denormal
-    # inputs the 6 reducing pairs x 3 ops (not prod) x 2 floating dtypes x 5 counts
-    assert cases == (6 * 4 + 3) * 4 * 5 * 2 + 6 * 3 * 2 * 5
+    # + (allgather ring+direct, broadcast); x 4 dtypes x 5 counts x 2; alltoall ring+direct
+    # x 4 dtypes x 5 counts out of place; and on denormal inputs the 6 reducing pairs x
+    # 3 ops (not prod) x 2 floating dtypes x 5 counts
+    assert cases == (6 * 4 + 3) * 4 * 5 * 2 + 2 * 4 * 5 + 6 * 3 * 2 * 5
     assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
 
 
@@ -49,12 +50,15 @@ def test_check_full_default_sweep(shm_leak_check):
     proc = run_mpi(4, CHECK, timeout=120, module=True)
     cases = _assert_clean(proc)
     # 10 dtypes x (6 reducing (collective, algorithm) x 5 ops + 3 moving) x 4 counts x 2 placements,
-    # and on denormal inputs 6 reducing pairs x 4 ops (not prod) x 4 floating dtypes x 4 counts
-    assert cases == 10 * (6 * 5 + 3) * 4 * 2 + 6 * 4 * 4 * 4
+    # alltoall ring+direct x 10 dtypes x 4 counts out of place, and on denormal inputs 6
+    # reducing pairs x 4 ops (not prod) x 4 floating dtypes x 4 counts
+    assert cases == 10 * (6 * 5 + 3) * 4 * 2 + 2 * 10 * 4 + 6 * 4 * 4 * 4
     assert re.search(r"^allreduce +ring +bfloat16 denormal ", proc.stdout, re.M)
-    for coll in ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"):
+    for coll in ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall"):
         assert coll in proc.stdout
     assert re.search(r"^allgather +direct +uint8 ", proc.stdout, re.M)
+    assert re.search(r"^alltoall +direct +bfloat16 ", proc.stdout, re.M)
+    assert "(alltoall out-of-place only: no in-place form)" in proc.stdout
 
 
 def test_check_multi_channel(shm_leak_check):

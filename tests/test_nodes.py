@@ -190,7 +190,7 @@ def _topology_sweep(world, counts):
 
 def test_collectives_exact_on_node_rings_that_are_not_rank_order(many_channels, monkeypatch):
     """6 ranks on 3 nodes, 2 channels: channel 1's ring is 0 3 2 5 4 1, so every ring
-    kernel (AllReduce, AllGather, ReduceScatter, Reduce and Broadcast at several roots)
+    kernel (AllReduce, AllGather, ReduceScatter, AlltoAll, Reduce and Broadcast at several roots)
     and the tree over nodes run on a ring whose positions are not the ranks."""
     monkeypatch.setenv(NODES_ENV, "3")
     assert topology.rings(topology.node_groups([0, 0, 1, 1, 2, 2]), 2)[1] == [0, 3, 2, 5, 4, 1]
@@ -200,7 +200,7 @@ def test_collectives_exact_on_node_rings_that_are_not_rank_order(many_channels, 
     case_list, wrong = results[0][1], results[0][2]
     assert {(c.coll, c.algorithm) for c in case_list} >= {("allreduce", "ring"), ("allreduce", "tree"),
                                                      ("allgather", "ring"), ("reduce_scatter", "ring"),
-                                                     ("reduce", "ring"), ("broadcast", "ring")}
+                                                     ("reduce", "ring"), ("broadcast", "ring"), ("alltoall", "ring")}
     assert len({c.root for c in case_list if c.coll in ("reduce", "broadcast")}) > 1
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert all(r[2] == wrong for r in results) and not bad, f"{len(bad)} failing cases, first: {bad[:4]}"

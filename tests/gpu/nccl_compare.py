@@ -16,7 +16,7 @@ CASES = [
     ("allreduce", "float32", "sum"), ("allreduce", "bfloat16", "max"), ("allreduce", "int32", "prod"),
     ("allreduce", "float64", "avg"), ("reduce_scatter", "float32", "sum"), ("reduce_scatter", "int8", "min"),
     ("allgather", "float16", None), ("allgather", "uint64", None), ("broadcast", "float32", None),
-    ("reduce", "float32", "sum"),
+    ("reduce", "float32", "sum"), ("alltoall", "float32", None), ("alltoall", "int8", None),
 ]
 
 
@@ -52,8 +52,8 @@ def main():
                     c, kw = ncomm, {"stream": stream.ptr}
                 if coll in ("allreduce", "reduce_scatter"):
                     getattr(c, coll)(x, out, ops[op] if impl == "nccl" else op, **kw)
-                elif coll == "allgather":
-                    c.allgather(x, out, **kw)
+                elif coll in ("allgather", "alltoall"):
+                    getattr(c, coll)(x, out, **kw)
                 elif coll == "broadcast":
                     c.broadcast(x, out, 0, **kw)
                 else:
