@@ -51,6 +51,8 @@ import numpy as np
 from commref.collectives import verify
 from commref.collectives.options import KEYWORDS, Algorithm, CommOptions, Device, StreamStores, resolve_device
 from commref.collectives.verify import DTYPES, OPS
+from commref.transports.gin import faults
+from commref.transports.gin.faults import FaultSpec
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
 from commref.transports.options import OptionError, bounded
 
@@ -130,6 +132,12 @@ def parse_dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose one of "
                                          f"{', '.join(sorted(set(DTYPES) | set(NCCL_TYPE_NAMES.values())))}")
     return key
+
+
+def _fault_type(text: str) -> list[str]:
+    """--fault: one spec (its commas separate the faults, not several values), as a
+    one-item list of its canonical form, like the side-by-side flags."""
+    return [str(FaultSpec.parse(option_type("fault")(text)))]
 
 
 def option_type(keyword: str, many: bool = False) -> Callable[[str], Any]:
@@ -237,6 +245,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the GIN wire model: bytes/s of each rank's wire, e.g. 12.5G (comma-separated; 0: unlimited)")
     c.add_argument("--wire-latency", type=option_type("wire_latency", many=True), default=None,
                    help="the GIN wire model: seconds from send to effect, e.g. 5us (comma-separated)")
+    c.add_argument("--fault", type=_fault_type, default=None,
+                   help="a lossy link under the GIN wire, with retransmission above it: drop, duplicate and delay "
+                        "probabilities, e.g. drop=0.05,dup=0.05,delay=0.05 (one value; the output counts "
+                        "retransmissions and dropped duplicates)")
     c.add_argument("--algorithm", default=["auto"], type=option_type("algorithm", many=True),
                    help=f"{', '.join(Algorithm.words())}: auto picks direct for symmetric buffers (-R 2), hierarchical "
                         "from 1 MiB on several nodes, else ring or tree; comma-separated values are measured side by "
@@ -283,6 +295,7 @@ class Series:
     gin_protocol: str | None = None
     wire_rate: str | None = None  # the wire model (GinOptions.wire_rate, wire_latency)
     wire_latency: str | None = None
+    fault: str | None = None  # a lossy link under the wire (GinOptions.fault)
     register: int = 0  # -R: 0 plain buffers, 2 symmetric
     stores: str | None = None  # --stream-stores (None: Communicator's default, auto)
     algorithm: str = "auto"
@@ -306,8 +319,8 @@ class Series:
 
 
 GIN_FLAGS = {"backend": "--backend", "wire": "--wire", "network": "--network", "gin_protocol": "--gin-protocol",
-             "wire_rate": "--wire-rate", "wire_latency": "--wire-latency"}
-MODEL_FLAGS = ("wire_rate", "wire_latency")
+             "wire_rate": "--wire-rate", "wire_latency": "--wire-latency", "fault": "--fault"}
+MODEL_FLAGS = ("wire_rate", "wire_latency", "fault")
 
 
 def series_of(args) -> list[Series]:
@@ -851,6 +864,17 @@ def series_link(comm, link: str) -> str:
     return network if isinstance(network, str) and getattr(comm, "peer_mask", 0) else link
 
 
+def fault_counts(world, runners) -> dict[str, list[dict]]:
+    """Collective: per series with a lossy wire (--fault), every rank's GIN proxy stats."""
+    out = {}
+    for s, comm in runners:
+        if s.fault and FaultSpec.parse(s.fault).active and s.team == "job":
+            comm.proxy.quiesce(comm.timeout)  # final counts: everything posted has landed
+            out[s.label] = world.allgather(dict(getattr(comm.proxy, "stats", None) or {}),
+                                           what="bench: GIN fault statistics")
+    return out
+
+
 def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], None] = print) -> dict:
     """The whole benchmark on one rank of `world`; returns the results document (the
     JSON file's content) on every rank. Rank 0 prints the table through `out`.
@@ -875,6 +899,8 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
         report.lines(header(ctx, env, runners, baseline, env["link"], skipped))
         report.lines(table_head(baseline.label if baseline else None))
         rows = sweep(ctx, runners, baseline, meter, report.rows, report.progress)
+        gin_faults = fault_counts(world, runners)
+        report.lines(f"# GIN faults ({label}): {faults.summary(stats)}" for label, stats in gin_faults.items())
         report.lines(footer(rows))
     finally:
         report.close()
@@ -891,6 +917,8 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
         if baseline else None,
         "bus_factor": plugin.bus_factor(world.size),
         "rows": rows,
+        "gin_faults": {label: {k: sum(s.get(k, 0) for s in stats) for k in faults.STATS}
+                       for label, stats in gin_faults.items()},
         "summary": summary(rows),
         "elapsed_s": elapsed,
     }

@@ -119,6 +119,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "segment_bytes": ("gin", "segment_bytes"),
     "wire_rate": ("gin", "wire_rate"),
     "wire_latency": ("gin", "wire_latency"),
+    "fault": ("gin", "fault"),
 }
 
 

@@ -34,6 +34,7 @@ from commref.collectives.verify import DTYPES, OPS
 from commref.transports import launch
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
 from commref.transports.errors import CapabilityError
+from commref.transports.gin import faults
 from commref.transports.gin.backends import select_backend
 from commref.transports.gin.native import kernels_help_enabled
 from commref.transports.gin.plan import gin_engine, requirements
@@ -106,6 +107,9 @@ def add_check_arguments(c: argparse.ArgumentParser) -> None:
                    help="the GIN wire model: bytes/s of each rank's wire, e.g. 12.5G (0: unlimited)")
     c.add_argument("--wire-latency", default=0, type=option("wire_latency"),
                    help="the GIN wire model: seconds from send to effect, e.g. 5us")
+    c.add_argument("--fault", default="none", type=option("fault"),
+                   help="a lossy link under the GIN wire, with retransmission above it: drop, duplicate and delay "
+                        "probabilities, e.g. drop=0.05,dup=0.05,delay=0.05 (seeded by --seed)")
 
 
 def check_options(args) -> dict:
@@ -113,7 +117,7 @@ def check_options(args) -> dict:
     return {"max_channels": args.channels, "slot_bytes": args.slot_bytes, "threads": args.threads,
             "path": args.path, "backend": args.backend, "wire": args.wire, "network": args.network,
             "seed": args.seed, "gin_protocol": args.gin_protocol, "wire_rate": args.wire_rate,
-            "wire_latency": args.wire_latency}
+            "wire_latency": args.wire_latency, "fault": args.fault}
 
 
 def validate_check(args) -> None:
@@ -152,6 +156,9 @@ def run_check(args) -> int:
         t0 = time.perf_counter()
         wrong = check.run_sweep(comm, case_list)
         elapsed = time.perf_counter() - t0
+        if comm.proxy is not None:
+            comm.proxy.quiesce(comm.timeout)  # the counts below are final: everything posted has landed
+        stats = world.allgather(dict(getattr(comm.proxy, "stats", None) or {}), what="check GIN statistics")
         if world.rank == 0:
             rows = check.summary_rows(case_list, wrong)
             print(check.format_table(rows, world.size, comm.device))
@@ -159,6 +166,8 @@ def run_check(args) -> int:
             if gin.wire_modeled and comm.peer_mask:
                 rate = f"{gin.wire_rate / 1e9:g} GB/s" if gin.wire_rate else "unlimited bytes/s"
                 print(f"# GIN wire model: {rate} per rank's wire, {gin.wire_latency * 1e6:g} us latency")
+            if gin.fault.active and comm.peer_mask:
+                print(f"# GIN faults {gin.fault}, seed {gin.seed}: {faults.summary(stats)}")
             if len(set(nodes)) > 1:
                 members = {n: [r for r, m in enumerate(nodes) if m == n] for n in dict.fromkeys(nodes)}
                 print(f"# {len(members)} nodes: " + "; ".join(f"{n}: ranks {rs}" for n, rs in members.items())

@@ -237,7 +237,7 @@ def test_json_document_schema(tmp_path) -> None:
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["schema"] == harness.SCHEMA and doc["collective"] == "all_reduce"
     assert doc["series"] == [{"path": "lsa", "backend": None, "wire": None, "network": None, "gin_protocol": None, "wire_rate": None,
-                              "wire_latency": None, "register": 0, "stores": None, "algorithm": "auto", "team": "job", "label": "lsa",
+                              "wire_latency": None, "fault": None, "register": 0, "stores": None, "algorithm": "auto", "team": "job", "label": "lsa",
                               "link": "threads"}] and doc["skipped"] == []
     assert doc["params"]["minbytes"] == 8 and doc["params"]["iters"] == 3
     assert doc["bus_factor"] == pytest.approx(1.0)

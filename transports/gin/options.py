@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from commref.transports.gin.faults import FaultSpec
 from commref.transports.options import RATE_UNITS, TIME_UNITS, Choice, OptionError, bounded, choice, quantity
 
 
@@ -72,6 +73,9 @@ class GinOptions:
     # after it is sent. Numbers, or words such as "12.5G" (bytes/s) and "5us".
     wire_rate: float = 0.0
     wire_latency: float = 0.0
+    # A lossy link under the wire, with SRD's reliability layer above it (faults.py): drop,
+    # duplicate and delay probabilities, seeded by `seed`; "drop=0.05,dup=0.05,delay=0.05".
+    fault: FaultSpec = FaultSpec()
 
     def __post_init__(self) -> None:
         fix = object.__setattr__
@@ -87,6 +91,10 @@ class GinOptions:
         fix(self, "segment_bytes", bounded(self.segment_bytes, "segment_bytes", 1))
         fix(self, "wire_rate", quantity(self.wire_rate, "wire_rate", RATE_UNITS, "bytes/s, e.g. 12.5G"))
         fix(self, "wire_latency", quantity(self.wire_latency, "wire_latency", TIME_UNITS, "seconds, e.g. 5us"))
+        fix(self, "fault", FaultSpec.parse(self.fault))
+        if self.wire_modeled and self.fault.active:
+            raise OptionError("the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults in "
+                              "the Python proxy: choose one")
         if self.wire_modeled and self.wire != Wire.ORDERED:
             raise OptionError(f"the wire model (wire_rate, wire_latency) runs in the native GIN engine, which "
                               f"carries the ordered wire, not the {self.wire.value} one")

@@ -77,6 +77,8 @@ class GinPlan:
 
         engine = gin_engine() if engine is None else check_gin_engine(engine)
         why_not = native.supports(self.transport, self.network, observer)
+        if why_not is None and o.fault.active:
+            why_not = "a lossy wire (fault), which the Python proxy carries"
         if mpi_comm is not None:  # every rank's engine must speak one protocol
             refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
             if refusals and why_not is None:
@@ -94,7 +96,7 @@ class GinPlan:
             from commref.transports.gin.proxy import GinProxy
 
             proxy = GinProxy(world, window, layout, o.queue, self.backend, self.transport, self.network, o.seed,
-                             o.segment_bytes, mpi_comm, observer, mpi_tag=mpi_tag)
+                             o.segment_bytes, mpi_comm, observer, mpi_tag=mpi_tag, faults=o.fault)
         proxy.start()
         return proxy
 
@@ -162,6 +164,9 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
         raise CapabilityError(f"rank {rank}: GIN on GPUs carries the ordered wire in this version (a copy-engine "
                               f"stream per peer keeps order); the {options.wire.value} wire runs on the CPU engine "
                               f"(device='cpu')")
+    if options.fault.active and device == "cuda":
+        raise CapabilityError(f"rank {rank}: a lossy wire (fault) runs in the Python GIN proxy of the CPU engine "
+                              f"(device='cpu'), not on a GPU in this version")
     if options.wire_modeled and device == "cuda":
         raise CapabilityError(f"rank {rank}: the wire model (wire_rate, wire_latency) runs in the native GIN engine "
                               f"of the CPU engine (device='cpu'), not on a GPU in this version")

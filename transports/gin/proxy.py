@@ -32,6 +32,7 @@ from commref.device_kernels import abi
 from commref.transports.gin import semantics
 from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import Backend
+from commref.transports.gin.faults import FaultSpec, ReliableWire
 from commref.transports.gin.queue import QueueReader
 from commref.transports.gin.scheduler import IDLE_RELEASE_S, DeliveryScheduler
 from commref.transports.gin.wires import TAG, MpiWire, ProxyError, ShmWire, wait_drained
@@ -44,11 +45,12 @@ DRAIN_BUDGET = 64  # descriptors taken per iteration before the proxy delivers a
 class GinProxy:
     """Progress thread of one rank. start() after the window is registered; quiesce()
     then stop() at close. `network` "shm" or "mpi" (then `mpi_comm`: the proxies' own
-    communicator); `observer`: an observer.Observer, or None."""
+    communicator); `observer`: an observer.Observer, or None; `faults`: a lossy link
+    under the wire and the reliability layer above it (faults.py), seeded by `seed`."""
 
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int, segment_bytes: int,
-                 mpi_comm=None, observer=None, mpi_tag: int = TAG):
+                 mpi_comm=None, observer=None, mpi_tag: int = TAG, faults: FaultSpec | None = None):
         self.world, self.rank, self.backend, self.transport = world, world.rank, backend, transport
         self.network, self.segment_bytes, self.seed = network, segment_bytes, seed
         self.window, self.layout, self.capacity = window, layout, capacity
@@ -68,6 +70,8 @@ class GinProxy:
                                 tag=mpi_tag)
         else:
             raise ValueError(f"GIN proxy network must be 'shm' or 'mpi', not {network!r}")
+        if faults is not None and faults.active:
+            self.wire = ReliableWire(self.wire, faults, seed, self.rank, self.stats)
         self.scheduler = DeliveryScheduler(transport, backend.strong_always, self.wire, seed, self.rank,
                                            segment_bytes, self.stats, observer)
         self._stop = threading.Event()
@@ -85,7 +89,7 @@ class GinProxy:
 
     def pending(self, peer: int | None = None) -> bool:
         """Whether anything taken from the queue (for `peer`, or any) has not landed yet."""
-        return self.scheduler.pending(peer)
+        return self.scheduler.pending(peer) or self.wire.in_flight(peer)
 
     # ---- lifecycle ----
 

@@ -148,13 +148,13 @@ class DeliveryScheduler:
         if self.transport.ordered:  # FIFO: the only enabled event is always the head
             wire, obs = self.wire, self.observer
             if payload.size:
-                wire.land_data(peer, offset, payload)
+                wire.land_data(peer, offset, payload, ctx)
                 if obs is not None:
                     obs.landed(peer, ctx, seq, None, 0)
                 if self.trace is not None:
                     self.record(peer, ctx, ("data", seq))
             if signal is not None:
-                wire.signal(peer, signal)
+                wire.signal(peer, signal, ctx)
                 if obs is not None:
                     obs.landed(peer, ctx, seq, -1, 0)
                 if self.trace is not None:
@@ -283,11 +283,11 @@ class DeliveryScheduler:
         if self.trace is not None:
             self.record(peer, put.ctx, ("signal", put.seq) if ev.is_signal else ("seg", put.seq, ev.segment, ev.copy))
         if ev.is_signal:
-            self.wire.signal(peer, put.signal)
+            self.wire.signal(peer, put.signal, put.ctx)
         else:
             off, n = link.segs[ev.put][ev.segment]
             rel = off - put.offset
-            self.wire.land_data(peer, off, link.payloads[ev.put][rel:rel + n])
+            self.wire.land_data(peer, off, link.payloads[ev.put][rel:rel + n], put.ctx)
         if self.observer is not None:
             self.observer.landed(peer, put.ctx, put.seq, ev.segment, ev.copy)
 

@@ -57,11 +57,13 @@ class Wire:
 
     name = ""
 
-    def land_data(self, peer: int, offset: int, data: np.ndarray) -> None:
-        """Writes `data` (uint8) at window offset `offset` of rank `peer`."""
+    def land_data(self, peer: int, offset: int, data: np.ndarray, ctx: int = 0) -> None:
+        """Writes `data` (uint8) at window offset `offset` of rank `peer` (`ctx`: the
+        context it was posted on, for a wire that keeps state per (peer, context):
+        faults.ReliableWire; ShmWire and MpiWire need not look at it)."""
         raise NotImplementedError
 
-    def signal(self, peer: int, sig: semantics.Signal) -> None:
+    def signal(self, peer: int, sig: semantics.Signal, ctx: int = 0) -> None:
         """Applies `sig` at rank `peer`: adds sig.value to signal slot i (("index", i)) or
         to the 64-bit word at window offset o (("va", o)), after everything landed before."""
         raise NotImplementedError
@@ -79,6 +81,11 @@ class Wire:
         """Nothing this wire sent is still in flight."""
         return True
 
+    def in_flight(self, peer: int | None = None) -> bool:
+        """Whether a landing handed to this wire for `peer` (or any peer) has not landed
+        yet (faults.ReliableWire holds them; the others land before they return)."""
+        return False
+
 
 class ShmWire(Wire):
     name = "shm"
@@ -90,11 +97,11 @@ class ShmWire(Wire):
         self._add = atomics.add_u64
         self._keep = window  # the mappings must outlive the wire
 
-    def land_data(self, peer: int, offset: int, data: np.ndarray) -> None:
+    def land_data(self, peer: int, offset: int, data: np.ndarray, ctx: int = 0) -> None:
         if data.size:
             ctypes.memmove(self.peer_base[peer] + offset, data.ctypes.data, data.size)
 
-    def signal(self, peer: int, sig: semantics.Signal) -> None:
+    def signal(self, peer: int, sig: semantics.Signal, ctx: int = 0) -> None:
         kind, where = sig.target
         self._add(self.peer_base[peer] + (where if kind == "va" else self.signals_off + 8 * where), sig.value)
 
@@ -150,11 +157,11 @@ class MpiWire(Wire):
         self._pending: list = []  # (request, message) of unfinished sends
         self._get_reply: dict = {}
 
-    def land_data(self, peer: int, offset: int, data: np.ndarray) -> None:
+    def land_data(self, peer: int, offset: int, data: np.ndarray, ctx: int = 0) -> None:
         if data.size:
             self._send(peer, _header(MSG_DATA, offset, data.size), data)
 
-    def signal(self, peer: int, sig: semantics.Signal) -> None:
+    def signal(self, peer: int, sig: semantics.Signal, ctx: int = 0) -> None:
         kind, where = sig.target
         self._send(peer, _header(MSG_SIGNAL, is_va=int(kind == "va"), signal=where, value=sig.value))
 

@@ -9,10 +9,12 @@ import sys
 import time
 
 from commref.transports.gin import semantics as sem
+from commref.transports.gin.faults import FaultSpec
 from commref.transports.gin.study.explorer import Cell, cell_program, replay, run_matrix
 from commref.transports.gin.study.protocols import (DEFAULT_BOUND, MODEL_BY_NAME, MODELS, PROTOCOL_BY_NAME, LLFlag,
                                                     stale_ranges)
 from commref.transports.gin.study.stress import StressCell, run_stress
+from commref.transports.options import OptionError
 
 
 def trace_lines(cell: Cell) -> list[str]:
@@ -172,6 +174,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(messages of the bound's largest shape)")
     p.add_argument("--seeds", type=int, default=10, help="proxy seeds per cell for --stress (default %(default)s)")
     p.add_argument("--messages", type=int, default=5, help="messages per seed for --stress (default %(default)s)")
+    p.add_argument("--fault", default="none", type=_fault,
+                   help="with --stress: a lossy link under the proxy's wire, with retransmission above it, e.g. "
+                        "drop=0.05,dup=0.05,delay=0.05 (seeded by each cell's seed)")
+
+
+def _fault(text: str) -> FaultSpec:
+    try:
+        return FaultSpec.parse(text)
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_bound(text: str) -> tuple[int, int]:
@@ -198,7 +210,8 @@ def run(args) -> int:
             raise SystemExit("commref study: --seeds and --messages must be at least 1")
         t1 = time.perf_counter()
         stress = run_stress(protocols, models, args.strength, bound, args.seeds, args.messages,
-                            {c.key(): c.verdict for c in cells}, network=getattr(args, "network", None))
+                            {c.key(): c.verdict for c in cells}, network=getattr(args, "network", None),
+                            faults=getattr(args, "fault", None))
         stress_seconds = time.perf_counter() - t1
     if args.json:
         out = {"bound": {"puts": bound[0], "units": bound[1]}, "seconds": round(elapsed, 3),
@@ -224,7 +237,9 @@ def run(args) -> int:
           f"{sum(c.states for c in cells)} states, {elapsed:.1f} s")
     if stress is not None:
         print("\n" + format_stress(stress, args.seeds, args.messages, bound))
-        print(f"# stress: {stress_seconds:.1f} s")
+        fault = getattr(args, "fault", None)
+        print(f"# stress: {stress_seconds:.1f} s" + (f"; lossy link under the wire: {fault}" if fault and fault.active
+                                                       else ""))
         return 0 if all(c.agrees for c in stress) else 1
     return 0
 

@@ -39,7 +39,9 @@ that is where it paces the proxy, logs the delivery order and counts messages.
 Not stressed: counted-writes (the proxy keeps no placed-bytes counter to wait on).
 On an ordered wire the proxy lands each operation when it takes it, so it is FIFO
 across contexts too: a legal refinement of per-context FIFO, under which the /2ctx
-counterexamples (another context overtaking) cannot occur.
+counterexamples (another context overtaking) cannot occur. With faults (`faults`) each
+(peer, context) recovers from its losses on its own, so one context does overtake
+another and those counterexamples show.
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ def _describe(prog: pr.Program, read: pr.Read, stale) -> str:
     return f"{read.why}; stale " + ", ".join(f"[{o},{o + n})" for o, n in stale)
 
 
-def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "shm"):
+def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "shm", faults=None):
     shape = pr.Shape(*bound)
     data_bytes = max(pr.PROTOCOL_BY_NAME[c.protocol].program(shape, c.strength, False).window_bytes for c in cells)
     layout, ctl_off, nbytes = _layout(data_bytes)
@@ -261,7 +263,7 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                     q.reset()
                     observer = _SenderObserver(ctl, None if model.transport.ordered else log)
                     proxy = GinProxy(world, window, layout, CAPACITY, BACKENDS["proxy"], model.transport, network,
-                                     seed, prog.segment_bytes, comm, observer)
+                                     seed, prog.segment_bytes, comm, observer, faults=faults)
                     proxy.start()
                 elif receiver is not None:  # the receiver's proxy: its queue stays empty, it only lands
                     proxy = GinProxy(world, window, layout, CAPACITY, BACKENDS["proxy"], model.transport, network,
@@ -351,13 +353,16 @@ def _receive(world, proto, prog, cell, local, sigs, ctl: _Control, serial: int, 
 
 def run_stress(protocols=None, models=None, strengths=None, bound=pr.DEFAULT_BOUND, seeds: int = 10,
                messages: int = 5, verdicts: dict | None = None, world=None,
-               network: str | None = None) -> list[StressCell]:
+               network: str | None = None, faults=None) -> list[StressCell]:
     """Stress-runs every selected cell on the proxy (2 ranks, shm wire) with messages of
     the bound's largest shape. `world`: an MPIWorld of 2 ranks on one host (every rank
     calls this; each returns every cell's full counts); None: under mpiexec the job's
     MPIWorld (MPIWorld.launched_under_mpi()), else a ThreadWorld of 2 ranks.
     `network`: the proxy's wire, "shm" or (MPI only) "mpi"; default DEFAULT_NETWORK.
-    `verdicts`: the explorer's verdict per cell key (computed here when not given)."""
+    `verdicts`: the explorer's verdict per cell key (computed here when not given).
+    `faults`: a faults.FaultSpec: the sender's proxy runs a lossy link under its wire with
+    the reliability layer above it (the delivery orders checked are the scheduler's,
+    which that layer lands unchanged)."""
     if world is None and MPIWorld.launched_under_mpi():
         world = MPIWorld()
     if world is not None and world.size != 2:
@@ -379,7 +384,7 @@ def run_stress(protocols=None, models=None, strengths=None, bound=pr.DEFAULT_BOU
                                         skipped=NOT_STRESSED.get(proto.name),
                                         world="thread" if world is None else world.kind, network=network))
     if world is None:
-        ThreadWorld.run(2, _rank_main, cells, seeds, messages, bound)
+        ThreadWorld.run(2, _rank_main, cells, seeds, messages, bound, "shm", faults)
     else:
-        _rank_main(world, cells, seeds, messages, bound, network)
+        _rank_main(world, cells, seeds, messages, bound, network, faults)
     return cells
