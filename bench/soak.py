@@ -17,7 +17,9 @@ time (their intra-node phases then run direct kernels). Every result is checked 
 AllReduce and closed.
 
 Measured per rank (Linux /proc): resident memory (VmRSS), threads, open file
-descriptors and memory mappings; and the host's /dev/shm entries. Samples: after a
+descriptors and memory mappings; and the host's /dev/shm entries; each after a
+barrier (no rank works while it is taken) and a full garbage collection; in a
+ThreadWorld, whose ranks share the process, by rank 0 alone. Samples: after a
 warm-up (the first 2 % of the calls, at least 50; the first 5 communicators), every
 tenth of the phase, and at the end. The report gives per rank the start, the end and
 the largest growth between them; a JSON file keeps every sample.
@@ -26,6 +28,7 @@ the largest growth between them; a JSON file keeps every sample.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -48,7 +51,9 @@ MEASURES = ("rss_kib", "threads", "fds", "maps", "shm_entries")
 
 
 def sample() -> dict:
-    """What this process holds now."""
+    """What this process holds now, after a full garbage collection (what is left then
+    is held, not merely not yet collected)."""
+    gc.collect()
     status = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -58,6 +63,15 @@ def sample() -> dict:
         maps = sum(1 for _ in f)
     return {"rss_kib": int(status["VmRSS"][0]), "threads": int(status["Threads"][0]),
             "fds": len(os.listdir("/proc/self/fd")), "maps": maps, "shm_entries": len(os.listdir("/dev/shm"))}
+
+
+def _sample(world, samples: list, after: int) -> None:
+    """Collective: a sample of this process between two barriers, so that no rank works
+    meanwhile. In a ThreadWorld the ranks share the process: rank 0 alone samples it."""
+    world.barrier(what="soak: before a sample")
+    if world.kind != "thread" or world.rank == 0:
+        samples.append({"after": after, **sample()})
+    world.barrier(what="soak: after a sample")
 
 
 def draw_cases(rng: random.Random, calls: int, nranks: int, max_bytes: int, hierarchical: bool,
@@ -109,7 +123,7 @@ def run_rank(world, args) -> dict:
             wrong += w
             by_coll[case.coll] = by_coll.get(case.coll, 0) + 1
             if i + 1 in at:
-                report["samples"]["calls"].append({"after": i + 1, **sample()})
+                _sample(world, report["samples"]["calls"], i + 1)
         if symmetric is not None:
             symmetric.free()
         world.barrier(what="soak: calls done")
@@ -130,7 +144,7 @@ def run_rank(world, args) -> dict:
             if not np.array_equal(y, x * world.size):
                 raise AssertionError(f"rank {world.rank}: communicator {k}: AllReduce wrong")
         if k + 1 in at:
-            report["samples"]["comms"].append({"after": k + 1, **sample()})
+            _sample(world, report["samples"]["comms"], k + 1)
     report["comms_seconds"] = time.perf_counter() - t1
     return report
 
@@ -151,6 +165,8 @@ def format_report(reports: list[dict]) -> str:
              "# phase      rank  measure        start        end  max growth"]
     for phase in ("calls", "comms"):
         for rank, r in enumerate(reports):
+            if not r["samples"][phase]:  # a ThreadWorld's ranks but the first: one process, sampled by rank 0
+                continue
             for m, (start, end, grow) in growth(r["samples"][phase]).items():
                 lines.append(f"  {phase:<9}{rank:>5}  {m:<12}{start:>10}{end:>11}{grow:>12}")
     return "\n".join(lines)

@@ -19,7 +19,8 @@ def test_soak_in_miniature_is_exact_and_leaves_nothing_behind(monkeypatch):
     assert r0["wrong"] == 0 and {"ring", "hierarchical"} <= set(r0["algorithms"])
     assert set(r0["by_collective"]) >= {"allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"}
     assert r0["gin_stats"]["retransmits"] > 0
-    comms = soak.growth(r0["samples"]["comms"])  # one process: every rank sees the same
-    for measure in ("threads", "fds", "maps", "shm_entries"):
+    assert all(not r["samples"]["comms"] for r in reports[1:])  # one process: rank 0 samples it
+    comms = soak.growth(r0["samples"]["comms"])
+    for measure in ("threads", "fds", "maps"):  # (/dev/shm is the host's: other jobs' entries come and go)
         start, end, _ = comms[measure]
-        assert end <= start, (measure, comms)  # threads: another rank's thread may have ended meanwhile
+        assert end == start, (measure, comms)
