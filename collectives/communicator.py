@@ -553,7 +553,16 @@ class Communicator:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        """Closes the communicator. An exception leaving the block means this rank
+        abandons its sequence of collectives while peers may be blocked in one, waiting
+        for it: it first marks the world failed (World.mark_failed raises the abort word:
+        the peers of a ThreadWorld raise CommAborted at once, and close() waits for no
+        peer), so the job ends now instead of at a deadline. The job is over then: catch
+        errors inside the block to go on using the world."""
+        if exc_type is not None and not getattr(self, "_closed", True):
+            reason = f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__
+            self.world.mark_failed(" ".join(reason.split()))
         try:
             self.close()
         except Exception:

@@ -21,7 +21,10 @@ Contracts shared by both:
 * **Abort.** ``abort_word`` is a ``numpy.uint64`` array of shape ``(1,)``,
   alive as long as the world, whose address device kernels and proxies poll;
   nonzero means the job is aborting. ``abort`` sets it to 1 before anything
-  else.
+  else. ``mark_failed`` sets it without ending anything (a rank leaving its
+  collectives because of an exception, which then goes on propagating); once it
+  is set, every control-plane wait of this rank raises CommAborted at once
+  instead of waiting for peers that may never come.
 * ``allgather`` / ``bcast`` are for small Python objects (setup metadata), not
   for data-plane traffic.
 """
@@ -266,6 +269,14 @@ class World(abc.ABC):
     def check_aborted(self) -> None:
         """Raise CommAborted if the job is being torn down (see subclasses)."""
 
+    @abc.abstractmethod
+    def mark_failed(self, reason: str) -> None:
+        """This rank failed (`reason`, one line) and leaves its collectives: raise the
+        abort word so that nobody waits for it until a deadline (its own kernels, its
+        proxy, and its control-plane waits stop; ThreadWorld: every rank's). Returns;
+        raises nothing. The caller goes on raising its exception, which ends the job
+        (ThreadWorld.run re-raises it; under ``python -m mpi4py`` it becomes MPI_Abort)."""
+
     def split(self, color: int, what: str = "split") -> "World":
         """Collective: the world of the ranks that pass the same `color` (an int), ranked
         in this world's order (MPI_Comm_split with key = rank). Each rank keeps its node
@@ -309,8 +320,11 @@ class MPIWorld(World):
     (pickled objects).
 
     ``abort`` prints ``commref: rank R aborting: <message>`` to stderr and calls
-    ``MPI_Abort``, which ends every process of the job. ``check_aborted`` is a
-    no-op: an aborting MPI job is killed by the launcher.
+    ``MPI_Abort``, which ends every process of the job. The abort word is this
+    process's own: ``mark_failed`` raises it, after which this rank's barriers (and
+    ``check_aborted``) raise CommAborted at once, without waiting for peers; the
+    peers learn of the failure when the job is aborted (the exception reaching
+    ``python -m mpi4py``, or the launcher ending the job of a rank that died).
     """
 
     kind: ClassVar[str] = "mpi"
@@ -348,6 +362,7 @@ class MPIWorld(World):
             node=node_of(host, rank, size) if node is None else node,
         )
         self._split_comm: "_MPI.Comm | None" = None  # the communicator split() made, freed by free()
+        self._failure: str | None = None  # mark_failed's reason
 
     @staticmethod
     def launched_under_mpi() -> bool:
@@ -388,7 +403,17 @@ class MPIWorld(World):
         raise SystemExit(code)  # MPI_Abort does not return; this is for type checkers
 
     def check_aborted(self) -> None:
-        return None
+        if self.aborting:
+            raise self._aborted_error("check_aborted")
+
+    def mark_failed(self, reason: str) -> None:
+        self.abort_word[0] = 1
+        self._failure = self._failure or reason
+
+    def _aborted_error(self, what: str) -> CommAborted:
+        reason = self._failure or "abort word set"
+        return CommAborted(f"rank {self.rank}: {what}: aborted because this rank is failing: {reason}",
+                           rank=self.rank, origin_rank=self.rank if self._failure else None, reason=reason)
 
     def _split(self, colors: list[int], members: list[int], what: str) -> "MPIWorld":
         # Every rank is known present (split's allgather), so MPI_Comm_split returns.
@@ -404,8 +429,11 @@ class MPIWorld(World):
             self._split_comm = None
 
     def _sync(self, op: int, root: int, what: str, seconds: float) -> None:
-        """Deadline-bounded all-to-all token exchange (the barrier)."""
+        """Deadline-bounded all-to-all token exchange (the barrier). Raises CommAborted
+        at once when this process's abort word is (or becomes) set."""
         MPI = self._MPI
+        if self.aborting:
+            raise self._aborted_error(what)
         deadline = time.monotonic() + seconds
         self._epoch += 1
         tag = self._epoch % self._tag_ub
@@ -422,6 +450,9 @@ class MPIWorld(World):
                 break
             if time.monotonic() >= deadline:
                 self._give_up(peers, recvs, sends, token, inbox, what, seconds)
+            if self.aborting:
+                self._abandon(recvs, sends, token)
+                raise self._aborted_error(what)
             backoff.pause()
         mine = (op, root)
         for p in peers:
@@ -431,6 +462,21 @@ class MPIWorld(World):
                     rank=self.rank, peer=p, field="collective", what=what,
                     mine=_describe_op(*mine), theirs=_describe_op(*theirs),
                 )
+
+    def _abandon(self, recvs: list["_MPI.Request"], sends: list["_MPI.Request"], token: np.ndarray) -> None:
+        """Gives up a barrier's requests: receives cancelled, sends freed (they may still
+        complete, so their buffer is kept alive)."""
+        for req in recvs:
+            if req:
+                req.Cancel()
+                req.Wait()
+        pending_sends = False
+        for req in sends:
+            if req:
+                req.Free()
+                pending_sends = True
+        if pending_sends:
+            self._orphans.append(token)
 
     def _give_up(
         self,
@@ -447,17 +493,7 @@ class MPIWorld(World):
         if not missing:  # every token arrived but ours were not delivered
             missing = [p for p, req in zip(peers, sends) if req]
             detail = f"{what}: barrier token delivery"
-        for req in recvs:
-            if req:
-                req.Cancel()
-                req.Wait()
-        pending_sends = False
-        for req in sends:
-            if req:
-                req.Free()  # the send may still complete; keep its buffer alive
-                pending_sends = True
-        if pending_sends:
-            self._orphans.append(token)
+        self._abandon(recvs, sends, token)
         arrived = self.size - len(missing)
         raise CommTimeout.after(
             seconds, rank=self.rank, peer=missing, what=detail, expected=self.size, seen=arrived
@@ -752,6 +788,11 @@ class ThreadWorld(World):
         """Raise CommAborted if the group was marked failed or the abort word is set."""
         if self._group.failed:
             raise self._group.aborted_error(self.rank, "check_aborted")
+
+    def mark_failed(self, reason: str) -> None:
+        """Marks the group failed with this rank as the origin (unless a rank failed
+        first): every rank's waits raise CommAborted naming it within ~50 ms."""
+        self._group.mark_failed(self.rank, reason)
 
     def _split(self, colors: list[int], members: list[int], what: str) -> "ThreadWorld":
         # The first rank of each color makes its group; a second exchange hands it out.
