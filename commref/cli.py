@@ -11,9 +11,10 @@ transports/gin/options.py); a bad one ends the command with one line
 
 This is the one place that starts ranks: with --np N outside an MPI job, commref
 relaunches itself under mpiexec with N ranks (transports/launch.py: one process each,
-`python -m mpi4py -m commref.cli`, so that an exception on one rank aborts the job; a
-failed job's shared-memory segments are removed); inside mpiexec/mpirun it uses the MPI
-world it was started in.
+`python -m mpi4py -m commref.cli`, so that an exception on one rank aborts the job; each
+rank announces itself first thing in main(), so that a rank killed by a signal ends the
+job and no rank outlives it; a failed job's shared-memory segments are removed); inside
+mpiexec/mpirun it uses the MPI world it was started in.
 """
 
 from __future__ import annotations
@@ -296,6 +297,7 @@ def export_nodes(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    launch.announce_rank()  # a rank of a job that --np started: its launcher watches whether it dies
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
