@@ -73,7 +73,8 @@ class BufferChecker:
         return Buffer(obj, arr, address, arr.size, dt, arr.nbytes, writeable)
 
     def root(self, root) -> int:
-        if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.nranks:
+        """A call's root: an int (numpy's too, not a bool) in [0, nranks); else ValueError."""
+        if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= int(root) < self.nranks:
             raise ValueError(f"rank {self.rank}: root must be a rank in [0, {self.nranks}), got {root!r}")
         return int(root)
 

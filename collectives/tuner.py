@@ -73,6 +73,8 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     (hierarchical.node_shape) or None. A hierarchical plan has no channels: its
     children plan their own calls."""
     spec = catalogue.get(coll)
+    if algorithm != "auto" and algorithm not in catalogue.ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose from auto, {', '.join(catalogue.ALGORITHMS)}")
     if algorithm != "auto" and algorithm not in spec.algorithms:
         raise ValueError(f"algorithm {algorithm!r} is implemented for "
                          f"{', '.join(catalogue.with_algorithm(algorithm))} only, not {coll}")
