@@ -140,6 +140,8 @@ class Communicator:
         nodes = rank_nodes(world)  # collective: every rank builds the same rings and trees
         a["peers"] = topology.channel_peers(self.rank, nodes, self.max_channels)
         self.node_shape = node_shape(nodes, self.rank)  # NodeShape, or why "hierarchical" cannot run
+        # GIN slower than memory: a network between hosts, or the wire model (tuner.plan).
+        self._slow_network = self.gin.used and (o.gin.wire_modeled or len({h for _, h in nodes}) > 1)
         self._hierarchy: Hierarchy | None = None  # built by the first call that needs it
         self._ring_ranks = self._device_table(topology.ring_ranks(nodes, self.max_channels))
         a["ringRanks"] = address_of(self._ring_ranks)
@@ -399,7 +401,7 @@ class Communicator:
         shape = None if flat else self.node_shape
         try:
             plan = tuner.plan(spec.name, algorithm, nbytes, self.nranks, self.device, self.max_channels, symmetric,
-                              shape)
+                              shape, self._slow_network)
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {e}") from None
         if plan.algorithm == HIERARCHICAL:

@@ -57,20 +57,24 @@ TREE_MAX_BYTES = 64 * 1024
 # (the measured crossover: docs/performance.md, "Tuner settings").
 DIRECT_MIN_BYTES = 16 * 1024
 # The size from which "auto" takes the hierarchical algorithm (hierarchical.py) on a job of
-# several nodes of several ranks: below, its three launches cost more than the GIN hops
-# it saves (the measured crossover: docs/performance.md, "Tuner settings").
+# several nodes of several ranks whose GIN is slower than memory: below, its three
+# launches cost more than the GIN bytes it saves. Where GIN runs at memory speed (simulated
+# nodes on one host, no wire model) "auto" keeps the flat ring, which measured faster there
+# (docs/performance.md, "Tuner settings").
 HIERARCHICAL_MIN_BYTES = 1024 * 1024
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024
 
 
 def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int,
-         symmetric: bool = False, nodes: NodeShape | str | None = None) -> Plan:
+         symmetric: bool = False, nodes: NodeShape | str | None = None, slow_network: bool = False) -> Plan:
     """Algorithm and channel count for one call. `nbytes` is the size of the full
     (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
     that the direct kernels can run (symmetric buffers, every peer over LSA); `nodes`
     is the job's NodeShape where the hierarchical algorithm can run, else why not
-    (hierarchical.node_shape) or None. A hierarchical plan has no channels: its
+    (hierarchical.node_shape) or None; `slow_network`: GIN runs slower than memory (a
+    real network between hosts, or the wire model), where "auto" takes the hierarchical
+    algorithm from HIERARCHICAL_MIN_BYTES. A hierarchical plan has no channels: its
     children plan their own calls."""
     spec = catalogue.get(coll)
     if algorithm != "auto" and algorithm not in catalogue.ALGORITHMS:
@@ -84,7 +88,7 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     if algorithm == HIERARCHICAL and not isinstance(nodes, NodeShape):
         raise ValueError(f"algorithm 'hierarchical' cannot run on this communicator: "
                          f"{nodes or 'it needs ranks on several nodes'}")
-    if algorithm == "auto" and isinstance(nodes, NodeShape) and HIERARCHICAL in spec.algorithms \
+    if algorithm == "auto" and slow_network and isinstance(nodes, NodeShape) and HIERARCHICAL in spec.algorithms \
             and nbytes >= HIERARCHICAL_MIN_BYTES:
         algorithm = HIERARCHICAL
     if algorithm == HIERARCHICAL:

@@ -84,10 +84,13 @@ def test_node_shape_needs_several_equal_nodes_of_consecutive_ranks():
 def test_tuner_takes_hierarchical_from_its_threshold_and_refuses_it_where_it_cannot_run():
     shape = NodeShape(2, 2, 0, 0)
     big, small = tuner.HIERARCHICAL_MIN_BYTES, tuner.HIERARCHICAL_MIN_BYTES - 4
-    assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, shape).algorithm == "hierarchical"
-    assert tuner.plan("allreduce", "auto", small, 4, "cpu", 2, False, shape).algorithm != "hierarchical"
-    assert tuner.plan("broadcast", "auto", big, 4, "cpu", 2, False, shape).algorithm == "ring"
-    assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, "why not").algorithm == "ring"
+    assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, shape, True).algorithm == "hierarchical"
+    assert tuner.plan("allreduce", "auto", small, 4, "cpu", 2, False, shape, True).algorithm != "hierarchical"
+    assert tuner.plan("broadcast", "auto", big, 4, "cpu", 2, False, shape, True).algorithm == "ring"
+    assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, "why not", True).algorithm == "ring"
+    # GIN at memory speed (simulated nodes, no wire model): the flat ring (measured faster there).
+    assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, shape, False).algorithm == "ring"
+    assert tuner.plan("allreduce", "hierarchical", small, 4, "cpu", 2, False, shape, False).algorithm == "hierarchical"
     with pytest.raises(ValueError, match="cannot run on this communicator: it needs the same number"):
         tuner.plan("allreduce", "hierarchical", big, 5, "cpu", 2, False, node_shape([0, 0, 0, 1, 1], 0))
     with pytest.raises(ValueError, match="implemented for allreduce, allgather, reduce_scatter only, not broadcast"):
