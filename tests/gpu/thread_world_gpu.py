@@ -3,7 +3,9 @@ each rank on its own non-blocking stream; `--path gin` over the copy-engine GIN 
 
     python tests/gpu/thread_world_gpu.py --np 4
     python tests/gpu/thread_world_gpu.py --np 2 --path gin --backend gda --gin-protocol signal-per-put
-Exits non-zero if any element is wrong.
+    COMMREF_NODES=2 python tests/gpu/thread_world_gpu.py --np 4 --path auto --algorithm ring hierarchical
+Exits non-zero if any element is wrong. With simulated nodes (COMMREF_NODES) of several
+ranks each, the sweep includes the hierarchical algorithm.
 """
 
 import argparse
@@ -13,6 +15,7 @@ import time
 from commref.collectives import check
 from commref.collectives.communicator import Communicator
 from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.hierarchical import NodeShape
 from commref.transports.world import ThreadWorld
 
 
@@ -25,10 +28,11 @@ def body(world, args):
         # spinning kernels (the Communicator refuses that stream when ranks share a GPU).
         stream = cupy.cuda.Stream(non_blocking=True)
         stream.use()
-        gin = dict(path=args.path, backend=args.backend, gin_protocol=args.gin_protocol) if args.path == "gin" else {}
+        gin = dict(path=args.path, backend=args.backend, gin_protocol=args.gin_protocol) if args.path != "lsa" else {}
         comm = Communicator(world, "cuda", max_channels=args.channels, **gin)
         try:
-            cases = check.cases(list(COLLECTIVES), args.dtype, args.op, [], args.count, world.size, 1)
+            cases = check.cases(list(COLLECTIVES), args.dtype, args.op, args.algorithm, args.count, world.size, 1,
+                                direct=False, hierarchical=isinstance(comm.node_shape, NodeShape))
             return cases, check.run_sweep(comm, cases, stream=stream)
         finally:
             comm.close()
@@ -41,7 +45,8 @@ def main():
     p.add_argument("--count", type=int, nargs="+", default=[0, 1, 7, 1001, 100003])
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "int8", "float64"])
     p.add_argument("--op", nargs="+", default=["sum", "prod", "max", "min", "avg"])
-    p.add_argument("--path", choices=["lsa", "gin"], default="lsa")
+    p.add_argument("--path", choices=["lsa", "gin", "auto"], default="lsa")
+    p.add_argument("--algorithm", nargs="+", default=[], help="default: every one the communicator can run")
     p.add_argument("--backend", default="proxy")
     p.add_argument("--gin-protocol", default="strong")
     args = p.parse_args()
