@@ -314,8 +314,8 @@ class Communicator:
         worlds; this communicator's options, the algorithm left to their tuners)."""
         if self._hierarchy is None:
             shape = self.node_shape
-            options = self.options.replace(algorithm="auto", max_channels=self.max_channels, nsteps=self.nsteps,
-                                           threads=self.threads, timeout=self.timeout, device_id=self.device_id)
+            options = self.options.replace(algorithm="auto", max_channels=self.max_channels, threads=self.threads,
+                                           timeout=self.timeout, device_id=self.device_id)
             intra = inter = None
             try:
                 intra = Communicator(self.world.split(shape.node, what="hierarchical: the node's ranks"),
