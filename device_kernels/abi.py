@@ -42,6 +42,12 @@ WAIT_WHAT = {
     BUFFER_MISMATCH: "symmetric buffer offset",
 }
 
+# CpuProtocolSupport (args.h): what commref_cpu_protocol_support() (cpu/engine.cpp) reports
+# of this CPU. ATOMIC_16: aligned 16-byte SSE loads and stores are single-copy atomic
+# (x86-64 with AVX; LL relies on it); STORE_ORDER: stores become visible in program order
+# (x86-64; GIN lands LL128 lines by it).
+CPU_ATOMIC_16, CPU_STORE_ORDER = 1, 2
+
 # What a CPU launch returns (commref_cpu_launch in cpu/engine.cpp).
 LAUNCH_OK, LAUNCH_FAILED, LAUNCH_REFUSED = 0, 1, 2  # failed: the ErrorRecord says why; refused: bad grid
 
@@ -56,9 +62,11 @@ OP_CODES = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 # The call descriptor every step carries (CollArgs.callDesc): fields that must agree
 # across ranks, packed as (name, shift, bits). Collective and algorithm codes below.
 CALL_FIELDS = (("collective", 0, 4), ("algorithm", 4, 4), ("dtype", 8, 8), ("op", 16, 8), ("root", 24, 16),
-               ("nchannels", 40, 8))
+               ("nchannels", 40, 8), ("protocol", 48, 4))
 COLLECTIVE_CODES = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "broadcast": 3, "reduce": 4, "alltoall": 5}
 ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2}
+# Protocol (args.h, include/commref/proto.h): how a FIFO step's data and readiness travel.
+PROTOCOL_CODES = {"simple": 0, "ll": 1, "ll128": 2}
 
 # Kernel entry points (COMMREF_KERNEL names in kernels/*.cu): the collectives, which
 # take CollArgs, and the CPU engine's own self-test and benchmark kernels
@@ -78,6 +86,10 @@ GIN_HAS_SIGNAL, GIN_STRONG, GIN_VA, GIN_ADD, GIN_HAS_COUNTER = 1, 2, 4, 8, 16
 
 SLOT_HEADER = 64  # bytes before each FIFO slot's data: call descriptor and count
 FLAG_STRIDE = 64  # bytes between flag words: two writers never share a cache line
+# LL and LL128 slots (proto.h): an LL slot is LL_HEADER bytes of header lines, then an
+# LL_LINE-byte line per 8 data bytes; an LL128 slot is a header line, then an
+# LL128_LINE-byte line per LL128_LINE_DATA data bytes.
+LL_LINE, LL_HEADER, LL128_LINE, LL128_LINE_DATA = 16, 32, 128, 120
 # After the GIN queue's descriptors: the claimed counter, a cache line later the consumed
 # counter, a line later the engine's idle word (uint32, a futex: gin.h).
 GIN_QUEUE_CLAIMED, GIN_QUEUE_CONSUMED, GIN_QUEUE_IDLE, GIN_QUEUE_HEADER = 0, 64, 128, 192
@@ -104,6 +116,12 @@ WINDOW_LAYOUT = np.dtype(
         ("slotBytes", "<u8"),
         ("nsteps", "<u4"),
         ("flagStride", "<u4"),
+        ("llFifoOff", "<u8"),
+        ("llStagingOff", "<u8"),
+        ("ll128FifoOff", "<u8"),
+        ("ll128StagingOff", "<u8"),
+        ("llSlotBytes", "<u8"),
+        ("ll128SlotBytes", "<u8"),
     ],
     align=True,
 )
@@ -183,7 +201,7 @@ COLL_ARGS = np.dtype(
         ("elemSize", "<i4"),
         ("avgDivisor", "<i4"),
         ("streamStores", "<i4"),
-        ("pad", "<i4"),
+        ("protocol", "<i4"),
         ("gin", GIN_ARGS),
         ("symSend", SYM_BUFFER),
         ("symRecv", SYM_BUFFER),
@@ -210,39 +228,63 @@ def _align(x: int, a: int = 64) -> int:
     return (x + a - 1) // a * a
 
 
+def line_slot_bytes(slot_bytes: int) -> tuple[int, int]:
+    """The data bytes of an LL and of an LL128 slot beside Simple slots of `slot_bytes`:
+    a sixteenth (a multiple of 64, at least 64) and a quarter (a multiple of 8 lines'
+    data, LL128_LINE_DATA * 8, at least one such)."""
+    block = LL128_LINE_DATA * 8
+    return max(64, slot_bytes // 16 // 64 * 64), max(block, slot_bytes // 4 // block * block)
+
+
+def slot_strides(slot_bytes: int, ll_slot_bytes: int, ll128_slot_bytes: int) -> tuple[int, int, int]:
+    """Bytes between two slots of the Simple, LL and LL128 regions (protoSlotStride, lsa.h)."""
+    return (slot_bytes + SLOT_HEADER, LL_HEADER + ll_slot_bytes // 8 * LL_LINE,
+            LL128_LINE + ll128_slot_bytes // LL128_LINE_DATA * LL128_LINE)
+
+
 def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: int = 0,
                   gin_counters: int = 0, nranks: int = 1) -> tuple[np.ndarray, int]:
     """The connection window's layout (WindowLayout: the regions args.h describes) for
     up to `nchannels` channels and `nranks` ranks, and its size in bytes. The GIN
-    regions are empty when gin_capacity is 0."""
+    regions are empty when gin_capacity is 0. LL and LL128 slots: line_slot_bytes."""
     lay = np.zeros((), dtype=WINDOW_LAYOUT)
     nin, nout = nchannels * CONN_IN, nchannels * CONN_OUT
-    stride = slot_bytes + SLOT_HEADER
+    ll_bytes, ll128_bytes = line_slot_bytes(slot_bytes)
+    stride, ll_stride, ll128_stride = slot_strides(slot_bytes, ll_bytes, ll128_bytes)
     off = 0
 
     def region(name: str, nbytes: int) -> None:
         nonlocal off
+        if name.startswith("ll128"):  # LL128 lines are aligned 128-byte blocks (proto.h)
+            off = _align(off, LL128_LINE)
         lay[name] = off
         off = _align(off + nbytes)
 
     region("fifoOff", nin * nsteps * stride)
+    region("llFifoOff", nin * nsteps * ll_stride)
+    region("ll128FifoOff", nin * nsteps * ll128_stride)
     region("readyOff", nin * FLAG_STRIDE)
     region("creditOff", nout * FLAG_STRIDE)
     region("stateOff", nchannels * (CONN_IN + CONN_OUT) * 8)
     region("stagingOff", nout * nsteps * stride if gin_capacity else 0)
+    region("llStagingOff", nout * nsteps * ll_stride if gin_capacity else 0)
+    region("ll128StagingOff", nout * nsteps * ll128_stride if gin_capacity else 0)
     region("ginQueueOff", gin_capacity * GIN_DESCRIPTOR.itemsize + (GIN_QUEUE_HEADER if gin_capacity else 0))
     region("ginSignalsOff", gin_signals(nchannels, nsteps)[1] * 8 if gin_capacity else 0)
     region("ginCountersOff", gin_counters * 8)
     region("syncOff", nchannels * (nranks + 1) * FLAG_STRIDE)
     lay["slotBytes"] = slot_bytes
+    lay["llSlotBytes"], lay["ll128SlotBytes"] = ll_bytes, ll128_bytes
     lay["nsteps"] = nsteps
     lay["flagStride"] = FLAG_STRIDE
     return lay, off
 
 
-def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int) -> int:
+def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int,
+              protocol: str = "simple") -> int:
     """The call descriptor (CALL_FIELDS) of one call."""
-    values = (COLLECTIVE_CODES[coll], ALGORITHM_CODES[algorithm], dtype_code, op_code, root, nchannels)
+    values = (COLLECTIVE_CODES[coll], ALGORITHM_CODES[algorithm], dtype_code, op_code, root, nchannels,
+              PROTOCOL_CODES[protocol])
     desc = 0
     for (_, shift, bits), v in zip(CALL_FIELDS, values):
         desc |= (v & ((1 << bits) - 1)) << shift
@@ -251,7 +293,8 @@ def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: in
 
 def unpack_call(desc: int) -> dict:
     """The fields of a call descriptor by name, codes turned back into names where known."""
-    names = {"collective": COLLECTIVE_CODES, "algorithm": ALGORITHM_CODES, "dtype": DTYPE_CODES, "op": OP_CODES}
+    names = {"collective": COLLECTIVE_CODES, "algorithm": ALGORITHM_CODES, "dtype": DTYPE_CODES, "op": OP_CODES,
+             "protocol": PROTOCOL_CODES}
     out = {}
     for name, shift, bits in CALL_FIELDS:
         v = (desc >> shift) & ((1 << bits) - 1)

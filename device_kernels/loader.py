@@ -230,6 +230,14 @@ class CpuKernels:
     def prepare(self, specs) -> None:
         """Nothing to do: the CPU library holds every instance."""
 
+    @functools.cached_property
+    def protocol_support(self) -> int:
+        """abi.CPU_ATOMIC_16 | abi.CPU_STORE_ORDER as this CPU guarantees them
+        (commref_cpu_protocol_support(), cpu/engine.cpp: cpuid at run time)."""
+        fn = self._lib.commref_cpu_protocol_support
+        fn.restype = ctypes.c_uint32
+        return int(fn())
+
     def abi_table(self) -> dict[str, int | str]:
         """The ABI as this build's headers define it (commref_abi_table(), cpu/abi.cpp):
         the table that abi.abi_table() builds from the Python side."""

@@ -34,7 +34,9 @@ namespace {
   F(WindowLayout, fifoOff) F(WindowLayout, readyOff) F(WindowLayout, creditOff) F(WindowLayout, stateOff)       \
   F(WindowLayout, stagingOff) F(WindowLayout, ginQueueOff) F(WindowLayout, ginSignalsOff)                       \
   F(WindowLayout, ginCountersOff) F(WindowLayout, syncOff) F(WindowLayout, slotBytes) F(WindowLayout, nsteps)   \
-  F(WindowLayout, flagStride)                                                                                   \
+  F(WindowLayout, flagStride) F(WindowLayout, llFifoOff) F(WindowLayout, llStagingOff)                           \
+  F(WindowLayout, ll128FifoOff) F(WindowLayout, ll128StagingOff) F(WindowLayout, llSlotBytes)                   \
+  F(WindowLayout, ll128SlotBytes)                                                                               \
   F(ChannelPeers, ringPrev) F(ChannelPeers, ringNext) F(ChannelPeers, treeParent) F(ChannelPeers, treeChild0)   \
   F(ChannelPeers, treeChild1) F(ChannelPeers, treeInAtParent) F(ChannelPeers, treeOutAtParent)                  \
   F(ChannelPeers, ringPos)                                                                                      \
@@ -51,7 +53,7 @@ namespace {
   F(CollArgs, errorRecord) F(CollArgs, abortFlag) F(CollArgs, callDesc) F(CollArgs, timeoutNs)                  \
   F(CollArgs, layout) F(CollArgs, rank) F(CollArgs, nranks) F(CollArgs, root) F(CollArgs, dtype)                \
   F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, avgDivisor) F(CollArgs, streamStores) \
-  F(CollArgs, pad) F(CollArgs, gin) F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)               \
+  F(CollArgs, protocol) F(CollArgs, gin) F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)               \
   F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)
 
 struct Field {
@@ -132,6 +134,8 @@ struct Table {
   C(GIN_HAS_SIGNAL, kGinHasSignal) C(GIN_STRONG, kGinStrongSignal) C(GIN_VA, kGinVaSignal)                     \
   C(GIN_ADD, kGinSignalAdd) C(GIN_HAS_COUNTER, kGinHasCounter)                                                 \
   C(SLOT_HEADER, COMMREF_SLOT_HEADER) C(FLAG_STRIDE, COMMREF_FLAG_STRIDE)                                      \
+  C(LL_LINE, COMMREF_LL_LINE) C(LL_HEADER, COMMREF_LL_HEADER) C(LL128_LINE, COMMREF_LL128_LINE)                \
+  C(LL128_LINE_DATA, COMMREF_LL128_LINE_DATA) C(CPU_ATOMIC_16, kCpuAtomic16) C(CPU_STORE_ORDER, kCpuStoreOrder)   \
   C(GIN_QUEUE_CLAIMED, COMMREF_GIN_QUEUE_CLAIMED) C(GIN_QUEUE_CONSUMED, COMMREF_GIN_QUEUE_CONSUMED) C(GIN_QUEUE_IDLE, COMMREF_GIN_QUEUE_IDLE)            \
   C(GIN_QUEUE_HELP_FN, COMMREF_GIN_QUEUE_HELP_FN) C(GIN_QUEUE_HELP_CTX, COMMREF_GIN_QUEUE_HELP_CTX)                                                      \
   C(GIN_QUEUE_HEADER, COMMREF_GIN_QUEUE_HEADER)
@@ -143,6 +147,8 @@ struct Table {
   C(COLLECTIVE_CODES, kReduceScatter, "reduce_scatter") C(COLLECTIVE_CODES, kBroadcast, "broadcast")           \
   C(COLLECTIVE_CODES, kReduce, "reduce") C(COLLECTIVE_CODES, kAlltoAll, "alltoall")                            \
   C(ALGORITHM_CODES, kRing, "ring") C(ALGORITHM_CODES, kTree, "tree") C(ALGORITHM_CODES, kDirect, "direct")    \
+  C(PROTOCOL_CODES, kProtoSimple, "simple") C(PROTOCOL_CODES, kProtoLL, "ll")                                  \
+  C(PROTOCOL_CODES, kProtoLL128, "ll128")                                                                      \
   C(GIN_PROTOCOLS, kGinStrong, "strong") C(GIN_PROTOCOLS, kGinWeakLast, "weak-last")                           \
   C(GIN_PROTOCOLS, kGinSignalPerPut, "signal-per-put") C(GIN_PROTOCOLS, kGinFlushSignal, "flush-signal")
 

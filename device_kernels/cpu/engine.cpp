@@ -386,3 +386,14 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*
   while (L.departed.load(std::memory_order_acquire) != grid - 1) sched_yield();  // brief: workers are leaving
   return L.failed.load();
 }
+
+// CpuProtocolSupport (args.h) of the CPU this runs on: the host refuses LL, and LL and
+// LL128 over GIN, where a guarantee they rely on is missing (proto.h).
+extern "C" __attribute__((visibility("default"))) uint32_t commref_cpu_protocol_support() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return kCpuStoreOrder | (__builtin_cpu_supports("avx") ? kCpuAtomic16 : 0u);
+#else
+  return 0;
+#endif
+}

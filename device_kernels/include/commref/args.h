@@ -21,9 +21,13 @@ enum ConnOut { kOutRing = 0, kOutTreeParent = 1, kOutTreeChild0 = 2, kOutTreeChi
 
 // Where each piece of connection state lives inside every rank's connection window.
 // The layout is symmetric: the same offsets on every rank.
-//   fifo[c][k][s]     a slot: a 64-byte header (call descriptor, count) then slotBytes
-//                     of data; written by the sender of inbound FIFO k (LSA: directly,
-//                     GIN: by the proxy, from the sender's staging slot)
+//   fifo[c][k][s]     a Simple slot: a 64-byte header (call descriptor, count) then
+//                     slotBytes of data; written by the sender of inbound FIFO k (LSA:
+//                     directly, GIN: by the proxy, from the sender's staging slot)
+//   llFifo[c][k][s]   an LL slot (proto.h): 32 bytes of header lines, then 16-byte lines
+//                     carrying llSlotBytes of data; likewise llStaging[c][j][s]
+//   ll128Fifo[c][k][s] an LL128 slot (proto.h): a 128-byte header line, then 128-byte
+//                     lines carrying ll128SlotBytes of data; likewise ll128Staging
 //   ready[c][k]       uint64 steps posted (LSA)   written by that sender (release)
 //   credit[c][j]      uint64 steps consumed (LSA) written by the receiver of outbound j
 //   stepState         uint64 per (c, k) and (c, j): this rank's persistent step counters
@@ -37,12 +41,24 @@ enum ConnOut { kOutRing = 0, kOutTreeParent = 1, kOutTreeChild0 = 2, kOutTreeChi
 // cache line.
 #define COMMREF_SLOT_HEADER 64
 #define COMMREF_FLAG_STRIDE 64  // bytes between flag words (WindowLayout.flagStride holds it)
+// LL and LL128 slots (proto.h): an LL slot is COMMREF_LL_HEADER bytes of header lines,
+// then a COMMREF_LL_LINE-byte line per 8 data bytes; an LL128 slot is one header line,
+// then a COMMREF_LL128_LINE-byte line per COMMREF_LL128_LINE_DATA data bytes.
+#define COMMREF_LL_LINE 16
+#define COMMREF_LL_HEADER 32  // two lines: the first data lines share their 64-byte cache line
+#define COMMREF_LL128_LINE 128
+#define COMMREF_LL128_LINE_DATA 120
 struct WindowLayout {
   uint64_t fifoOff, readyOff, creditOff, stateOff, stagingOff;
   uint64_t ginQueueOff, ginSignalsOff, ginCountersOff;
   uint64_t syncOff;
   uint64_t slotBytes;  // data bytes per slot; a slot occupies slotBytes + COMMREF_SLOT_HEADER
   uint32_t nsteps, flagStride;  // flagStride: COMMREF_FLAG_STRIDE
+  // The LL and LL128 regions (proto.h: each protocol's slots are its own, so a flag is
+  // only ever compared with lines that protocol wrote). Staging: GIN only (0 bytes else).
+  uint64_t llFifoOff, llStagingOff, ll128FifoOff, ll128StagingOff;
+  uint64_t llSlotBytes;     // data bytes per LL slot (a multiple of 8)
+  uint64_t ll128SlotBytes;  // data bytes per LL128 slot (a multiple of COMMREF_LL128_LINE_DATA)
 };
 
 // The neighbours of this rank in channel c (-1 where there is none). A channel's ring
@@ -125,11 +141,15 @@ struct SymBuffer {
   X(dtype, 8, 8)        /* DataType (reduce.h) */ \
   X(op, 16, 8)          /* RedOp (reduce.h) */ \
   X(root, 24, 16)       /* rooted collectives; 0 otherwise */ \
-  X(nchannels, 40, 8)
+  X(nchannels, 40, 8)   \
+  X(protocol, 48, 4)    /* Protocol (proto.h) */
 enum Collective : uint32_t {
   kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kReduce = 4, kAlltoAll = 5
 };
 enum Algorithm : uint32_t { kRing = 0, kTree = 1, kDirect = 2 };
+// How a step's data and its readiness travel through a FIFO slot (proto.h). The direct
+// kernels use no FIFO: their calls carry kProtoSimple.
+enum Protocol : uint32_t { kProtoSimple = 0, kProtoLL = 1, kProtoLL128 = 2 };
 
 struct CollArgs {
   uint64_t sendbuf, recvbuf;  // device addresses
@@ -146,7 +166,7 @@ struct CollArgs {
   int32_t avgDivisor;         // what the rank that finishes a reduction divides it by: nranks for op
                               //    avg, 0 for none; a hierarchical phase's final step: the whole job's ranks
   int32_t streamStores;       // CPU: 1 = stream what another agent reads next past the cache (move.h)
-  int32_t pad;
+  int32_t protocol;           // Protocol of every FIFO step of the call (proto.h)
   GinArgs gin;
   SymBuffer symSend, symRecv;  // direct kernels only
   ChannelPeers peers[COMMREF_MAX_CHANNELS];
@@ -154,6 +174,13 @@ struct CollArgs {
 
 struct CopyArgs {  // engine self-test and benchmark kernels
   uint64_t src, dst, bytes;
+};
+
+// What this CPU guarantees of the accesses the line protocols rely on (proto.h), as
+// commref_cpu_protocol_support() (cpu/engine.cpp) reports it at run time.
+enum CpuProtocolSupport : uint32_t {
+  kCpuAtomic16 = 1u << 0,    // an aligned 16-byte SSE load or store is single-copy atomic (x86-64 with AVX): LL
+  kCpuStoreOrder = 1u << 1   // stores become visible in program order (x86-64, TSO): GIN lands LL128 lines in order
 };
 
 // What running a kernel on the CPU engine returns (commref_cpu_launch, cpu/engine.cpp).

@@ -28,9 +28,23 @@
 // wait for nothing and post nothing (no header, ready, credit or descriptor).
 // Signals: ready of slot s of inbound (c, k) at (c*4 + k)*nsteps + s of the receiver,
 // credit of outbound (c, j) at creditSignalBase + c*4 + j of the sender. Context = channel.
+//
+// LL and LL128 steps (proto.h) move their data in lines of their own slots, which the
+// receiver polls; credits work as above. Every step of every protocol also publishes its
+// Simple slot's header (call descriptor, count) and readiness after its data (the ready
+// word over LSA; over GIN a put of the header with the slot's ready signals), so that
+//   - a Simple receiver facing a sender in another protocol reads that header and fails
+//     with kMismatch (the descriptor carries the protocol), and an LL or LL128 receiver
+//     looks at it while it waits for its header lines (connWaitHeaderLines): a peer in
+//     another protocol is a CommMismatch, not a timeout;
+//   - the GIN ready signals of a slot count every use of the slot, whatever the protocol
+//     of each, so the counts a Simple receiver waits for stay right.
+// Over GIN the sender stages its lines and puts them in one put without a signal: the
+// proxy lands them line by line (land.h) and the receiver polls the flags.
 #pragma once
 #include "gin.h"
 #include "lsa.h"
+#include "proto.h"
 
 
 struct SendConnection {
@@ -43,6 +57,7 @@ struct SendConnection {
   uint64_t stagingOff;     // GIN: the staging slots' offset in this rank's window
   uint32_t readySignal;    // GIN: the receiver's ready signal of slot 0 (slot s: + s)
   uint64_t* stepState;
+  int out, inAtPeer;       // this link's outbound index here, its inbound FIFO at the peer (LL, LL128 slots)
 };
 
 struct RecvConnection {
@@ -53,6 +68,7 @@ struct RecvConnection {
   uint64_t* credit;        // LSA: in the sender's window
   uint32_t creditSignal;   // GIN: the sender's credit signal index
   uint64_t* stepState;
+  int in;                  // this rank's inbound FIFO index (LL, LL128 slots)
 };
 
 static __device__ __forceinline__ bool overGin(const CollArgs& a, int peer) { return (a.gin.peerMask >> peer) & 1; }
@@ -78,6 +94,8 @@ static __device__ SendConnection makeSend(const CollArgs& a, int c, int out, int
     s.credit = creditWord(a, a.rank, c, out);
   }
   s.stepState = stepStateOf(a, c, COMMREF_CONN_IN + out);
+  s.out = out;
+  s.inAtPeer = inAtPeer;
   return s;
 }
 
@@ -99,6 +117,7 @@ static __device__ RecvConnection makeRecv(const CollArgs& a, int c, int in, int 
     r.credit = creditWord(a, peer, c, outAtPeer);
   }
   r.stepState = stepStateOf(a, c, in);
+  r.in = in;
   return r;
 }
 
@@ -132,18 +151,21 @@ static __device__ __forceinline__ void connWaitCredit(const SendConnection& s, u
 static __device__ __forceinline__ char* connSendData(const SendConnection& s, uint64_t step, const CollArgs& a) {
   return s.slots + (step % a.layout.nsteps) * slotStride(a) + COMMREF_SLOT_HEADER;
 }
+// Writes the call descriptor and count into the Simple slot of step `step` (the
+// receiver's over LSA, this rank's staging over GIN) and, over LSA, releases the ready
+// word: the step is published. Over GIN the caller then puts the slot; returns s.gin.
+static __device__ __forceinline__ bool connPublishHeader(const SendConnection& s, uint64_t step, const CollArgs& a) {
+  uint64_t* h = (uint64_t*)(s.slots + (step % a.layout.nsteps) * slotStride(a));
+  h[0] = a.callDesc;
+  h[1] = a.count;
+  if (!s.gin) store_release(s.ready, step + 1);
+  return s.gin;
+}
 // Publishes step `step` carrying `bytes` of data. Thread 0, after the block's __syncthreads().
 static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t bytes, const CollArgs& a,
                                 KernelEnv& env) {
-  if (env.failed) return;
+  if (env.failed || !connPublishHeader(s, step, a)) return;
   const uint64_t slot = (step % a.layout.nsteps) * slotStride(a);
-  uint64_t* h = (uint64_t*)(s.slots + slot);
-  h[0] = a.callDesc;
-  h[1] = a.count;
-  if (!s.gin) {
-    store_release(s.ready, step + 1);
-    return;
-  }
   Gin g{a, env};
   const uint64_t total = COMMREF_SLOT_HEADER + bytes, dst = s.peerFifoOff + slot, src = s.stagingOff + slot;
   const uint64_t readySignal = s.readySignal + step % a.layout.nsteps;
@@ -199,4 +221,112 @@ static __device__ __forceinline__ void connRelease(const RecvConnection& r, uint
   } else {
     store_release(r.credit, step + 1);
   }
+}
+
+// ---- LL and LL128 steps (proto.h) ----
+
+// Slot `step` of the connection's `proto` (LL or LL128) slots, where its header lines
+// start: of the receiver's FIFO (LSA), of this rank's staging (GIN), of this rank's FIFO.
+static __device__ __forceinline__ uint64_t lineSlot(const CollArgs& a, uint32_t proto, uint64_t step) {
+  return (step % a.layout.nsteps) * protoSlotStride(a, proto);
+}
+static __device__ __forceinline__ char* connSendLines(const SendConnection& s, uint32_t proto, uint64_t step,
+                                                      const CollArgs& a) {
+  const uint64_t at = lineSlot(a, proto, step);
+  if (s.gin) return windowOf(a, a.rank) + stagingOffset(a, s.channel, s.out, proto) + at;
+  return windowOf(a, s.peer) + fifoOffset(a, s.channel, s.inAtPeer, proto) + at;
+}
+static __device__ __forceinline__ const char* connRecvLines(const RecvConnection& r, uint32_t proto, uint64_t step,
+                                                            const CollArgs& a) {
+  return windowOf(a, a.rank) + fifoOffset(a, r.channel, r.in, proto) + lineSlot(a, proto, step);
+}
+
+// Writes the header lines of step `step` (call descriptor and count, with the step's
+// flag). Thread 0, once the step's credit is in: the receiver may check the header while
+// the block still writes the data.
+static __device__ void connPostHeaderLines(const SendConnection& s, uint32_t proto, uint64_t step, const CollArgs& a,
+                                           const KernelEnv& env) {
+  if (env.failed) return;
+  char* slot = connSendLines(s, proto, step, a);
+  const uint64_t flag = stepFlag(step);
+  if (proto == kProtoLL) {
+    llStoreLine(slot, a.callDesc, flag);
+    llStoreLine(slot + COMMREF_LL_LINE, a.count, flag);
+  } else {
+    ll128StoreHeader(slot, a.callDesc, a.count, flag);
+  }
+}
+
+// Whether the Simple slot of step `step` shows that the sender published the step (every
+// protocol does, after its data) under another call descriptor or count: then the step
+// fails with kMismatch (recorded) and it returns true. Thread 0.
+static __device__ bool connProbeMismatch(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
+  if (r.gin) {
+    if (!a.gin.checkHeaders) return false;  // a weak protocol's header may land after its signal
+    const uint64_t least = (step / a.layout.nsteps + 1) * signalsPerSlot(a);
+    if ((int64_t)(load_acquire(r.ready + step % a.layout.nsteps) - least) < 0) return false;
+  } else if (load_acquire(r.ready) < step + 1) {
+    return false;
+  }
+  const uint64_t* h = (const uint64_t*)(r.slots + (step % a.layout.nsteps) * slotStride(a));
+  if (h[0] != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, h[0]);
+  else if (h[1] != a.count) commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, h[1]);
+  return env.failed;
+}
+
+// Waits for the header lines of step `step` and checks them (as connWaitReady checks a
+// Simple header). Thread 0. Bounded like every wait; every 64 polls it also probes the
+// Simple slot (connProbeMismatch), where a sender in another protocol publishes.
+static __device__ void connWaitHeaderLines(const RecvConnection& r, uint32_t proto, uint64_t step, const CollArgs& a,
+                                           KernelEnv& env) {
+  if (env.failed) return;
+  const char* slot = connRecvLines(r, proto, step, a);
+  const uint64_t flag = stepFlag(step);
+  const uint64_t* help = nullptr;
+  if (r.gin) {  // the lines come through the engine (network shm: kernels help it, gin.h)
+    Gin g{a, env};
+    g.wakeEngine();
+    help = g.helpHook();
+  }
+  uint64_t desc = 0, count = 0, seen = 0, start = 0;
+  for (uint32_t spins = 0;; spins++) {
+    if (proto == kProtoLL) {
+      uint64_t f1;
+      llLoadLine(slot, desc, seen);
+      llLoadLine(slot + COMMREF_LL_LINE, count, f1);
+      if (seen == flag && f1 == flag) break;
+    } else if (ll128ReadHeader(slot, flag, desc, count, seen)) {
+      break;
+    }
+    if (spins == 0) {
+      start = commref_now_ns();
+    } else if ((spins & 63) == 0) {
+      if (connProbeMismatch(r, step, a, env)) return;
+      if (!keepWaiting(env, start, kWaitRecvReady, r.peer, r.channel, flag, seen)) return;
+    }
+    if (help) commref_help_progress(help);
+    commref_spin_pause(spins + 1);
+  }
+  if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, desc);
+  else if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, count);
+}
+
+// Publishes step `step`, whose `lineBytes` of header and data lines the block has
+// written: its Simple slot's header and readiness (see the top of this file); over GIN
+// first the put of the staged lines. Thread 0, after the block's barrier.
+static __device__ void connPostLines(const SendConnection& s, uint32_t proto, uint64_t step, uint64_t lineBytes,
+                                     const CollArgs& a, KernelEnv& env) {
+  if (env.failed || !connPublishHeader(s, step, a)) return;
+  const uint64_t slot = (step % a.layout.nsteps) * slotStride(a);
+  Gin g{a, env};
+  const uint64_t lines = lineSlot(a, proto, step);
+  g.put(s.channel, s.peer, fifoOffset(a, s.channel, s.inAtPeer, proto) + lines,
+        stagingOffset(a, s.channel, s.out, proto) + lines, lineBytes, NoSignal());
+  // The header, with as many ready signals as a Simple step of this slot sends.
+  const uint64_t readySignal = s.readySignal + step % a.layout.nsteps;
+  g.put(s.channel, s.peer, s.peerFifoOff + slot, s.stagingOff + slot, COMMREF_SLOT_HEADER,
+        a.gin.protocol == kGinStrong ? StrongSignalInc(readySignal) : WeakSignalInc(readySignal));
+  for (uint32_t i = 1; i < signalsPerSlot(a); i++) g.signal(s.channel, s.peer, WeakSignalInc(readySignal));
+  if (a.gin.doorbells) g.doorbell(s.channel, s.peer);
+  commref_help_progress(g.helpHook());
 }

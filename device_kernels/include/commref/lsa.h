@@ -23,12 +23,25 @@ static __device__ __forceinline__ uint64_t* stepStateOf(const CollArgs& a, int c
 static __device__ __forceinline__ uint64_t slotStride(const CollArgs& a) {
   return a.layout.slotBytes + COMMREF_SLOT_HEADER;
 }
-// Offsets, within a window, of inbound FIFO (c, k) and of outbound staging (c, j).
-static __device__ __forceinline__ uint64_t fifoOffset(const CollArgs& a, int c, int k) {
-  return a.layout.fifoOff + ((uint64_t)c * COMMREF_CONN_IN + k) * a.layout.nsteps * slotStride(a);
+// Bytes between two slots of protocol `proto`'s FIFO (and staging) regions (args.h).
+static __device__ __forceinline__ uint64_t protoSlotStride(const CollArgs& a, uint32_t proto) {
+  if (proto == kProtoLL) return COMMREF_LL_HEADER + a.layout.llSlotBytes / 8 * COMMREF_LL_LINE;
+  if (proto == kProtoLL128)
+    return COMMREF_LL128_LINE + a.layout.ll128SlotBytes / COMMREF_LL128_LINE_DATA * COMMREF_LL128_LINE;
+  return slotStride(a);
 }
-static __device__ __forceinline__ uint64_t stagingOffset(const CollArgs& a, int c, int j) {
-  return a.layout.stagingOff + ((uint64_t)c * COMMREF_CONN_OUT + j) * a.layout.nsteps * slotStride(a);
+// Offsets, within a window, of inbound FIFO (c, k) and of outbound staging (c, j) of
+// protocol `proto` (Simple by default).
+static __device__ __forceinline__ uint64_t fifoOffset(const CollArgs& a, int c, int k, uint32_t proto = kProtoSimple) {
+  const uint64_t base = proto == kProtoLL ? a.layout.llFifoOff : proto == kProtoLL128 ? a.layout.ll128FifoOff
+                                                                                      : a.layout.fifoOff;
+  return base + ((uint64_t)c * COMMREF_CONN_IN + k) * a.layout.nsteps * protoSlotStride(a, proto);
+}
+static __device__ __forceinline__ uint64_t stagingOffset(const CollArgs& a, int c, int j,
+                                                         uint32_t proto = kProtoSimple) {
+  const uint64_t base = proto == kProtoLL ? a.layout.llStagingOff : proto == kProtoLL128 ? a.layout.ll128StagingOff
+                                                                                         : a.layout.stagingOff;
+  return base + ((uint64_t)c * COMMREF_CONN_OUT + j) * a.layout.nsteps * protoSlotStride(a, proto);
 }
 static __device__ __forceinline__ uint64_t* readyWord(const CollArgs& a, int rank, int c, int k) {
   return (uint64_t*)(windowOf(a, rank) + a.layout.readyOff + ((uint64_t)c * COMMREF_CONN_IN + k) * a.layout.flagStride);

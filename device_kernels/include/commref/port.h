@@ -66,12 +66,13 @@ typedef long long int64_t;
 // The most threads per block a kernel is compiled for: __launch_bounds__(512, 1), the
 // GPU default block (collectives/tuner.py). The host refuses more than a kernel's
 // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, so correctness does not hang on it. ptxas
-// (CUDA 13, sm_90, float32-sum module; registers / stack bytes / spill store+load bytes):
+// (CUDA 13, sm_90, float32-sum module; registers / stack bytes / spill store+load bytes;
+// the chosen column with the LL and LL128 paths in the flow primitives):
 //                     (1024), by-value args   (512)                (512, 1): chosen
-//   ring allreduce    64 / 1248 / 300+596     64 / 496 / 364+456   96 / 400 / 0
-//   ring allgather    64 / 1216 / 164+288     64 / 464 / 132+292   84 / 400 / 0
-//   tree allreduce    64 / 1968 / 120+184     64 / 1136 / 88+96    85 / 1104 / 0
-//   direct allreduce  64 / 1840 / 20+16       63 / 1440 / 0        78 / 1440 / 0
+//   ring allreduce    64 / 1248 / 300+596     64 / 496 / 364+456   124 / 544 / 0
+//   ring allgather    64 / 1216 / 164+288     64 / 464 / 132+292   115 / 544 / 0
+//   tree allreduce    64 / 1968 / 120+184     64 / 1136 / 88+96    114 / 1312 / 0
+//   direct allreduce  64 / 1840 / 20+16       63 / 1440 / 0        78 / 1088 / 0
 // The first column is before __grid_constant__ as well, which alone took ~800 bytes of
 // stack off each kernel. 1024 caps a thread at 64 registers and spills around every
 // step; 512 alone still made ptxas aim at two blocks per SM (64 registers); with

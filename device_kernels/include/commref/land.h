@@ -1,0 +1,32 @@
+// commref/land.h — how a GIN proxy of the CPU engine lands a put's bytes in a window that
+// kernels poll (transports/gin: host_atomics.cpp for the Python proxy, native_engine.cpp).
+// Host code only; the line protocols it serves are described in proto.h.
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+// Copies n bytes from src to dst so that every 16-byte aligned line of dst is written by
+// one MOVDQA (inline assembly: the compiler neither splits nor merges it), lines in
+// ascending address order, the bytes before the first line and after the last one by
+// plain stores, before and after the lines. So a kernel polling LL lines sees each line
+// whole (on CPUs with AVX, as LL itself needs), and one polling an LL128 line's flag sees
+// the line's data first (x86-64 stores become visible in program order).
+static inline void landLines(void* to, const void* from, uint64_t n) {
+  char* dst = (char*)to;
+  const char* src = (const char*)from;
+  uint64_t head = (16 - ((uint64_t)(uintptr_t)dst & 15)) & 15;
+  if (head > n) head = n;
+  uint64_t i = 0;
+  for (; i < head; i++) dst[i] = src[i];
+  for (; i + 16 <= n; i += 16) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)(src + i));
+    asm volatile("movdqa %1, %0" : "=m"(*(__m128i*)(dst + i)) : "x"(v) : "memory");
+  }
+  for (; i < n; i++) dst[i] = src[i];
+}
+#else
+// Not x86-64: a plain copy (transports/gin/plan.py refuses LL and LL128 over GIN there).
+static inline void landLines(void* to, const void* from, uint64_t n) { memcpy(to, from, n); }
+#endif
