@@ -1,5 +1,6 @@
 """Host atomics for GIN: 64-bit fetch-add (acq_rel), acquire load and release store on
-raw addresses, from a tiny C++ shim (host_atomics.cpp) built once per cache key by
+raw addresses, and the copy that lands a put's bytes where kernels poll them
+(include/commref/land.h), from a tiny C++ shim (host_atomics.cpp) built once per cache key by
 commref.device_kernels.loader.build_library and loaded through ctypes once per
 process. The proxy uses them on its queue words and to apply signals and counters; the
 ordering study's stress uses them for its queue and control words.
@@ -23,14 +24,16 @@ SOURCE = Path(__file__).resolve().with_name("host_atomics.cpp")
 
 @dataclass(frozen=True)
 class HostAtomics:
-    """The shim's three functions, as ctypes callables on integer addresses:
+    """The shim's functions, as ctypes callables on integer addresses:
     add_u64(addr, v) -> old value, load_acquire_u64(addr) -> value,
-    store_release_u64(addr, v)."""
+    store_release_u64(addr, v), land(dst, src, nbytes) (landLines: each aligned 16-byte
+    line of dst by one store, in ascending order)."""
 
     path: Path
     add_u64: object
     load_acquire_u64: object
     store_release_u64: object
+    land: object
 
 
 def _under_tsan() -> bool:
@@ -41,7 +44,7 @@ def _under_tsan() -> bool:
 def host_atomics() -> HostAtomics:
     """The process's host atomics (built or found in the cache on first use)."""
     flags = loader.TSAN_FLAGS if _under_tsan() else loader.CPU_FLAGS
-    path = loader.build_library("commref_gin_atomics", [SOURCE], flags)
+    path = loader.build_library("commref_gin_atomics", [SOURCE], flags, include_dirs=(loader.INCLUDE_DIR,))
     lib = ctypes.CDLL(str(path))
     add = lib.commref_gin_atomic_add_u64
     add.argtypes, add.restype = [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_uint64
@@ -49,4 +52,6 @@ def host_atomics() -> HostAtomics:
     load.argtypes, load.restype = [ctypes.c_void_p], ctypes.c_uint64
     store = lib.commref_gin_store_release_u64
     store.argtypes, store.restype = [ctypes.c_void_p, ctypes.c_uint64], None
-    return HostAtomics(path, add, load, store)
+    land = lib.commref_gin_land
+    land.argtypes, land.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64], None
+    return HostAtomics(path, add, load, store, land)

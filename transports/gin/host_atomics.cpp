@@ -5,6 +5,8 @@
 // (include/commref/atomics.h: system-scope acquire / release).
 #include <cstdint>
 
+#include "commref/land.h"
+
 extern "C" __attribute__((visibility("default"))) uint64_t commref_gin_atomic_add_u64(uint64_t* p, uint64_t v) {
   return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);  // release: data landed before is visible first
 }
@@ -13,4 +15,8 @@ extern "C" __attribute__((visibility("default"))) uint64_t commref_gin_load_acqu
 }
 extern "C" __attribute__((visibility("default"))) void commref_gin_store_release_u64(uint64_t* p, uint64_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+// A put's bytes landed where kernels may poll them: landLines (commref/land.h).
+extern "C" __attribute__((visibility("default"))) void commref_gin_land(void* dst, const void* src, uint64_t n) {
+  landLines(dst, src, n);
 }

@@ -12,7 +12,8 @@
 // taker at a time takes every descriptor in slot order, so each (peer, ctx) is FIFO: the
 // engine thread, or on network shm a CPU kernel through the queue's help hook (gin.h,
 // "Help"; the `taking_` flag below decides who):
-//   put:      memcpy src (this window) -> dst (peer window); counter (release add, this
+//   put:      src (this window) -> dst (peer window) by landLines (commref/land.h: line
+//             by line, in order, for kernels polling LL lines); counter (release add, this
 //             rank's counters + 8*id) once the source is copied; signal (release add,
 //             index: peer window + signals offset + 8*id, VA: peer window + offset);
 //   putValue: the 8-byte value stored at dst of the peer, then its signal;
@@ -76,6 +77,7 @@
 #include <vector>
 
 #include "commref/gin.h"
+#include "commref/land.h"
 
 #ifdef COMMREF_GIN_MPI
 #include <mpi.h>
@@ -528,7 +530,7 @@ class Engine {
     if (mpi()) {
       if (!mpiPut(d, src, nbytes, value, counter, seq, &counted)) return false;
     } else {
-      if (nbytes) std::memcpy(peer + d.dstOffset, src, nbytes);
+      if (nbytes) landLines(peer + d.dstOffset, src, nbytes);  // kernels may poll LL lines there
       if (counter) bumpCounter(d.counter);
       if (hasSignal)  // after the data: release
         __atomic_fetch_add(reinterpret_cast<uint64_t*>(peer + (va ? d.signal : cfg_.signalsOff + 8 * d.signal)), value,
@@ -690,7 +692,7 @@ class Engine {
   // Does what `l`, whose data is in the window, leaves to do. False on failure.
   bool finish(int32_t src, Landing& l) {
     const MpiHeader& h = l.h;
-    if (!l.held.empty()) std::memcpy(here_ + h.offset, l.held.data(), l.held.size());
+    if (!l.held.empty()) landLines(here_ + h.offset, l.held.data(), l.held.size());
     if (h.kind == kMsgPut && (h.flags & kMsgHasSignal)) {  // after its data: release
       const uint64_t where = h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal;
       __atomic_fetch_add(reinterpret_cast<uint64_t*>(here_ + where), h.value, __ATOMIC_RELEASE);
@@ -775,7 +777,7 @@ class Engine {
         return fail(who() + "GIN MPI network: a message from peer " + std::to_string(src) + " carries " +
                     std::to_string(bodyBytes) + " bytes of data, its header says " + std::to_string(h.size));
       if (q.empty()) {  // nothing of this source before it is unfinished: land it now
-        if (h.size) std::memcpy(here_ + h.offset, rbuf_.data() + sizeof h, h.size);
+        if (h.size) landLines(here_ + h.offset, rbuf_.data() + sizeof h, h.size);
         return finish(src, l);
       }
       l.held.assign(rbuf_.data() + sizeof h, rbuf_.data() + count);

@@ -9,6 +9,7 @@ machine cannot do with a CapabilityError that names what is missing.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -51,6 +52,39 @@ class GinPlan:
         gin_args["checkHeaders"] = int(o.protocol == GinProtocol.STRONG)
         gin_args["creditSignalBase"] = abi.gin_signals(max_channels, nsteps)[0]
         gin_args["doorbells"] = int(self.used and not self.transport.ordered)
+
+    def protocol_refusal(self, protocol: str, device: str, cpu_support: int) -> str | None:
+        """Why this plan's GIN connections cannot carry `protocol` ("simple", "ll",
+        "ll128"; include/commref/proto.h), or None when they can (always for simple, and
+        when no peer is over GIN). LL and LL128 lines land as the proxy writes them while
+        the receiver polls, so they run only where the ordering study proves the cell
+        that models this wire safe (line_cell) and the proxy can land lines as that cell
+        assumes: on the CPU engine (abi.CPU_ATOMIC_16 for LL's whole lines,
+        abi.CPU_STORE_ORDER for the order of LL128's), on network shm."""
+        if not self.used or protocol == "simple":
+            return None
+        name = protocol.upper()
+        if device == "cuda":
+            return (f"{name} over GIN on GPUs: the copy-engine proxy promises neither whole 16-byte lines nor the "
+                    f"order of a line's bytes (use protocol simple)")
+        if self.network == "mpi":
+            return (f"{name} over GIN on network mpi: MPI may receive a put's bytes straight into the window, in no "
+                    f"order or grain that a cell of the ordering study models (use network shm or protocol simple)")
+        need = abi.CPU_ATOMIC_16 if protocol == "ll" else abi.CPU_STORE_ORDER
+        if not cpu_support & need:
+            what = ("aligned 16-byte stores that are single-copy atomic (x86-64 with AVX)" if protocol == "ll"
+                    else "stores that become visible in program order (x86-64)")
+            return f"{name} over GIN: the proxy lands lines with {what}, which this CPU does not guarantee"
+        cell = line_cell(protocol, self.transport, self.options.segment_bytes)
+        if cell is None:
+            return (f"{name} over GIN with segment_bytes {self.options.segment_bytes}: the wire may cut a line at a "
+                    f"byte that no cell of the ordering study models (use a multiple of 8)")
+        row, column = cell
+        if not study_safe(row, column):
+            return (f"{name} over GIN on the {self.transport.name} wire (segment_bytes "
+                    f"{self.options.segment_bytes}): the ordering study finds {row} on {column} unsafe "
+                    f"(commref study --protocol {row} --transport {column}); use protocol simple")
+        return None
 
     def start_proxy(self, world, window, layout, observer=None, engine: str | None = None, region=None,
                     device: str = "cpu", device_id: int = 0):
@@ -99,6 +133,61 @@ class GinPlan:
                              o.segment_bytes, mpi_comm, observer, mpi_tag=mpi_tag, faults=o.fault)
         proxy.start()
         return proxy
+
+
+def protocol_refusal_before_start(options: GinOptions, backend: Backend, protocol: str, device: str) -> str | None:
+    """What GinPlan.protocol_refusal says of `protocol` for GIN connections with
+    `options` on `backend`, from what is known before any rank starts (the device if
+    named, an explicit network; the CPU's guarantees are checked by the ranks)."""
+    if options.path == Path.LSA:
+        return None
+    transport = semantics.Transport(options.wire.value, ordered=options.wire == Wire.ORDERED,
+                                    flush_orders_later_writes=backend.caps.local_completion_orders_later_writes)
+    network = None if options.network == Network.AUTO else options.network.value
+    plan = GinPlan(options, peer_mask=1, backend=backend, transport=transport, network=network)
+    return plan.protocol_refusal(protocol, device, abi.CPU_ATOMIC_16 | abi.CPU_STORE_ORDER)
+
+
+def line_cell(protocol: str, transport: semantics.Transport, segment_bytes: int) -> tuple[str, str] | None:
+    """The cell of the ordering study (docs/ordering.md: protocol row, model column) that
+    models `protocol`'s lines ("ll" or "ll128") landing on a wire of `transport` that
+    places `segment_bytes` at a time, or None where no cell models the landing.
+
+    The proxies land each segment with landLines (include/commref/proto.h): every
+    aligned 16-byte line by one store, in ascending address order. Segments are cut at
+    multiples of segment_bytes of the destination (semantics.segments). So:
+      - row: an LL line lands whole when segment_bytes is a multiple of 16 (ll-flag), as
+        two 8-byte halves when only a multiple of 8 (ll-flag-8B); an LL128 line's data
+        and flag are separate 8-byte units either way (ll-flag-8B: safe only where the
+        units of a line land in order);
+      - column: ordered is the ordered wire; on the unordered one, segments that are whole
+        128-byte blocks (segment_bytes a multiple of 128) land each aligned block of a
+        put in order (unordered+block128); otherwise unordered, or unordered+flush_orders
+        where a flush orders later writes (what is safe without that is safe with it).
+    The runtime wires place no duplicates (the lossy layer drops them)."""
+    if segment_bytes % 8:
+        return None
+    row = "ll-flag" if protocol == "ll" and segment_bytes % 16 == 0 else "ll-flag-8B"
+    if transport.ordered:
+        column = "ordered"
+    elif transport.duplicates:
+        column = "unordered+duplicates"
+    elif transport.placement == "block128" or segment_bytes % semantics.BLOCK_BYTES == 0:
+        column = "unordered+block128"
+    elif transport.flush_orders_later_writes:
+        column = "unordered+flush_orders"
+    else:
+        column = "unordered"
+    return row, column
+
+
+@functools.lru_cache(maxsize=None)
+def study_safe(row: str, column: str) -> bool:
+    """The ordering study's verdict on a cell (the explorer's exhaustive search, at the
+    study's default bound; a few milliseconds, once per process)."""
+    from commref.transports.gin.study import explorer, protocols
+
+    return explorer.run_cell(protocols.PROTOCOL_BY_NAME[row], None, protocols.MODEL_BY_NAME[column]).safe
 
 
 # MPI tags of the proxies' messages on network mpi, one per GIN communicator: a

@@ -95,11 +95,12 @@ class ShmWire(Wire):
         self.peer_base = [int(a) for a in window.peer_addresses]  # 0 where not mapped
         self.signals_off = signals_off
         self._add = atomics.add_u64
+        self._land = atomics.land  # line by line, in order: kernels may poll LL lines (commref/land.h)
         self._keep = window  # the mappings must outlive the wire
 
     def land_data(self, peer: int, offset: int, data: np.ndarray, ctx: int = 0) -> None:
         if data.size:
-            ctypes.memmove(self.peer_base[peer] + offset, data.ctypes.data, data.size)
+            self._land(self.peer_base[peer] + offset, data.ctypes.data, data.size)
 
     def signal(self, peer: int, sig: semantics.Signal, ctx: int = 0) -> None:
         kind, where = sig.target
@@ -122,9 +123,10 @@ class HostMemory:
         self.local = window.local
         self.base = int(window.address)
         self._add = atomics.add_u64
+        self._land = atomics.land  # line by line, in order: kernels may poll LL lines (commref/land.h)
 
     def write(self, src: int, offset: int, data: np.ndarray) -> None:
-        ctypes.memmove(self.base + offset, data.ctypes.data, data.size)
+        self._land(self.base + offset, data.ctypes.data, data.size)
 
     def read(self, offset: int, size: int) -> np.ndarray:
         return self.local[offset:offset + size].copy()
