@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import catalogue, verify
+from . import catalogue, tuner, verify
 from .memory import Memory, SymmetricMemory, array_module
 from .verify import DTYPES, OPS
 
@@ -35,20 +35,29 @@ class Case:
     root: int
     seed: int
     values: str = "small"  # verify.VALUES: "small" integers, or "denormal"
+    protocol: str | None = None  # of the ring and tree steps (None: the communicator's)
+
+    @property
+    def label(self) -> str:
+        """The algorithm, and the protocol where the case names one (ring/ll)."""
+        return f"{self.algorithm}/{self.protocol}" if self.protocol else self.algorithm
 
 
 def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True),
-          direct: bool = True, denormals: bool = True, hierarchical: bool = False):
+          direct: bool = True, denormals: bool = True, hierarchical: bool = False, protocols=()):
     """Every case of the sweep, in a fixed order (all ranks enumerate the same list).
     `direct`: include the direct kernels (a communicator whose peers are all LSA);
     `hierarchical`: include the hierarchical algorithm (several nodes of several ranks).
     `denormals`: after the cases of each count, one out of place on denormal inputs
     where the dtype and op have them (verify.has_denormal_case). A collective without an
-    in-place form (catalogue.Collective.in_place_ok) runs out of place only."""
+    in-place form (catalogue.Collective.in_place_ok) runs out of place only.
+    `protocols`: the cases of the ring and tree algorithms once per protocol (the other
+    algorithms' once, with none); empty: once, in the communicator's protocol."""
     out = []
     for coll in collectives:
         placements = [ip for ip in in_place if not ip or catalogue.get(coll).in_place_ok]
-        for algo in algorithms_for(coll, direct, hierarchical):
+        for algo, protocol in [(a, p) for a in algorithms_for(coll, direct, hierarchical)
+                               for p in (protocols if protocols and a in tuner.PROTOCOL_ALGORITHMS else [None])]:
             if algorithms and algo not in algorithms:
                 continue
             for di, dtype in enumerate(dtypes):
@@ -56,10 +65,11 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
                     for count in counts:
                         root = (count + di + oi) % nranks
                         for ip in placements:
-                            out.append(Case(coll, algo, dtype, op, count, ip, root, seed * 1_000_003 + len(out)))
+                            out.append(Case(coll, algo, dtype, op, count, ip, root, seed * 1_000_003 + len(out),
+                                            protocol=protocol))
                         if denormals and verify.has_denormal_case(DTYPES[dtype], op):
                             out.append(Case(coll, algo, dtype, op, count, False, root, seed * 1_000_003 + len(out),
-                                            "denormal"))
+                                            "denormal", protocol))
     return out
 
 
@@ -80,7 +90,8 @@ def run_case(comm, case: Case, stream=None, memory: Memory | None = None) -> int
     expected = verify.expected_output(case.coll, dt, case.op, case.seed, r, n, case.count, case.root, case.values)
     b = spec.buffers(memory, x, case.count, r, n, case.in_place)
     before = memory.to_host(b.out).copy() if expected is None else None
-    spec.call(comm, b.send, b.recv, case.op, case.root, algorithm=case.algorithm, stream=stream)
+    protocol = {"protocol": case.protocol} if case.protocol else {}
+    spec.call(comm, b.send, b.recv, case.op, case.root, algorithm=case.algorithm, stream=stream, **protocol)
     if memory.xp is not np:
         comm.synchronize(stream)
     return verify.count_wrong(memory.to_host(b.out), before if expected is None else expected)
@@ -112,10 +123,10 @@ def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
 
 
 def summary_rows(case_list, wrong):
-    """Rows (collective, algorithm, dtype, {op: (cases, wrong elements)})."""
+    """Rows (collective, algorithm or algorithm/protocol, dtype, {op: (cases, wrong elements)})."""
     table: dict = {}
     for case, w in zip(case_list, wrong):
-        key = (case.coll, case.algorithm, case.dtype if case.values == "small" else f"{case.dtype} {case.values}")
+        key = (case.coll, case.label, case.dtype if case.values == "small" else f"{case.dtype} {case.values}")
         cell = table.setdefault(key, {}).setdefault(case.op or "copy", [0, 0])
         cell[0] += 1
         cell[1] += w

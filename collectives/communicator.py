@@ -35,7 +35,7 @@ from commref.transports.gin.plan import plan_gin
 from commref.transports.gin.queue import QueueRegion
 from commref.transports.windows import rank_nodes, register_window
 
-from . import catalogue, topology, tuner
+from . import catalogue, protocols, topology, tuner
 from .buffers import BufferChecker
 from .hierarchical import HIERARCHICAL, Hierarchy, NodeShape, node_shape
 from .launch import CallPlan, HostWords, LaunchRecord, address_of, plan_fields
@@ -55,7 +55,11 @@ class Communicator:
     also sizes the window), `slot_bytes` and `nsteps` (FIFO geometry), `threads` per
     block, `timeout` seconds for every wait (default: world.timeout), `device_id`,
     `stream_stores` ("auto", "on", "off": on the CPU, whether what another core reads
-    next is stored past the cache; auto measures both, tuner.StoreChooser).
+    next is stored past the cache; auto measures both, tuner.StoreChooser), `protocol`
+    ("auto", "simple", "ll", "ll128": how ring and tree steps move their data,
+    include/commref/proto.h; default COMMREF_PROTO, else auto: the tuner picks by size
+    among the protocols every rank can run, collectives/protocols.py). Each collective
+    also takes `algorithm=` and `protocol=` per call.
 
     Paths (transports/gin/options.py, GinOptions): `path="lsa"` (every peer by
     load/store; all ranks on one host), "gin" (every peer through the GIN proxy) or
@@ -87,6 +91,7 @@ class Communicator:
         self.rank, self.nranks = world.rank, world.size
         self.device = resolve_device(o.device)
         self.algorithm = o.algorithm.value
+        self.protocol = o.protocol.value  # of the ring and tree steps (tuner.plan; protocols.py)
         defaults = tuner.defaults(self.device, world.local_size)
         self.max_channels = o.max_channels or defaults.max_channels
         self.nsteps = o.nsteps or defaults.nsteps
@@ -116,6 +121,7 @@ class Communicator:
         self._check = BufferChecker(self.rank, self.nranks, self.device, self.device_id)
 
         self.gin = plan_gin(world, o.gin, self.device, self.max_channels, self.nsteps)
+        self.protocol_refusals = self._protocol_refusals()  # collective
         self.peer_mask, self.path = self.gin.peer_mask, o.gin.path.value
         self.backend, self.transport, self.network = self.gin.backend, self.gin.transport, self.gin.network
         self.slot_bytes = o.slot_bytes or tuner.defaults(self.device, world.local_size, self.network).slot_bytes
@@ -166,7 +172,7 @@ class Communicator:
         legacy-stream caller is refused when there are several), and on rank 0 warns
         when ranks in different processes share a GPU (they time-slice without MPS)."""
         bus = self._runtime.deviceGetPCIBusId(self.device_id)
-        places = self.world.allgather((self.world.host, os.getpid(), bus), what="communicator GPUs")
+        places = self._places = self.world.allgather((self.world.host, os.getpid(), bus), what="communicator GPUs")
         me = places[self.rank]
         self._ranks_on_device = sum(1 for p in places if p == me)
         if self.rank != 0:
@@ -180,6 +186,27 @@ class Communicator:
                 warnings.warn(f"commref: ranks {ranks} share GPU {gpu} on {host} as {len(pids)} processes: without "
                               f"MPS they time-slice it, so their timings measure the scheduler; with MPS their "
                               f"kernels must all be resident at once", RuntimeWarning, stacklevel=3)
+
+    def _protocol_refusals(self) -> dict[str, str]:
+        """Collective: protocol -> why some rank cannot run it (collectives/protocols.py),
+        the same on every rank. Refuses (CapabilityError) an explicit protocol option
+        that is among them, before anything is allocated."""
+        support = 0
+        if self.device == "cpu":
+            support = self.kernels.protocol_support
+            mine = protocols.cpu_refusals(support)
+        else:
+            reach = self.world.allgather(protocols.nvlink_reach(self._places[self.rank][2]), what="GPU NVLinks")
+            mine = protocols.gpu_refusals(self.rank, self._places, reach)
+        for p in protocols.PROTOCOLS:
+            why = self.gin.protocol_refusal(p, self.device, support)
+            if why and p not in mine:
+                mine[p] = why
+        refusals = protocols.merge(self.world.allgather(mine, what="communicator protocols"))
+        if self.protocol in refusals:
+            raise CapabilityError(f"rank {self.rank}: protocol {self.protocol!r} cannot run on this communicator: "
+                                  f"{refusals[self.protocol]}")
+        return refusals
 
     def _refuse_unmapped(self) -> None:
         """Collective: every rank refuses (CapabilityError) when any rank could not map
@@ -209,23 +236,28 @@ class Communicator:
 
     # ---- collectives (nccl4py names and argument order) ----
 
-    def allreduce(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm: str | None = None) -> None:
-        self._collective("allreduce", sendbuf, recvbuf, op, 0, stream, algorithm)
+    def allreduce(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm: str | None = None,
+                  protocol: str | None = None) -> None:
+        self._collective("allreduce", sendbuf, recvbuf, op, 0, stream, algorithm, protocol=protocol)
 
-    def reduce_scatter(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm: str | None = None) -> None:
-        self._collective("reduce_scatter", sendbuf, recvbuf, op, 0, stream, algorithm)
+    def reduce_scatter(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm: str | None = None,
+                       protocol: str | None = None) -> None:
+        self._collective("reduce_scatter", sendbuf, recvbuf, op, 0, stream, algorithm, protocol=protocol)
 
-    def allgather(self, sendbuf, recvbuf, *, stream=None, algorithm: str | None = None) -> None:
-        self._collective("allgather", sendbuf, recvbuf, None, 0, stream, algorithm)
+    def allgather(self, sendbuf, recvbuf, *, stream=None, algorithm: str | None = None,
+                  protocol: str | None = None) -> None:
+        self._collective("allgather", sendbuf, recvbuf, None, 0, stream, algorithm, protocol=protocol)
 
-    def broadcast(self, sendbuf, recvbuf, root: int, *, stream=None, algorithm: str | None = None) -> None:
-        self._collective("broadcast", sendbuf, recvbuf, None, root, stream, algorithm)
+    def broadcast(self, sendbuf, recvbuf, root: int, *, stream=None, algorithm: str | None = None,
+                  protocol: str | None = None) -> None:
+        self._collective("broadcast", sendbuf, recvbuf, None, root, stream, algorithm, protocol=protocol)
 
     def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0, *, stream=None,
-               algorithm: str | None = None) -> None:
-        self._collective("reduce", sendbuf, recvbuf, op, root, stream, algorithm)
+               algorithm: str | None = None, protocol: str | None = None) -> None:
+        self._collective("reduce", sendbuf, recvbuf, op, root, stream, algorithm, protocol=protocol)
 
-    def alltoall(self, sendbuf, recvbuf, *, stream=None, algorithm: str | None = None) -> None:
+    def alltoall(self, sendbuf, recvbuf, *, stream=None, algorithm: str | None = None,
+                 protocol: str | None = None) -> None:
         """NCCL's ncclAlltoAll: sendbuf and recvbuf hold nranks * count elements each
         (count: elements per peer, sendbuf.size // nranks); block j of sendbuf lands in
         block `rank` of rank j's recvbuf. Out of place only: NCCL defines no in-place
@@ -233,7 +265,7 @@ class Communicator:
         buffers, forwarded along the ring over LSA or GIN), "direct" (recvbufs from
         alloc_symmetric and every peer over LSA: each block stored once into its peer's
         recvbuf)."""
-        self._collective("alltoall", sendbuf, recvbuf, None, 0, stream, algorithm)
+        self._collective("alltoall", sendbuf, recvbuf, None, 0, stream, algorithm, protocol=protocol)
 
     # ---- symmetric memory ----
 
@@ -267,10 +299,11 @@ class Communicator:
     # ---- launch ----
 
     def _collective(self, coll: str, sendbuf, recvbuf, op, root, stream, algorithm,
-                    avg_divisor: int | None = None, flat: bool = False) -> None:
+                    avg_divisor: int | None = None, flat: bool = False, protocol: str | None = None) -> None:
         """One call. `avg_divisor` (op avg): divide by this instead of nranks (a
         hierarchical phase divides by the whole job's ranks); `flat`: never the
-        hierarchical algorithm (its own tail)."""
+        hierarchical algorithm (its own tail); `protocol`: of the ring and tree steps
+        (None: the communicator's; a hierarchical call's phases use the communicator's)."""
         spec = catalogue.CATALOGUE[coll]
         if spec.rooted:
             root = self._check.root(root)
@@ -281,11 +314,12 @@ class Communicator:
         sym = None
         if self._symmetric.windows and self._direct_possible and "direct" in spec.kernels:
             sym = self._symmetric.direct(spec, s, r)
-        key = (coll, algorithm or self.algorithm, count, s.dtype, op, root, sym is not None, avg_divisor, flat)
+        key = (coll, algorithm or self.algorithm, count, s.dtype, op, root, sym is not None, avg_divisor, flat,
+               protocol or self.protocol)
         plan = self._calls.get(key)
         if plan is None:
             plan = self._calls[key] = self._plan_call(spec, key[1], s.dtype, count, op, root, sym is not None,
-                                                      avg_divisor, flat)
+                                                      avg_divisor, flat, key[-1])
         if plan.hierarchical:
             self._run_hierarchical(spec, s, r, op, stream)
             return
@@ -388,7 +422,8 @@ class Communicator:
         self._resident.add(key)
 
     def _plan_call(self, spec: catalogue.Collective, algorithm: str, dtype: np.dtype, count: int, op, root: int,
-                   symmetric: bool, avg_divisor: int | None = None, flat: bool = False) -> CallPlan:
+                   symmetric: bool, avg_divisor: int | None = None, flat: bool = False,
+                   protocol: str = "auto") -> CallPlan:
         """Everything about a call that depends only on its signature (cached per signature)."""
         dname = dtype_name(dtype)
         if not spec.reducing:
@@ -400,20 +435,26 @@ class Communicator:
         nbytes = max(spec.counts(count, self.nranks)) * dtype.itemsize
         shape = None if flat else self.node_shape
         try:
+            if protocol in self.protocol_refusals:
+                raise CapabilityError(f"rank {self.rank}: protocol {protocol!r} cannot run on this communicator: "
+                                      f"{self.protocol_refusals[protocol]}")
             plan = tuner.plan(spec.name, algorithm, nbytes, self.nranks, self.device, self.max_channels, symmetric,
-                              shape, self._slow_network)
+                              shape, self._slow_network, protocol,
+                              tuner.auto_protocols(self.protocol_refusals, bool(self.peer_mask)))
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {e}") from None
         if plan.algorithm == HIERARCHICAL:
             return CallPlan(HIERARCHICAL, 0, None, None, 0, count, False, hierarchical=True)
         divisor = (avg_divisor or self.nranks) if op == "avg" else 0
-        fields32 = plan_fields(root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize, divisor)
-        desc = abi.pack_call(spec.name, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels)
+        fields32 = plan_fields(root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize, divisor,
+                               plan.protocol)
+        desc = abi.pack_call(spec.name, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels,
+                             plan.protocol)
         kernel, kspec = spec.kernels[plan.algorithm], self.kernel_spec(spec.name, dname, op)
         if self.device == "cuda":
             self._check_residency(kernel, kspec, plan.nchannels)
         return CallPlan(kernel, plan.nchannels, kspec, fields32, desc, spec.kernel_count(count, dtype.itemsize),
-                        plan.algorithm == "direct")
+                        plan.algorithm == "direct", protocol=plan.protocol)
 
     @staticmethod
     def kernel_spec(coll: str, dtype: str, op: str | None):

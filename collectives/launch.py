@@ -21,7 +21,8 @@ from commref.transports.errors import CommAborted, CommMismatch, CommTimeout, fo
 from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_device_pointer
 
 # The int32 fields a call sets, consecutive in CollArgs (checked below).
-_INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "avgDivisor", "streamStores")
+_INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "avgDivisor", "streamStores", "protocol")
+_STREAM_STORES = _INT32_FIELDS.index("streamStores")
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,12 @@ class CallPlan:
     kernel: str
     nchannels: int
     spec: tuple[int, int] | None
-    fields32: np.ndarray  # _INT32_FIELDS, streamStores last (set per call on the CPU)
+    fields32: np.ndarray  # _INT32_FIELDS (streamStores set per call on the CPU)
     desc: int
     count: int  # CollArgs.count (catalogue.Collective.kernel_count)
     direct: bool  # a direct kernel: the symmetric buffer fields are read
     hierarchical: bool = False  # no kernel of this communicator: its hierarchy's calls (hierarchical.py)
+    protocol: str = "simple"  # of the kernel's FIFO steps (include/commref/proto.h)
 
 
 class LaunchRecord:
@@ -63,7 +65,7 @@ class LaunchRecord:
         u64[self._count] = plan.count
         u64[self._desc] = plan.desc
         i32[at : at + len(_INT32_FIELDS)] = plan.fields32
-        i32[at + len(_INT32_FIELDS) - 1] = stream_stores
+        i32[at + _STREAM_STORES] = stream_stores
 
     def set_symmetric(self, sym: tuple[int, int, int, int]) -> None:
         """symSend and symRecv: (peer table, offset, peer table, offset)."""
@@ -71,8 +73,9 @@ class LaunchRecord:
 
 
 def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsize: int,
-                avg_divisor: int) -> np.ndarray:
-    return np.array([root, dtype_code, op_code, nchannels, itemsize, avg_divisor, 0], np.int32)
+                avg_divisor: int, protocol: str = "simple") -> np.ndarray:
+    return np.array([root, dtype_code, op_code, nchannels, itemsize, avg_divisor, 0, abi.PROTOCOL_CODES[protocol]],
+                    np.int32)
 
 
 # CUDA runtime codes used here (the flags: transports/host_memory.py).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 from commref.device_kernels import abi
@@ -37,6 +38,27 @@ class Algorithm(Choice):
     HIERARCHICAL = "hierarchical"
 
 
+class Protocol(Choice):
+    """How the ring and tree kernels move a step's data (include/commref/proto.h):
+    Simple (data, then a ready flag), LL (8 bytes with their flag per 16-byte line), LL128
+    (120 bytes with a flag per 128-byte line); auto lets the tuner pick by size
+    (tuner.plan). The direct kernels have none (they use no FIFO)."""
+
+    AUTO = "auto"
+    SIMPLE = "simple"
+    LL = "ll"
+    LL128 = "ll128"
+
+
+PROTOCOL_ENV = "COMMREF_PROTO"  # the default of CommOptions.protocol, as NCCL_PROTO is NCCL's
+
+
+def default_protocol() -> Protocol:
+    """The protocol COMMREF_PROTO names (any case; unset or empty: auto), validated."""
+    value = os.environ.get(PROTOCOL_ENV, "").strip().lower() or Protocol.AUTO.value
+    return choice(Protocol, value, PROTOCOL_ENV)
+
+
 class StreamStores(Choice):
     """CPU: whether what another core reads next is stored past the cache (move.h);
     auto measures both per kind of call (tuner.StoreChooser)."""
@@ -60,6 +82,7 @@ class CommOptions:
     timeout: float | None = None  # seconds, every wait
     device_id: int | None = None  # CUDA device (default: the current one)
     stream_stores: StreamStores = StreamStores.AUTO
+    protocol: Protocol | None = None  # None: COMMREF_PROTO, else auto
     gin: GinOptions = field(default_factory=GinOptions)
 
     def __post_init__(self) -> None:
@@ -67,6 +90,8 @@ class CommOptions:
         fix(self, "device", choice(Device, self.device, "device"))
         fix(self, "algorithm", choice(Algorithm, self.algorithm, "algorithm"))
         fix(self, "stream_stores", choice(StreamStores, self.stream_stores, "stream_stores"))
+        fix(self, "protocol", default_protocol() if self.protocol is None else choice(Protocol, self.protocol,
+                                                                                     "protocol"))
         if self.max_channels is not None:
             fix(self, "max_channels", bounded(self.max_channels, "max_channels", 1, abi.MAX_CHANNELS))
         if self.slot_bytes is not None:

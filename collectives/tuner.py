@@ -48,6 +48,7 @@ def defaults(device: str, local_ranks: int = 1, network: str | None = None) -> D
 class Plan:
     algorithm: str
     nchannels: int
+    protocol: str = "simple"  # of the ring and tree kernels' steps (include/commref/proto.h)
 
 
 # Below this many bytes per rank, a tree's log(n) latency beats a ring's n steps.
@@ -64,18 +65,51 @@ DIRECT_MIN_BYTES = 16 * 1024
 HIERARCHICAL_MIN_BYTES = 1024 * 1024
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024
+# The protocol "auto" takes on the CPU engine (include/commref/proto.h): LL up to
+# LL_MAX_BYTES, LL128 up to LL128_MAX_BYTES, Simple above, among the protocols the
+# communicator can run (collectives/protocols.py). Measured: docs/performance.md,
+# "Tuner settings". Over GIN and on GPUs auto keeps Simple until thresholds are measured
+# there (auto_protocols).
+LL_MAX_BYTES = 64
+LL128_MAX_BYTES = 128
+PROTOCOLS = ("simple", "ll", "ll128")
+# The algorithms whose kernels run protocols (the direct kernels use no FIFO).
+PROTOCOL_ALGORITHMS = ("ring", "tree")
+
+
+def auto_protocols(refused, gin: bool) -> tuple[str, ...]:
+    """The protocols "auto" may take on a communicator that cannot run `refused`
+    (collectives/protocols.py); with GIN peers (`gin`) Simple only: the thresholds were
+    measured over LSA, and a line step over GIN posts two descriptors where Simple posts one."""
+    return ("simple",) if gin else tuple(p for p in PROTOCOLS if p not in refused)
+
+
+def pick_protocol(nbytes: int, device: str, allowed=PROTOCOLS) -> str:
+    """The protocol "auto" takes for a ring or tree call of `nbytes` (plan's measure)."""
+    if device == "cpu":
+        if nbytes <= LL_MAX_BYTES and "ll" in allowed:
+            return "ll"
+        if nbytes <= LL128_MAX_BYTES and "ll128" in allowed:
+            return "ll128"
+    return "simple"
 
 
 def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int,
-         symmetric: bool = False, nodes: NodeShape | str | None = None, slow_network: bool = False) -> Plan:
-    """Algorithm and channel count for one call. `nbytes` is the size of the full
-    (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
+         symmetric: bool = False, nodes: NodeShape | str | None = None, slow_network: bool = False,
+         protocol: str = "auto", allowed=PROTOCOLS) -> Plan:
+    """Algorithm, channel count and protocol for one call. `nbytes` is the size of the
+    full (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
     that the direct kernels can run (symmetric buffers, every peer over LSA); `nodes`
     is the job's NodeShape where the hierarchical algorithm can run, else why not
     (hierarchical.node_shape) or None; `slow_network`: GIN runs slower than memory (a
     real network between hosts, or the wire model), where "auto" takes the hierarchical
-    algorithm from HIERARCHICAL_MIN_BYTES. A hierarchical plan has no channels: its
-    children plan their own calls."""
+    algorithm from HIERARCHICAL_MIN_BYTES. `protocol`: "auto" (by size, among `allowed`:
+    the protocols the communicator can run) or one of PROTOCOLS. Protocols are the ring
+    and tree kernels': the direct kernels use no FIFO, so a call of algorithm "direct"
+    runs without one (its plan says simple), and auto does not pick direct for LL or
+    LL128. A hierarchical plan has no channels: its children plan their own calls."""
+    if protocol != "auto" and protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose from auto, {', '.join(PROTOCOLS)}")
     spec = catalogue.get(coll)
     if algorithm != "auto" and algorithm not in catalogue.ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose from auto, {', '.join(catalogue.ALGORITHMS)}")
@@ -92,8 +126,9 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
             and nbytes >= HIERARCHICAL_MIN_BYTES:
         algorithm = HIERARCHICAL
     if algorithm == HIERARCHICAL:
-        return Plan(HIERARCHICAL, 0)
-    if algorithm == "auto" and symmetric and "direct" in spec.algorithms and nbytes >= DIRECT_MIN_BYTES:
+        return Plan(HIERARCHICAL, 0, protocol)
+    if algorithm == "auto" and symmetric and protocol in ("auto", "simple") and "direct" in spec.algorithms \
+            and nbytes >= DIRECT_MIN_BYTES:
         algorithm = "direct"
     if algorithm == "auto":
         algorithm = "tree" if "tree" in spec.algorithms and nranks > 2 and nbytes <= TREE_MAX_BYTES else "ring"
@@ -103,7 +138,11 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
         nchannels = max(1, min(max_channels, nbytes // BYTES_PER_CHANNEL))
     if algorithm == "tree" and max_channels >= 2:
         nchannels = max(2, nchannels)  # both trees of the double binary tree
-    return Plan(algorithm, nchannels)
+    if algorithm not in PROTOCOL_ALGORITHMS:
+        protocol = "simple"
+    elif protocol == "auto":
+        protocol = pick_protocol(nbytes, device, allowed)
+    return Plan(algorithm, nchannels, protocol)
 
 
 # ---- streamed stores on the CPU (CollArgs.streamStores, include/commref/move.h) ----
