@@ -49,7 +49,8 @@ from typing import Any, Callable
 import numpy as np
 
 from commref.collectives import verify
-from commref.collectives.options import KEYWORDS, Algorithm, CommOptions, Device, StreamStores, resolve_device
+from commref.collectives.options import (KEYWORDS, Algorithm, CommOptions, Device, Protocol, StreamStores,
+                                        resolve_device)
 from commref.collectives.verify import DTYPES, OPS
 from commref.transports.gin import faults
 from commref.transports.gin.faults import FaultSpec
@@ -253,6 +254,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"{', '.join(Algorithm.words())}: auto picks direct for symmetric buffers (-R 2), hierarchical "
                         "from 1 MiB on several nodes, else ring or tree; comma-separated values are measured side by "
                         "side (default auto)")
+    c.add_argument("--protocol", default=["auto"], type=option_type("protocol", many=True),
+                   help=f"{', '.join(Protocol.words())}: how ring and tree steps move data (auto: COMMREF_PROTO, else "
+                        "by size, the tuner's thresholds); comma-separated values are measured side by side "
+                        "(default auto)")
     c.add_argument("--stream-stores", type=option_type("stream_stores", many=True), default=None,
                    help=f"CPU: store what another core reads next past the cache: {', '.join(StreamStores.words())} "
                         "(auto measures both, the default); comma-separated values are measured side by side")
@@ -299,6 +304,7 @@ class Series:
     register: int = 0  # -R: 0 plain buffers, 2 symmetric
     stores: str | None = None  # --stream-stores (None: Communicator's default, auto)
     algorithm: str = "auto"
+    protocol: str = "auto"  # of the ring and tree steps (--protocol)
     # Whose ranks run it: "job" (every rank), or with several nodes "intra-node" (each
     # node's ranks, over LSA) or "inter-node" (one rank per node, over GIN), the
     # hierarchical algorithm's two child communicators, all teams at once.
@@ -310,6 +316,7 @@ class Series:
                                for k, v in self.gin_options().items()]
         return "/".join(([self.team] if self.team != "job" else []) + parts
                         + ([self.algorithm] if self.algorithm != "auto" else [])
+                        + ([self.protocol] if self.protocol != "auto" else [])
                         + (["sym"] if self.register == 2 else [])
                         + ([f"stores-{self.stores}"] if self.stores else []))
 
@@ -327,15 +334,16 @@ def series_of(args) -> list[Series]:
     """Every configuration the flags ask for. LSA takes no GIN options; gin and auto
     are crossed with every backend, wire, network and protocol given."""
     out = []
-    for register, stores, algorithm in itertools.product(getattr(args, "local_register", None) or [0],
-                                                         getattr(args, "stream_stores", None) or [None],
-                                                         _algorithms(args)):
+    for register, stores, algorithm, protocol in itertools.product(getattr(args, "local_register", None) or [0],
+                                                                   getattr(args, "stream_stores", None) or [None],
+                                                                   _algorithms(args), _protocols(args)):
         for path in args.path:
             if path == "lsa":
-                out.append(Series("lsa", register=register, stores=stores, algorithm=algorithm))
+                out.append(Series("lsa", register=register, stores=stores, algorithm=algorithm, protocol=protocol))
                 continue
             for combo in itertools.product(*[getattr(args, k, None) or [None] for k in GIN_FLAGS]):
-                out.append(Series(path, *combo, register=register, stores=stores, algorithm=algorithm))
+                out.append(Series(path, *combo, register=register, stores=stores, algorithm=algorithm,
+                                  protocol=protocol))
     if any(getattr(args, k, None) for k in GIN_FLAGS) and all(s.path == "lsa" for s in out):
         raise NotAvailable(f"{', '.join(GIN_FLAGS.values())} choose GIN transports; add --path gin (or auto)")
     return list(dict.fromkeys(out))
@@ -343,6 +351,11 @@ def series_of(args) -> list[Series]:
 
 def _algorithms(args) -> list[str]:
     value = getattr(args, "algorithm", None) or ["auto"]
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _protocols(args) -> list[str]:
+    value = getattr(args, "protocol", None) or ["auto"]
     return [value] if isinstance(value, str) else list(value)
 
 
@@ -370,6 +383,8 @@ def communicator_kwargs(args, series: Series) -> dict:
                           "slot_bytes": args.slot_bytes, "threads": args.threads}
     if series.stores:
         kw["stream_stores"] = series.stores
+    if series.protocol != "auto":  # auto: the Communicator's default (COMMREF_PROTO, else auto)
+        kw["protocol"] = series.protocol
     if series.path == "lsa":
         return kw
     wanted = {"path": series.path, **series.gin_options()}
@@ -685,7 +700,7 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
     lines.append("#")
     paths = ", ".join(s.label for s, _ in runners)
     lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {','.join(_algorithms(a))}; "
-                 f"seed {a.seed}")
+                 f"protocol {','.join(_protocols(a))}; seed {a.seed}")
     teams = {s.team: c for s, c in runners if s.team != "job"}
     if teams:
         lines.append(f"# Teams: intra-node = each node's {teams['intra-node'].nranks} ranks at once, inter-node = "

@@ -1,11 +1,11 @@
 """The `commref` command line.
 
-  commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--count ...]
+  commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--protocol ...] [--count ...]
   commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py's flags)
   commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress [--np 2] [--network shm|mpi]]
 
-Every argument (and COMMREF_TIMEOUT, COMMREF_GIN_ENGINE) is parsed and validated here, before any rank
-starts, with the typed options' own checks and messages (collectives/options.py,
+Every argument (and COMMREF_TIMEOUT, COMMREF_GIN_ENGINE, COMMREF_PROTO) is parsed and validated here,
+before any rank starts, with the typed options' own checks and messages (collectives/options.py,
 transports/gin/options.py); a bad one ends the command with one line
 `commref <command>: error: ...` on stderr and exit status 2.
 
@@ -27,10 +27,10 @@ import sys
 import time
 
 from commref.bench import harness
-from commref.collectives import catalogue
+from commref.collectives import catalogue, tuner
 from commref.collectives.catalogue import NAMES as COLLECTIVES
 from commref.collectives.hierarchical import HIERARCHICAL, NodeShape, node_shape
-from commref.collectives.options import CommOptions, Device
+from commref.collectives.options import CommOptions, Device, default_protocol
 from commref.collectives.verify import DTYPES, OPS
 from commref.transports import launch
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
@@ -38,7 +38,7 @@ from commref.transports.errors import CapabilityError
 from commref.transports.gin import faults
 from commref.transports.gin.backends import select_backend
 from commref.transports.gin.native import kernels_help_enabled
-from commref.transports.gin.plan import gin_engine, requirements
+from commref.transports.gin.plan import gin_engine, protocol_refusal_before_start, requirements
 from commref.transports.world import NODES_ENV, MPIWorld, check_nodes, default_timeout
 
 
@@ -87,6 +87,9 @@ def add_check_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("--op", nargs="+", default=list(OPS), choices=list(OPS))
     c.add_argument("--algorithm", nargs="+", default=[], choices=list(catalogue.ALGORITHMS),
                    help="algorithms (default: every one implemented for each collective)")
+    c.add_argument("--protocol", nargs="+", default=[], choices=list(tuner.PROTOCOLS),
+                   help="protocols of the ring and tree cases, each a set of cases (default: the communicator's, "
+                        "COMMREF_PROTO or auto)")
     c.add_argument("--count", nargs="+", type=harness.int_type(0), default=[0, 1, 7, 1001],
                    help="element counts")
     c.add_argument("--seed", type=option("seed"), default=1, help="seed of the inputs and of the unordered GIN wire")
@@ -124,7 +127,11 @@ def check_options(args) -> dict:
 def validate_check(args) -> None:
     options = CommOptions.from_kwargs(device=args.device, **check_options(args))
     if options.gin.path != Path.LSA:  # a backend that cannot carry the wire or protocol: one line, no ranks
-        select_backend(requirements(options.gin), options.gin.backend.value)
+        backend = select_backend(requirements(options.gin), options.gin.backend.value)
+        for protocol in args.protocol:  # a GIN wire the ordering study does not clear for it: the same
+            why = protocol_refusal_before_start(options.gin, backend, protocol, options.device.value)
+            if why:
+                raise CapabilityError(why)
     if args.nodes is not None and not MPIWorld.launched_under_mpi():  # under mpiexec: the world checks it
         check_nodes(args.nodes, args.np or 1)
         if args.nodes > 1 and options.gin.path == Path.LSA:
@@ -152,8 +159,11 @@ def run_check(args) -> int:
         hierarchical = isinstance(comm.node_shape, NodeShape)
         if HIERARCHICAL in args.algorithm and not hierarchical:
             raise ValueError(f"--algorithm hierarchical cannot run on this job: {comm.node_shape}")
+        refused = [p for p in args.protocol if p in comm.protocol_refusals]
+        if refused:
+            raise CapabilityError(f"protocol {refused[0]!r} cannot run here: {comm.protocol_refusals[refused[0]]}")
         case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
-                                direct=direct, hierarchical=hierarchical)
+                                direct=direct, hierarchical=hierarchical, protocols=args.protocol)
         t0 = time.perf_counter()
         wrong = check.run_sweep(comm, case_list)
         elapsed = time.perf_counter() - t0
@@ -278,6 +288,7 @@ def validate(args) -> None:
     default_timeout()  # COMMREF_TIMEOUT, which every rank's waits use
     gin_engine()  # COMMREF_GIN_ENGINE: auto, native or python (transports/gin/plan.py)
     kernels_help_enabled()  # COMMREF_GIN_KERNELS_HELP: 0 or 1 (transports/gin/native.py)
+    default_protocol()  # COMMREF_PROTO: auto, simple, ll or ll128 (collectives/options.py)
     COMMANDS[args.command][1](args)
 
 

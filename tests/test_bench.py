@@ -170,8 +170,8 @@ def test_symmetric_series_checks_clean_and_runs_direct_kernels(coll: str) -> Non
 
     launch = Communicator._collective
 
-    def spy(self, *args):
-        launch(self, *args)
+    def spy(self, *args, **kwargs):
+        launch(self, *args, **kwargs)
         kernels.extend(plan.kernel for plan in self._calls.values())
 
     with pytest.MonkeyPatch.context() as mp:
@@ -237,7 +237,7 @@ def test_json_document_schema(tmp_path) -> None:
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["schema"] == harness.SCHEMA and doc["collective"] == "all_reduce"
     assert doc["series"] == [{"path": "lsa", "backend": None, "wire": None, "network": None, "gin_protocol": None, "wire_rate": None,
-                              "wire_latency": None, "fault": None, "register": 0, "stores": None, "algorithm": "auto", "team": "job", "label": "lsa",
+                              "wire_latency": None, "fault": None, "register": 0, "stores": None, "algorithm": "auto", "protocol": "auto", "team": "job", "label": "lsa",
                               "link": "threads"}] and doc["skipped"] == []
     assert doc["params"]["minbytes"] == 8 and doc["params"]["iters"] == 3
     assert doc["bus_factor"] == pytest.approx(1.0)
