@@ -21,6 +21,10 @@ def test_soak_in_miniature_is_exact_and_leaves_nothing_behind(monkeypatch):
     assert r0["gin_stats"]["retransmits"] > 0
     assert all(not r["samples"]["comms"] for r in reports[1:])  # one process: rank 0 samples it
     comms = soak.growth(r0["samples"]["comms"])
-    for measure in ("threads", "fds", "maps"):  # (/dev/shm is the host's: other jobs' entries come and go)
+    for measure in ("threads", "fds"):  # (/dev/shm is the host's: other jobs' entries come and go)
         start, end, _ = comms[measure]
         assert end == start, (measure, comms)
+    # Mappings: malloc may add an arena for a thread it had not served before (seen: +2 in
+    # one run of the suite); a leak would add one or more per communicator, 8 here.
+    start, end, _ = comms["maps"]
+    assert end - start <= 3, comms
