@@ -60,8 +60,8 @@ DIRECT_MIN_BYTES = 16 * 1024
 # The size from which "auto" takes the hierarchical algorithm (hierarchical.py) on a job of
 # several nodes of several ranks whose GIN is slower than memory: below, its three
 # launches cost more than the GIN bytes it saves. Where GIN runs at memory speed (simulated
-# nodes on one host, no wire model) "auto" keeps the flat ring, which measured faster there
-# (docs/performance.md, "Tuner settings").
+# nodes on one host, no wire model) the measurements disagree and "auto" keeps the flat
+# ring (docs/performance.md, "Tuner settings").
 HIERARCHICAL_MIN_BYTES = 1024 * 1024
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024

@@ -88,7 +88,7 @@ def test_tuner_takes_hierarchical_from_its_threshold_and_refuses_it_where_it_can
     assert tuner.plan("allreduce", "auto", small, 4, "cpu", 2, False, shape, True).algorithm != "hierarchical"
     assert tuner.plan("broadcast", "auto", big, 4, "cpu", 2, False, shape, True).algorithm == "ring"
     assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, "why not", True).algorithm == "ring"
-    # GIN at memory speed (simulated nodes, no wire model): the flat ring (measured faster there).
+    # GIN at memory speed (simulated nodes, no wire model): the flat ring.
     assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, shape, False).algorithm == "ring"
     assert tuner.plan("allreduce", "hierarchical", small, 4, "cpu", 2, False, shape, False).algorithm == "hierarchical"
     with pytest.raises(ValueError, match="cannot run on this communicator: it needs the same number"):
