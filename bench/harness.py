@@ -932,8 +932,7 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
         if baseline else None,
         "bus_factor": plugin.bus_factor(world.size),
         "rows": rows,
-        "gin_faults": {label: {k: sum(s.get(k, 0) for s in stats) for k in faults.STATS}
-                       for label, stats in gin_faults.items()},
+        "gin_faults": {label: faults.totals(stats) for label, stats in gin_faults.items()},
         "summary": summary(rows),
         "elapsed_s": elapsed,
     }

@@ -116,9 +116,14 @@ class FaultSpec:
         return ",".join(f"{k}={getattr(self, k):g}" for k in FAULT_KINDS if getattr(self, k)) or "none"
 
 
-def summary(stats: list[dict]) -> str:
+def totals(stats: list[dict]) -> dict:
     """The lossy link's and the reliability layer's counts, summed over proxies' stats."""
-    t = {k: sum(s.get(k, 0) for s in stats) for k in STATS}
+    return {k: sum(s.get(k, 0) for s in stats) for k in STATS}
+
+
+def summary(stats: list[dict]) -> str:
+    """totals() in words."""
+    t = totals(stats)
     return (f"{t['packets']} packets: {t['dropped']} dropped, {t['duplicated']} duplicated, {t['delayed']} delayed; "
             f"{t['retransmits']} retransmitted, {t['dup_dropped']} duplicates dropped")
 
@@ -161,10 +166,7 @@ class ReliableWire(Wire):
 
     def progress(self) -> int:
         now = time.monotonic()
-        handled = self.inner.progress()
-        while self.arriving and self.arriving[0][0] <= now:
-            _, _, peer, ctx, seq, packet = heapq.heappop(self.arriving)
-            handled += self._arrive(peer, ctx, seq, packet)
+        handled = self.inner.progress() + self._arrivals(now)
         for (peer, ctx), link in self.links.items():
             for seq, entry in link.unacked.items():
                 if now - entry[1] > RETRANSMIT_S:
@@ -192,7 +194,7 @@ class ReliableWire(Wire):
         link.unacked[seq] = [packet, now]
         self.stats["packets"] += 1
         self._transmit(peer, ctx, seq, packet, now)
-        self.progress()  # what arrives now lands now: without faults this is the wire's own order and timing
+        self._arrivals(now)  # what arrives now lands now: without faults, the wire's own order and timing
 
     def _transmit(self, peer: int, ctx: int, seq: int, packet: tuple, now: float) -> None:
         """One transmission over the lossy link: dropped, or one or two copies arriving."""
@@ -212,6 +214,14 @@ class ReliableWire(Wire):
             heapq.heappush(self.arriving, (at, next(self._tiebreak), peer, ctx, seq, packet))
 
     # ---- receiver ----
+
+    def _arrivals(self, now: float) -> int:
+        """Every copy due by `now` arrives; returns the packets landed."""
+        landed = 0
+        while self.arriving and self.arriving[0][0] <= now:
+            _, _, peer, ctx, seq, packet = heapq.heappop(self.arriving)
+            landed += self._arrive(peer, ctx, seq, packet)
+        return landed
 
     def _arrive(self, peer: int, ctx: int, seq: int, packet: tuple) -> int:
         """One arriving copy: dropped as a duplicate, or buffered and every packet now in
