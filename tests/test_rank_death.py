@@ -37,6 +37,7 @@ from commref.transports.errors import CommAborted, CommTimeout
 from commref.transports.world import ThreadWorld
 
 from conftest import REPO, TESTS, clean_env, mpiexec
+from test_cli import _orphans
 
 ABORT_LATENCY_S = 1.0  # the promise: bystanders raise CommAborted within this of the failure
 COMM_TIMEOUT_S = 30.0  # the bystanders' own deadline: an abort noticed by deadline would take this long
@@ -215,18 +216,6 @@ PROMPT_S = 5.0  # "well inside COMMREF_TIMEOUT": from the kill to the launcher's
 def _pid_alive(pid: int) -> bool:
     proc = launch._process(pid)
     return proc is not None and proc[0] not in ("Z", "X")
-
-
-def _orphans(before: set[str], patience_s: float = 5.0) -> set[str]:
-    """Segments that appeared since `before` that no live process maps and that do not
-    vanish within `patience_s` (a concurrent job's segments are mapped by its ranks, or
-    gone a moment later)."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        left = (launch.shm_segments() - before) - launch.mapped_files()
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
 
 
 def _run_killed(tmp_path, argv: list[str], kill: str) -> dict:
