@@ -45,6 +45,7 @@ from .verify import DTYPE_CODES, OPS, dtype_name
 
 LEGACY_STREAMS = (0, 1)  # CUstream handles of CUDA's legacy default stream (0, CU_STREAM_LEGACY)
 CUDA_ERROR_NOT_READY = 600
+DEVICE_WINDOW_ALIGN = 4096  # bytes: where a device communicator's window starts in the connection window
 
 
 class Communicator:
@@ -120,13 +121,21 @@ class Communicator:
             self.kernels = loader.cpu_kernels()
         self._check = BufferChecker(self.rank, self.nranks, self.device, self.device_id)
 
-        self.gin = plan_gin(world, o.gin, self.device, self.max_channels, self.nsteps)
+        # A device communicator (device_api.DeviceComm) adds its signals and the barriers' words.
+        device_signals = (o.device_signals + abi.devcomm_reserved_signals(self.nranks)) if o.device_window else 0
+        self.gin = plan_gin(world, o.gin, self.device, self.max_channels, self.nsteps, device_signals)
         self.protocol_refusals = self._protocol_refusals()  # collective
         self.peer_mask, self.path = self.gin.peer_mask, o.gin.path.value
         self.backend, self.transport, self.network = self.gin.backend, self.gin.transport, self.gin.network
         self.slot_bytes = o.slot_bytes or tuner.defaults(self.device, world.local_size, self.network).slot_bytes
         layout, nbytes = abi.window_layout(self.max_channels, self.slot_bytes, self.nsteps,
-                                           o.gin.queue if self.gin.used else 0, o.gin.counters, self.nranks)
+                                           o.gin.queue if self.gin.used else 0, o.gin.counters, self.nranks,
+                                           device_signals)
+        self.layout = layout
+        # The device window (DevComm.windowOff): after the connections' regions, page aligned.
+        self.device_window_offset = -(-nbytes // DEVICE_WINDOW_ALIGN) * DEVICE_WINDOW_ALIGN
+        if o.device_window:
+            nbytes = self.device_window_offset + o.device_window
         self.window = register_window(world, nbytes, self.device, self.device_id or 0)
         self._refuse_unmapped()
         self._gin_region = QueueRegion(self.window, layout, o.gin.queue, o.gin.counters, self.device,
@@ -395,12 +404,20 @@ class Communicator:
                 f"(stream=cupy.cuda.Stream(non_blocking=True)) or make one current "
                 f"(cupy.cuda.Stream(non_blocking=True).use())")
         self._record.set_call(plan, send, recv)
+        return self.enqueue(lambda own: self.kernels.launch(plan.kernel, plan.nchannels, self.threads,
+                                                            self._record.args, own, plan.spec, self._record.address),
+                            caller)
+
+    def enqueue(self, launch, caller: int):
+        """GPU: runs launch(the communicator's CUstream) joined to the `caller` stream
+        (a CUstream handle): the caller's earlier work first, the caller's later work
+        after. Returns what launch returns. Users' kernels (device_api.Kernel) go
+        through it as well, so they never overlap this communicator's collectives."""
         rt, own = self._runtime, self._stream_ptr
         if caller != own:
             rt.eventRecord(self._joined_ptr, caller)
             rt.streamWaitEvent(own, self._joined_ptr, 0)
-        status = self.kernels.launch(plan.kernel, plan.nchannels, self.threads, self._record.args, own, plan.spec,
-                                     self._record.address)
+        status = launch(own)
         if caller != own:
             rt.eventRecord(self._done_ptr, own)
             rt.streamWaitEvent(caller, self._done_ptr, 0)

@@ -143,10 +143,15 @@ class HostWords:
         what = abi.WAIT_WHAT.get(what_code, f"wait #{what_code}")
         peer, channel, expected, seen = int(e["peer"]), int(e["channel"]), int(e["expected"]), int(e["seen"])
         if code == abi.ERR_TIMEOUT:
+            whom = f"peer {peer}" if peer >= 0 else "any peer"
             return CommTimeout(
-                f"rank {rank}: timed out after {format_seconds(timeout)} s waiting for peer {peer}: {what} "
+                f"rank {rank}: timed out after {format_seconds(timeout)} s waiting for {whom}: {what} "
                 f"on channel {channel} (expected >= {expected}, seen {seen})",
                 rank=rank, peer=peer, what=what, expected=expected, seen=seen)
+        if code == abi.ERR_MISMATCH and what_code == abi.BAD_ARGUMENT:
+            return ValueError(f"rank {rank}: a device-API call in block {channel} was given {seen} where the "
+                              f"limit is {expected} (ids and contexts below it, offsets + bytes within it; a flag "
+                              f"word: the device communicator lacks that capability)")
         if code == abi.ERR_MISMATCH:
             if what_code == abi.COUNT_MISMATCH:
                 field, mine, theirs = "count", expected, seen

@@ -83,6 +83,10 @@ class CommOptions:
     device_id: int | None = None  # CUDA device (default: the current one)
     stream_stores: StreamStores = StreamStores.AUTO
     protocol: Protocol | None = None  # None: COMMREF_PROTO, else auto
+    # The device communicator's requirements (device_api.DeviceComm): bytes of each rank's
+    # device window, and signals beyond the connections' own (counters: gin_counters).
+    device_window: int = 0
+    device_signals: int = 0
     gin: GinOptions = field(default_factory=GinOptions)
 
     def __post_init__(self) -> None:
@@ -105,6 +109,8 @@ class CommOptions:
             fix(self, "timeout", seconds(self.timeout))
         if self.device_id is not None:
             fix(self, "device_id", bounded(self.device_id, "device_id", 0))
+        fix(self, "device_window", bounded(self.device_window, "device_window", 0, multiple=8))
+        fix(self, "device_signals", bounded(self.device_signals, "device_signals", 0))
         if not isinstance(self.gin, GinOptions):
             raise OptionError(f"gin must be a GinOptions, not {type(self.gin).__name__}")
 

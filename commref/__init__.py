@@ -2,7 +2,8 @@
 
 The public face: ``Communicator`` (nccl4py-shaped collectives over LSA peer memory and
 GIN), the worlds that bootstrap ranks (``MPIWorld``, one rank per process;
-``ThreadWorld``, ranks as threads of one process), and the error types. The
+``ThreadWorld``, ranks as threads of one process), users' own kernels on a device
+communicator (``DeviceComm``, ``Kernel``: include/commref/device.h), and the error types. The
 ``commref`` command (check, bench, study) is ``commref.cli``.
 """
 
@@ -19,6 +20,7 @@ if (_TREE / "collectives" / "catalogue.py").is_file() and str(_TREE) not in __pa
     __path__.append(str(_TREE))
 
 from commref.collectives.communicator import Communicator
+from commref.collectives.device_api import CompileError, DeviceComm, Kernel
 from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
 from commref.transports.world import MPIWorld, ThreadWorld, World
 
@@ -27,5 +29,5 @@ try:
 except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
-__all__ = ["Communicator", "MPIWorld", "ThreadWorld", "World", "CommrefError", "CommTimeout", "CommAborted",
+__all__ = ["Communicator", "DeviceComm", "Kernel", "CompileError", "MPIWorld", "ThreadWorld", "World", "CommrefError", "CommTimeout", "CommAborted",
            "CommMismatch", "CapabilityError", "__version__"]

@@ -30,7 +30,7 @@ ERR_OK, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED = 0, 1, 2, 3
 # << 32 (bit k: op code k), or 2**64 - 1 where every instance was built.
 ERR_NO_INSTANCE = 4
 (WAIT_RECV_READY, WAIT_SEND_CREDIT, CALL_MISMATCH, COUNT_MISMATCH, WAIT_GIN_QUEUE, WAIT_GIN_FLUSH,
- WAIT_LSA_BARRIER, BUFFER_MISMATCH) = range(1, 9)
+ WAIT_LSA_BARRIER, BUFFER_MISMATCH, WAIT_SIGNAL, WAIT_COUNTER, WAIT_BARRIER, BAD_ARGUMENT) = range(1, 13)
 WAIT_WHAT = {
     WAIT_RECV_READY: "data of the next step (recv ready)",
     WAIT_SEND_CREDIT: "a free FIFO slot (send credit)",
@@ -40,6 +40,10 @@ WAIT_WHAT = {
     WAIT_GIN_FLUSH: "the GIN proxy to complete earlier operations (flush)",
     WAIT_LSA_BARRIER: "the LSA barrier of a direct kernel",
     BUFFER_MISMATCH: "symmetric buffer offset",
+    WAIT_SIGNAL: "a signal of the device communicator",
+    WAIT_COUNTER: "a counter of the device communicator",
+    WAIT_BARRIER: "the device communicator's barrier",
+    BAD_ARGUMENT: "a device-API argument within its limit",
 }
 
 # CpuProtocolSupport (args.h): what commref_cpu_protocol_support() (cpu/engine.cpp) reports
@@ -212,6 +216,26 @@ COLL_ARGS = np.dtype(
 
 COPY_ARGS = np.dtype([("src", "<u8"), ("dst", "<u8"), ("bytes", "<u8")], align=True)
 
+# The device communicator of users' kernels, and what they take (args.h).
+KERNEL_MAX_ARGS = 16
+DEVCOMM_STRONG_SIGNALS, DEVCOMM_COUNTED_WRITES = 1, 2  # DevCommFlags
+DEV_COMM = np.dtype(
+    [("coll", COLL_ARGS), ("windowOff", "<u8"), ("windowBytes", "<u8"), ("counters", "<u8"), ("lsaRanks", "<u8"),
+     ("launch", "<u8"), ("signalBase", "<u4"), ("nsignals", "<u4"), ("ncounters", "<u4"), ("flags", "<u4"),
+     ("lsaRank", "<i4"), ("lsaSize", "<i4")],
+    align=True,
+)
+
+
+def devcomm_reserved_signals(nranks: int) -> int:
+    """The barriers' signal words after a device communicator's own (device.h): a word
+    per peer for the world barrier and for the LSA barrier, and each one's epoch."""
+    return 2 * nranks + 2
+
+
+KERNEL_ARGS = np.dtype([("comm", DEV_COMM), ("arg", "<u8", (KERNEL_MAX_ARGS,)), ("nargs", "<u4"), ("pad", "<u4")],
+                       align=True)
+
 STRUCTS = {
     "CollArgs": COLL_ARGS,
     "ChannelPeers": CHANNEL_PEERS,
@@ -221,6 +245,8 @@ STRUCTS = {
     "GinArgs": GIN_ARGS,
     "GinDescriptor": GIN_DESCRIPTOR,
     "SymBuffer": SYM_BUFFER,
+    "DevComm": DEV_COMM,
+    "KernelArgs": KERNEL_ARGS,
 }
 
 
@@ -243,10 +269,12 @@ def slot_strides(slot_bytes: int, ll_slot_bytes: int, ll128_slot_bytes: int) -> 
 
 
 def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: int = 0,
-                  gin_counters: int = 0, nranks: int = 1) -> tuple[np.ndarray, int]:
+                  gin_counters: int = 0, nranks: int = 1, device_signals: int = 0) -> tuple[np.ndarray, int]:
     """The connection window's layout (WindowLayout: the regions args.h describes) for
     up to `nchannels` channels and `nranks` ranks, and its size in bytes. The GIN
-    regions are empty when gin_capacity is 0. LL and LL128 slots: line_slot_bytes."""
+    regions are empty when gin_capacity is 0. LL and LL128 slots: line_slot_bytes.
+    `device_signals`: signal words of a device communicator (DevComm) after the
+    connections' own, GIN or not."""
     lay = np.zeros((), dtype=WINDOW_LAYOUT)
     nin, nout = nchannels * CONN_IN, nchannels * CONN_OUT
     ll_bytes, ll128_bytes = line_slot_bytes(slot_bytes)
@@ -270,7 +298,8 @@ def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: in
     region("llStagingOff", nout * nsteps * ll_stride if gin_capacity else 0)
     region("ll128StagingOff", nout * nsteps * ll128_stride if gin_capacity else 0)
     region("ginQueueOff", gin_capacity * GIN_DESCRIPTOR.itemsize + (GIN_QUEUE_HEADER if gin_capacity else 0))
-    region("ginSignalsOff", gin_signals(nchannels, nsteps)[1] * 8 if gin_capacity else 0)
+    region("ginSignalsOff", (gin_signals(nchannels, nsteps)[1] + device_signals) * 8
+           if gin_capacity or device_signals else 0)
     region("ginCountersOff", gin_counters * 8)
     region("syncOff", nchannels * (nranks + 1) * FLAG_STRIDE)
     lay["slotBytes"] = slot_bytes

@@ -54,6 +54,14 @@ class KernelError(RuntimeError):
     """A kernel could not be built or launched (not a communication failure)."""
 
 
+class CompileError(KernelError):
+    """A source did not compile; `log` is the compiler's own message (file, line, error)."""
+
+    def __init__(self, message: str, log: str):
+        super().__init__(message)
+        self.log = log
+
+
 def kernel_sources() -> list[Path]:
     """The kernel files, each its own translation unit."""
     return sorted(KERNEL_DIR.glob("*.cu"))
@@ -177,13 +185,20 @@ def build_library(name: str, sources: list[Path], flags: tuple[str, ...] = CPU_F
             procs = list(pool.map(_compile_object, cmds))
         for cmd, proc in zip(cmds, procs):
             if proc.returncode != 0:
-                raise KernelError(f"building {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+                raise CompileError(f"building {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}", proc.stderr)
         cmd = [cxx, *flags, *map(str, objects), *link, "-o", str(lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelError(f"linking {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
 
     return _build_once(cache_dir() / f"lib{name}-{key}.so", make)
+
+
+def build_user_cpu_library(source: Path) -> Path:
+    """A user's kernel file (device_api.Kernel), compiled with the CPU engine into a
+    library of its own (its own engine: kernels register with the engine they are
+    linked with)."""
+    return build_library(f"user-{source.stem}", [source, ENGINE_SOURCE], CPU_FLAGS, ("COMMREF_CPU",), (INCLUDE_DIR,))
 
 
 def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ...] = ()) -> Path:
@@ -377,8 +392,8 @@ def compile_gpu_image(path: Path, defines: tuple[str, ...], target: str, kind: s
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
-            raise KernelError(f"NVRTC {nvrtc_version()} failed on {path.name} ({e}), options "
-                              f"{' '.join(options)}:\n{log[-6000:]}") from None
+            raise CompileError(f"NVRTC {nvrtc_version()} failed on {path.name} ({e}), options "
+                               f"{' '.join(options)}:\n{log[-6000:]}", log) from None
         return nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog).rstrip(b"\0") + b"\0"
     finally:
         nvrtc.destroyProgram(prog)
@@ -392,6 +407,15 @@ def build_gpu_image(path: Path, spec, compute_capability: int, include_dir: Path
     defines = specialization(spec)
     return _build_once(gpu_image_path(path, defines, target, kind, include_dir),
                        lambda out: out.write_bytes(compile_gpu_image(path, defines, target, kind, include_dir)))
+
+
+def build_user_gpu_image(path: Path, compute_capability: int) -> Path:
+    """The cached image of a user's kernel file (device_api.Kernel) for a device of
+    `compute_capability`: compiled by NVRTC with the collectives' options, no
+    specialization."""
+    target, kind = gpu_target(compute_capability)
+    return _build_once(gpu_image_path(path, (), target, kind),
+                       lambda out: out.write_bytes(compile_gpu_image(path, (), target, kind)))
 
 
 def _build_gpu_image_args(args) -> str:

@@ -137,7 +137,8 @@ def test_call_descriptor_fields():
 
 def test_wait_what_describes_every_wait_code():
     codes = {abi.WAIT_RECV_READY, abi.WAIT_SEND_CREDIT, abi.CALL_MISMATCH, abi.COUNT_MISMATCH, abi.WAIT_GIN_QUEUE,
-             abi.WAIT_GIN_FLUSH, abi.WAIT_LSA_BARRIER, abi.BUFFER_MISMATCH}
+             abi.WAIT_GIN_FLUSH, abi.WAIT_LSA_BARRIER, abi.BUFFER_MISMATCH, abi.WAIT_SIGNAL, abi.WAIT_COUNTER,
+             abi.WAIT_BARRIER, abi.BAD_ARGUMENT}
     assert set(abi.WAIT_WHAT) == codes
 
 

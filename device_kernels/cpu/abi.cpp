@@ -27,7 +27,8 @@ namespace {
 // ---- structs ----
 
 #define COMMREF_ABI_STRUCTS(S) \
-  S(WindowLayout) S(ChannelPeers) S(ErrorRecord) S(GinArgs) S(GinDescriptor) S(SymBuffer) S(CollArgs) S(CopyArgs)
+  S(WindowLayout) S(ChannelPeers) S(ErrorRecord) S(GinArgs) S(GinDescriptor) S(SymBuffer) S(CollArgs) S(CopyArgs) S(DevComm) \
+  S(KernelArgs)
 
 // Every field of every struct above, in declaration order.
 #define COMMREF_ABI_FIELDS(F)                                                                                   \
@@ -54,7 +55,11 @@ namespace {
   F(CollArgs, layout) F(CollArgs, rank) F(CollArgs, nranks) F(CollArgs, root) F(CollArgs, dtype)                \
   F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, avgDivisor) F(CollArgs, streamStores) \
   F(CollArgs, protocol) F(CollArgs, gin) F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)               \
-  F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)
+  F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)                                                           \
+  F(DevComm, coll) F(DevComm, windowOff) F(DevComm, windowBytes) F(DevComm, counters) F(DevComm, lsaRanks)      \
+  F(DevComm, launch) F(DevComm, signalBase) F(DevComm, nsignals) F(DevComm, ncounters) F(DevComm, flags)        \
+  F(DevComm, lsaRank) F(DevComm, lsaSize)                                                                       \
+  F(KernelArgs, comm) F(KernelArgs, arg) F(KernelArgs, nargs) F(KernelArgs, pad)
 
 struct Field {
   const char* strct;
@@ -128,6 +133,10 @@ struct Table {
   C(WAIT_RECV_READY, kWaitRecvReady) C(WAIT_SEND_CREDIT, kWaitSendCredit) C(CALL_MISMATCH, kCallMismatch)      \
   C(COUNT_MISMATCH, kCountMismatch) C(WAIT_GIN_QUEUE, kWaitGinQueue) C(WAIT_GIN_FLUSH, kWaitGinFlush)          \
   C(WAIT_LSA_BARRIER, kWaitLsaBarrier) C(BUFFER_MISMATCH, kBufferMismatch)                                     \
+  C(WAIT_SIGNAL, kWaitSignal) C(WAIT_COUNTER, kWaitCounter) C(WAIT_BARRIER, kWaitBarrier)                      \
+  C(BAD_ARGUMENT, kBadArgument) C(KERNEL_MAX_ARGS, COMMREF_KERNEL_MAX_ARGS)                                    \
+  C(DEVCOMM_STRONG_SIGNALS, kDevCommStrongSignals)                                                            \
+  C(DEVCOMM_COUNTED_WRITES, kDevCommCountedWrites)                                                             \
   C(LAUNCH_OK, kLaunchOk) C(LAUNCH_FAILED, kLaunchFailed) C(LAUNCH_REFUSED, kLaunchRefused)                    \
   C(GIN_PUT, kGinPut) C(GIN_PUT_VALUE, kGinPutValue) C(GIN_SIGNAL, kGinSignal) C(GIN_GET, kGinGet)             \
   C(GIN_FLUSH, kGinFlush) C(GIN_DOORBELL, kGinDoorbell)                                                        \

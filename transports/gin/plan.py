@@ -197,6 +197,34 @@ NETWORK_TAG_BASE, NETWORK_TAG_SPAN = 1024, 30000  # inside the 32767 every MPI a
 _network_tags = itertools.count()
 
 
+def counted_writes_cell(transport: semantics.Transport) -> tuple[str, str]:
+    """The cell of the ordering study that models counted writes (device.h countedPut)
+    on a wire of `transport`: the counted-writes row, the wire's column."""
+    if transport.ordered:
+        column = "ordered"
+    elif transport.duplicates:
+        column = "unordered+duplicates"
+    elif transport.placement == "block128":
+        column = "unordered+block128"
+    elif transport.flush_orders_later_writes:
+        column = "unordered+flush_orders"
+    else:
+        column = "unordered"
+    return "counted-writes", column
+
+
+def counted_writes_refusal(transport: semantics.Transport | None) -> str | None:
+    """Why counted writes cannot run over GIN links of `transport` (None: no GIN link,
+    or the ordering study finds them safe there)."""
+    if transport is None:
+        return None
+    row, column = counted_writes_cell(transport)
+    if study_safe(row, column):
+        return None
+    return (f"counted writes over GIN on the {transport.name} wire: the ordering study finds {row} on {column} "
+            f"unsafe (commref study --protocol {row} --transport {column})")
+
+
 def network_tag() -> int:
     """The tag of the next GIN communicator's proxies on network mpi. Every rank draws
     it while it sets the communicator up, in the same order (the Dup beside it is
@@ -230,8 +258,10 @@ def requirements(options: GinOptions, signals_counters: int = 0) -> Requirements
                         signals_counters=signals_counters)
 
 
-def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps: int) -> GinPlan:
-    """Collective: the GIN plan of this rank of `world` (see the module docstring)."""
+def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps: int,
+             device_signals: int = 0) -> GinPlan:
+    """Collective: the GIN plan of this rank of `world` (see the module docstring);
+    `device_signals`: the signal words a device communicator adds to the connections'."""
     rank, nranks = world.rank, world.size
     if nranks > MAX_GIN_RANKS:
         raise CapabilityError(f"GIN connections address at most {MAX_GIN_RANKS} ranks in this version")
@@ -263,7 +293,7 @@ def plan_gin(world, options: GinOptions, device: str, max_channels: int, nsteps:
         raise CapabilityError(f"rank {rank}: network 'shm' needs every GIN peer on this host")
     if network == Network.MPI and world.kind != "mpi":
         raise CapabilityError("network 'mpi' needs an MPI world (run under mpiexec)")
-    req = requirements(options, abi.gin_signals(max_channels, nsteps)[1] + options.counters)
+    req = requirements(options, abi.gin_signals(max_channels, nsteps)[1] + device_signals + options.counters)
     backend = select_backend(req, options.backend.value)
     transport = semantics.Transport(
         options.wire.value, ordered=options.wire == Wire.ORDERED,

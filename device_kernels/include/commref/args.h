@@ -90,7 +90,11 @@ enum WaitWhat : uint32_t {
   kWaitGinQueue = 5,    // a free descriptor slot in the GIN queue (the proxy is behind)
   kWaitGinFlush = 6,    // the proxy to complete earlier operations (flush)
   kWaitLsaBarrier = 7,  // the peer to reach the same LSA barrier (direct kernels)
-  kBufferMismatch = 8   // the peer's symmetric buffer offset differs (direct kernels)
+  kBufferMismatch = 8,  // the peer's symmetric buffer offset differs (direct kernels)
+  kWaitSignal = 9,      // a user kernel's signal to reach a value (device.h)
+  kWaitCounter = 10,    // a user kernel's counter to reach a value (device.h)
+  kWaitBarrier = 11,    // the peer to reach a user kernel's barrier (device.h)
+  kBadArgument = 12     // a user kernel's device-API call out of range (expected: the limit, seen: the value)
 };
 struct ErrorRecord {
   uint32_t code, what;
@@ -170,6 +174,43 @@ struct CollArgs {
   GinArgs gin;
   SymBuffer symSend, symRecv;  // direct kernels only
   ChannelPeers peers[COMMREF_MAX_CHANNELS];
+};
+
+// The device communicator (NCCL's ncclDevComm) that users' kernels receive
+// (include/commref/device.h; commref.DeviceComm builds it). It is a communicator's launch
+// record (windows, GIN queue, error record, abort word, deadline, the channels' ring and
+// tree peers that Prims connect to) plus what the user asked for when creating it:
+//   - the device window: bytes [windowOff, windowOff + windowBytes) of every rank's
+//     connection window, addressed by offsets from windowOff (puts, gets, LSA pointers);
+//   - signals: indexed GIN signals [signalBase, signalBase + nsignals) of every rank's
+//     window (ginSignalsOff), the same words over LSA and GIN; after them the barriers'
+//     2 * nranks + 2 words (device.h);
+//   - counters: local-completion counters [0, ncounters) at `counters`;
+//   - the LSA team: the ranks reached by load and store (lsaRanks -> int32_t[lsaSize]).
+// `launch`: 1 for the first launch of a kernel on this device communicator, then 2, ...
+// (every rank counts its own launches, so equal across ranks that launch alike);
+// kernels derive signal targets from it instead of resetting signals.
+#define COMMREF_KERNEL_MAX_ARGS 16
+enum DevCommFlags : uint32_t {
+  kDevCommStrongSignals = 1u << 0,  // GIN links offer strong signals (else weak only: flush, then signal)
+  kDevCommCountedWrites = 1u << 1   // counted writes are safe on every GIN link (the ordering study)
+};
+struct DevComm {
+  CollArgs coll;
+  uint64_t windowOff, windowBytes;
+  uint64_t counters;  // -> uint64_t[ncounters]
+  uint64_t lsaRanks;  // -> int32_t[lsaSize], ascending
+  uint64_t launch;
+  uint32_t signalBase, nsignals, ncounters, flags;
+  int32_t lsaRank, lsaSize;
+};
+// What a user kernel takes (COMMREF_KERNEL(name, KernelArgs, args)): the device
+// communicator and up to COMMREF_KERNEL_MAX_ARGS 64-bit words (device addresses,
+// integers, doubles' bits: commref.Kernel.launch packs them in order).
+struct KernelArgs {
+  DevComm comm;
+  uint64_t arg[COMMREF_KERNEL_MAX_ARGS];
+  uint32_t nargs, pad;
 };
 
 struct CopyArgs {  // engine self-test and benchmark kernels

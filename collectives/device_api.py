@@ -1,0 +1,272 @@
+"""Users' own kernels: a device communicator (NCCL's ncclDevComm) and kernels written
+against commref's device API (include/commref/device.h), compiled and launched from
+Python with the same source on a GPU (NVRTC, the driver) and on the CPU engine.
+
+    dc = DeviceComm(world, window_bytes=1 << 20, signals=8)
+    kernel = Kernel(source, "my_kernel")
+    kernel.launch(dc, grid=1, args=(x, y, n))
+
+A DeviceComm is a communicator of its own (its windows, GIN proxy, error record and
+deadline) created with the requirements the kernel states: the device window's bytes,
+signals, counters, strong signals, counted writes. They are checked against the GIN
+backend as the collectives' are (backends.Requirements): a backend that cannot meet
+them is skipped, and when none can, creation fails with a CapabilityError naming what
+is missing. Every rank creates it (collective) and launches the same kernels in the
+same order. Its collectives (`dc.comm`) and its users' kernels run one at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from commref.device_kernels import abi, loader
+from commref.device_kernels.loader import CompileError, KernelError
+from commref.transports.errors import CapabilityError, CommAborted
+from commref.transports.gin.plan import counted_writes_refusal
+
+from .communicator import Communicator
+
+
+class DeviceComm:
+    """A device communicator over the ranks of `world`.
+
+    Requirements: `window_bytes` (each rank's device window, a multiple of 8),
+    `signals` (ids 0..signals-1), `counters` (ids 0..counters-1), `strong_signals`
+    (True: GIN links must offer strong signals; False: weak ones suffice, so the gda
+    backend qualifies, and the connections publish with weak signals, gin_protocol
+    "signal-per-put", unless told otherwise), `counted_writes` (device.h countedPut over
+    GIN: refused where the ordering study finds counted writes unsafe on the wire).
+    Other keywords are Communicator options (path, backend, wire, network, ...)."""
+
+    def __init__(self, world, *, window_bytes: int, signals: int = 0, counters: int = 0,
+                 strong_signals: bool = True, counted_writes: bool = False, device: str = "auto", **options):
+        if not isinstance(window_bytes, int) or window_bytes < 8 or window_bytes % 8:
+            raise ValueError(f"window_bytes must be a positive multiple of 8, not {window_bytes!r}")
+        if not strong_signals:
+            options.setdefault("gin_protocol", "signal-per-put")
+        elif options.get("gin_protocol", "strong") != "strong":
+            raise ValueError("strong_signals=True needs the connections' gin_protocol 'strong' (the requirement "
+                             "that makes backend selection insist on strong signals)")
+        self.comm = Communicator(world, device, device_window=window_bytes, device_signals=signals,
+                                 gin_counters=counters, **options)
+        try:
+            self._setup(window_bytes, signals, counters, strong_signals, counted_writes)
+        except BaseException:
+            self.comm.close()
+            raise
+
+    def _setup(self, window_bytes, signals, counters, strong_signals, counted_writes) -> None:
+        comm = self.comm
+        self.rank, self.nranks, self.device = comm.rank, comm.nranks, comm.device
+        self.window_bytes, self.signals, self.counters = window_bytes, signals, counters
+        backend = comm.backend
+        self.strong_signals = backend is None or backend.caps.strong_signals
+        if strong_signals and not self.strong_signals:  # requirements already select for it; belt and braces
+            raise CapabilityError(f"rank {self.rank}: GIN backend {backend.name} offers weak signals only")
+        refusal = counted_writes_refusal(comm.gin.transport if comm.gin.used else None)
+        self.counted_writes = refusal is None
+        if counted_writes and refusal:
+            raise CapabilityError(f"rank {self.rank}: {refusal}")
+        self.lsa_ranks = [r for r in range(self.nranks) if not (comm.peer_mask >> r) & 1]
+        self._lsa_table = comm._device_table(np.array(self.lsa_ranks, np.int32))
+        self.args = np.zeros(1, dtype=abi.KERNEL_ARGS)
+        d = self.args[0]["comm"]
+        d["coll"] = comm._record.record
+        coll = d["coll"]
+        coll["nchannels"], coll["elemSize"] = comm.max_channels, 1
+        coll["protocol"] = abi.PROTOCOL_CODES["simple"]
+        d["windowOff"], d["windowBytes"] = comm.device_window_offset, window_bytes
+        d["counters"] = (int(coll["gin"]["counters"]) if comm.gin.used
+                         else comm.window.address + int(comm.layout["ginCountersOff"]))
+        d["lsaRanks"] = self._lsa_table.ctypes.data if comm.device == "cpu" else int(self._lsa_table.data.ptr)
+        d["signalBase"] = abi.gin_signals(comm.max_channels, comm.nsteps)[1]
+        d["nsignals"], d["ncounters"] = signals, counters
+        d["flags"] = ((abi.DEVCOMM_STRONG_SIGNALS if self.strong_signals else 0)
+                      | (abi.DEVCOMM_COUNTED_WRITES if self.counted_writes else 0))
+        d["lsaRank"], d["lsaSize"] = self.lsa_ranks.index(self.rank), len(self.lsa_ranks)
+        self.launches = 0
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> str | None:
+        """The GIN backend's name, None when every peer is over LSA."""
+        return self.comm.backend.name if self.comm.backend is not None else None
+
+    def window(self, dtype="uint8", count: int | None = None, offset: int = 0):
+        """This rank's device window (or `count` elements of `dtype` from byte `offset`)
+        as a numpy array (CPU) or a CuPy array (GPU), for filling inputs and reading
+        results between launches."""
+        dtype = np.dtype(dtype)
+        if offset < 0 or offset % dtype.itemsize:
+            raise ValueError(f"offset {offset} must be >= 0 and a multiple of {dtype.name}'s {dtype.itemsize} bytes")
+        count = (self.window_bytes - offset) // dtype.itemsize if count is None else count
+        if count < 0 or offset + count * dtype.itemsize > self.window_bytes:
+            raise ValueError(f"{count} {dtype.name} at offset {offset} exceed the device window "
+                             f"({self.window_bytes} bytes)")
+        start = self.comm.device_window_offset + offset
+        return self.comm.window.local[start:start + count * dtype.itemsize].view(dtype)
+
+    def synchronize(self, stream=None) -> None:
+        """GPU: waits for this communicator's kernels, raising a kernel's failure."""
+        self.comm.synchronize(stream)
+
+    def close(self) -> None:
+        self.comm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.comm.__exit__(*exc)
+
+
+_KERNEL_NAME = re.compile(r"^[A-Za-z_]\w*$")
+_SIGNED_64 = (-(1 << 63), (1 << 64) - 1)
+
+
+class Kernel:
+    """A user's kernel: `source` (CUDA C++ that includes "commref/device.h") defining
+    `COMMREF_KERNEL(name, KernelArgs, args)`. Compiled on first launch per device (or by
+    compile()), cached by source hash; a compile error raises CompileError with the
+    compiler's message, which names `filename` and the line."""
+
+    def __init__(self, source: str, name: str, filename: str | None = None):
+        if not _KERNEL_NAME.match(name):
+            raise ValueError(f"kernel name {name!r} is not a C identifier")
+        if not re.search(rf"COMMREF_KERNEL\(\s*{name}\s*,\s*KernelArgs\s*,", source):
+            raise ValueError(f"the source defines no COMMREF_KERNEL({name}, KernelArgs, ...)")
+        self.source, self.name = source, name
+        self.filename = filename or f"{name}.cu"
+        if os.sep in self.filename or not self.filename.endswith(".cu"):
+            raise ValueError(f"filename {self.filename!r} must be a bare name ending in .cu")
+        self.call_desc = zlib.crc32(name.encode()) << 32 | 0xF  # collective field 15: a user kernel (Prims headers)
+        self._lock = threading.Lock()
+        self._cpu = None
+        self._gpu: dict[int, int] = {}  # device id -> CUfunction
+        self._modules: list = []
+
+    @property
+    def path(self) -> Path:
+        """The source as the compilers see it: cache_dir()/user/<hash>/<filename>."""
+        digest = hashlib.sha256(self.source.encode()).hexdigest()[:16]
+        path = loader.cache_dir() / "user" / digest / self.filename
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(self.source)
+            os.replace(tmp, path)
+        return path
+
+    def _compile_error(self, e: CompileError, path: Path) -> CompileError:
+        log = e.log.replace(str(path.parent) + os.sep, "")
+        return CompileError(f"kernel {self.name}: {self.filename} does not compile:\n{log.rstrip()}", log)
+
+    def compile(self, device: str = "cpu", device_id: int = 0):
+        """Builds the kernel for `device` ("cpu", or "cuda" on `device_id`)."""
+        with self._lock:
+            path = self.path
+            try:
+                if device == "cpu":
+                    if self._cpu is None:
+                        self._cpu = loader.CpuKernels(loader.build_user_cpu_library(path))
+                        self._cpu.entry(self.name)
+                    return self._cpu
+                if device_id not in self._gpu:
+                    import cupy
+                    from cupy.cuda import function
+
+                    with cupy.cuda.Device(device_id):
+                        cc = int(cupy.cuda.Device(device_id).compute_capability)
+                        module = function.Module()
+                        module.load(loader.build_user_gpu_image(path, cc).read_bytes())
+                        self._gpu[device_id] = int(module.get_function(self.name).ptr)
+                        self._modules.append(module)
+                return self._gpu[device_id]
+            except CompileError as e:
+                raise self._compile_error(e, path) from None
+
+    def launch(self, dc: DeviceComm, grid: int = 1, block: int | None = None, args=(), stream=None) -> None:
+        """Runs the kernel on every rank's device communicator `dc` (each rank launches;
+        collective in the sense that the kernel's signals and barriers meet the peers').
+        `args`: up to abi.KERNEL_MAX_ARGS arrays (passed as device addresses; on the
+        device of `dc`, contiguous), integers and floats (as 64-bit words). On the CPU it
+        returns when the kernel ends; on a GPU it is enqueued on `stream` (None: CuPy's
+        current one) and a failure is raised at dc.synchronize() or the next launch."""
+        comm = dc.comm
+        if comm._broken:
+            raise CommAborted(f"rank {comm.rank}: device communicator unusable: {comm._broken}",
+                              rank=comm.rank, origin_rank=None, reason=comm._broken)
+        block = comm.threads if block is None else block
+        for what, v in (("grid", grid), ("block", block)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{what} must be a positive integer, not {v!r}")
+        words = [self._word(i, a, dc) for i, a in enumerate(args)]
+        if len(words) > abi.KERNEL_MAX_ARGS:
+            raise ValueError(f"a kernel takes at most {abi.KERNEL_MAX_ARGS} arguments, got {len(words)}")
+        with dc._lock:
+            dc.launches += 1
+            record = dc.args.copy()  # the driver copies it at launch; the CPU reads it until the kernel ends
+            k = record[0]
+            k["comm"]["launch"] = dc.launches
+            k["comm"]["coll"]["callDesc"] = self.call_desc
+            k["arg"][:len(words)] = words
+            k["nargs"] = len(words)
+            if comm.device == "cpu":
+                status = self.compile("cpu").launch(self.name, grid, block, record)
+            else:
+                if comm._host.failed:
+                    raise comm._failure()
+                from cupy.cuda import driver
+
+                fn = self.compile("cuda", comm.device_id)
+                param = ctypes.c_void_p(record.ctypes.data)  # the driver copies the record at launch
+                status = comm.enqueue(
+                    lambda own: driver.launchKernel(*loader.launch_arguments(fn, grid, block, own, param)) or 0,
+                    comm._caller_stream(stream))
+        if comm.proxy is not None and comm.proxy.error is not None:
+            comm._broken = f"an earlier call failed: GIN proxy failed: {comm.proxy.error}"
+            raise comm.proxy.error
+        if status:
+            raise comm._failure()
+
+    def _word(self, i: int, value, dc: DeviceComm) -> int:
+        """Launch argument `i` as a 64-bit word."""
+        if isinstance(value, (bool, np.bool_)):
+            return int(value)
+        if isinstance(value, (int, np.integer)):
+            v = int(value)
+            if not _SIGNED_64[0] <= v <= _SIGNED_64[1]:
+                raise ValueError(f"argument {i}: {v} does not fit 64 bits")
+            return v & (2**64 - 1)
+        if isinstance(value, (float, np.floating)):
+            return struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+        if isinstance(value, np.ndarray):
+            if dc.device != "cpu":
+                raise ValueError(f"argument {i}: a numpy array for a kernel on GPU {dc.comm.device_id}; pass a "
+                                 f"CuPy array on that device")
+            if not value.flags.c_contiguous:
+                raise ValueError(f"argument {i}: the array is not contiguous")
+            return value.ctypes.data
+        if hasattr(value, "__cuda_array_interface__"):
+            if dc.device != "cuda":
+                raise ValueError(f"argument {i}: a GPU array for a kernel on the CPU engine")
+            dev = getattr(getattr(value, "device", None), "id", dc.comm.device_id)
+            if dev != dc.comm.device_id:
+                raise ValueError(f"argument {i}: the array is on GPU {dev}, the kernel runs on GPU "
+                                 f"{dc.comm.device_id}")
+            if not value.flags.c_contiguous:
+                raise ValueError(f"argument {i}: the array is not contiguous")
+            return int(value.data.ptr)
+        raise TypeError(f"argument {i}: {type(value).__name__} is not an array, an integer or a float")
+
+
+__all__ = ["DeviceComm", "Kernel", "CompileError", "KernelError"]
