@@ -40,17 +40,21 @@ class DeviceComm:
     """A device communicator over the ranks of `world`.
 
     Requirements: `window_bytes` (each rank's device window, a multiple of 8),
-    `signals` (ids 0..signals-1), `counters` (ids 0..counters-1), `strong_signals`
+    `signals` (ids 0..signals-1), `counters` (ids 0..counters-1), `contexts` (GIN
+    contexts 0..contexts-1, each its own ordering domain; at most 4), `strong_signals`
     (True: GIN links must offer strong signals; False: weak ones suffice, so the gda
     backend qualifies, and the connections publish with weak signals, gin_protocol
     "signal-per-put", unless told otherwise), `counted_writes` (device.h countedPut over
     GIN: refused where the ordering study finds counted writes unsafe on the wire).
     Other keywords are Communicator options (path, backend, wire, network, ...)."""
 
-    def __init__(self, world, *, window_bytes: int, signals: int = 0, counters: int = 0,
+    def __init__(self, world, *, window_bytes: int, signals: int = 0, counters: int = 0, contexts: int = 1,
                  strong_signals: bool = True, counted_writes: bool = False, device: str = "auto", **options):
-        if not isinstance(window_bytes, int) or window_bytes < 8 or window_bytes % 8:
+        if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 8 or window_bytes % 8:
             raise ValueError(f"window_bytes must be a positive multiple of 8, not {window_bytes!r}")
+        if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= abi.DEVCOMM_MAX_CONTEXTS:
+            raise ValueError(f"contexts must be an integer from 1 to {abi.DEVCOMM_MAX_CONTEXTS}, not {contexts!r}")
+        self.contexts = contexts
         if not strong_signals:
             options.setdefault("gin_protocol", "signal-per-put")
         elif options.get("gin_protocol", "strong") != "strong":
@@ -93,6 +97,7 @@ class DeviceComm:
         d["flags"] = ((abi.DEVCOMM_STRONG_SIGNALS if self.strong_signals else 0)
                       | (abi.DEVCOMM_COUNTED_WRITES if self.counted_writes else 0))
         d["lsaRank"], d["lsaSize"] = self.lsa_ranks.index(self.rank), len(self.lsa_ranks)
+        d["ncontexts"] = self.contexts
         self.launches = 0
         self._lock = threading.Lock()
 
@@ -235,7 +240,7 @@ class Kernel:
         if comm.proxy is not None and comm.proxy.error is not None:
             comm._broken = f"an earlier call failed: GIN proxy failed: {comm.proxy.error}"
             raise comm.proxy.error
-        if status:
+        if status or (comm.device == "cpu" and comm._host.failed):  # a failure recorded outside a wait, too
             raise comm._failure()
 
     def _word(self, i: int, value, dc: DeviceComm) -> int:

@@ -218,11 +218,12 @@ COPY_ARGS = np.dtype([("src", "<u8"), ("dst", "<u8"), ("bytes", "<u8")], align=T
 
 # The device communicator of users' kernels, and what they take (args.h).
 KERNEL_MAX_ARGS = 16
+DEVCOMM_MAX_CONTEXTS = 4  # GIN contexts a device communicator offers at most (device.h)
 DEVCOMM_STRONG_SIGNALS, DEVCOMM_COUNTED_WRITES = 1, 2  # DevCommFlags
 DEV_COMM = np.dtype(
     [("coll", COLL_ARGS), ("windowOff", "<u8"), ("windowBytes", "<u8"), ("counters", "<u8"), ("lsaRanks", "<u8"),
      ("launch", "<u8"), ("signalBase", "<u4"), ("nsignals", "<u4"), ("ncounters", "<u4"), ("flags", "<u4"),
-     ("lsaRank", "<i4"), ("lsaSize", "<i4")],
+     ("lsaRank", "<i4"), ("lsaSize", "<i4"), ("ncontexts", "<u4"), ("pad", "<u4")],
     align=True,
 )
 

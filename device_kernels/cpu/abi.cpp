@@ -58,7 +58,7 @@ namespace {
   F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)                                                           \
   F(DevComm, coll) F(DevComm, windowOff) F(DevComm, windowBytes) F(DevComm, counters) F(DevComm, lsaRanks)      \
   F(DevComm, launch) F(DevComm, signalBase) F(DevComm, nsignals) F(DevComm, ncounters) F(DevComm, flags)        \
-  F(DevComm, lsaRank) F(DevComm, lsaSize)                                                                       \
+  F(DevComm, lsaRank) F(DevComm, lsaSize) F(DevComm, ncontexts) F(DevComm, pad)                                \
   F(KernelArgs, comm) F(KernelArgs, arg) F(KernelArgs, nargs) F(KernelArgs, pad)
 
 struct Field {
@@ -135,7 +135,7 @@ struct Table {
   C(WAIT_LSA_BARRIER, kWaitLsaBarrier) C(BUFFER_MISMATCH, kBufferMismatch)                                     \
   C(WAIT_SIGNAL, kWaitSignal) C(WAIT_COUNTER, kWaitCounter) C(WAIT_BARRIER, kWaitBarrier)                      \
   C(BAD_ARGUMENT, kBadArgument) C(KERNEL_MAX_ARGS, COMMREF_KERNEL_MAX_ARGS)                                    \
-  C(DEVCOMM_STRONG_SIGNALS, kDevCommStrongSignals)                                                            \
+  C(DEVCOMM_STRONG_SIGNALS, kDevCommStrongSignals) C(DEVCOMM_MAX_CONTEXTS, COMMREF_DEVCOMM_MAX_CONTEXTS)                                                            \
   C(DEVCOMM_COUNTED_WRITES, kDevCommCountedWrites)                                                             \
   C(LAUNCH_OK, kLaunchOk) C(LAUNCH_FAILED, kLaunchFailed) C(LAUNCH_REFUSED, kLaunchRefused)                    \
   C(GIN_PUT, kGinPut) C(GIN_PUT_VALUE, kGinPutValue) C(GIN_SIGNAL, kGinSignal) C(GIN_GET, kGinGet)             \

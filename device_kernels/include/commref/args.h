@@ -191,6 +191,7 @@ struct CollArgs {
 // (every rank counts its own launches, so equal across ranks that launch alike);
 // kernels derive signal targets from it instead of resetting signals.
 #define COMMREF_KERNEL_MAX_ARGS 16
+#define COMMREF_DEVCOMM_MAX_CONTEXTS 4  // GIN contexts of a device communicator, at most
 enum DevCommFlags : uint32_t {
   kDevCommStrongSignals = 1u << 0,  // GIN links offer strong signals (else weak only: flush, then signal)
   kDevCommCountedWrites = 1u << 1   // counted writes are safe on every GIN link (the ordering study)
@@ -203,6 +204,8 @@ struct DevComm {
   uint64_t launch;
   uint32_t signalBase, nsignals, ncounters, flags;
   int32_t lsaRank, lsaSize;
+  uint32_t ncontexts;  // GIN contexts the kernels may use: 0 .. ncontexts - 1 (at most 4, device.h)
+  uint32_t pad;
 };
 // What a user kernel takes (COMMREF_KERNEL(name, KernelArgs, args)): the device
 // communicator and up to COMMREF_KERNEL_MAX_ARGS 64-bit words (device addresses,

@@ -48,8 +48,6 @@
 #pragma once
 #include "ring.h"
 
-#define COMMREF_DEVCOMM_MAX_CONTEXTS 4
-
 // A remote action on a user signal id (not a raw GIN index).
 struct Signal {
   uint32_t flags;  // GinFlags: kGinHasSignal, kGinStrongSignal, kGinSignalAdd
@@ -246,7 +244,8 @@ struct DeviceComm {
   __device__ bool signalOk(uint32_t id) { return argumentOk(id < dc.nsignals, dc.nsignals, id); }
   __device__ bool counterOk(uint32_t id) { return argumentOk(id < dc.ncounters, dc.ncounters, id); }
   __device__ bool contextOk(int ctx) {
-    return argumentOk(ctx >= 0 && ctx < COMMREF_DEVCOMM_MAX_CONTEXTS, COMMREF_DEVCOMM_MAX_CONTEXTS, (uint64_t)ctx);
+    return argumentOk(ctx >= 0 && ctx < (int)dc.ncontexts && ctx < COMMREF_DEVCOMM_MAX_CONTEXTS, dc.ncontexts,
+                      (uint64_t)ctx);
   }
   __device__ bool checkPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, Signal s, int counter, int ctx) {
     const uint64_t w = dc.windowBytes;
@@ -260,7 +259,8 @@ struct DeviceComm {
   __device__ void ringDoorbells() {
     if (!a.gin.doorbells) return;
     for (int c = 0; c < COMMREF_DEVCOMM_MAX_CONTEXTS; c++) {
-      for (uint64_t m = pending[c]; m; m &= m - 1) gin.doorbell(c, __builtin_ctzll(m));
+      for (int peer = 0; peer < a.nranks && pending[c]; peer++)
+        if ((pending[c] >> peer) & 1) gin.doorbell(c, peer);
       pending[c] = 0;
     }
   }

@@ -109,6 +109,7 @@ static __device__ __forceinline__ void commref_help_progress(const uint64_t*) {}
 
 #else  // COMMREF_CPU
 
+#include <math.h>  // CUDA's device math functions (sqrtf, ...) on the host
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
