@@ -396,6 +396,12 @@ class Communicator:
         if self._host.failed:  # an earlier kernel failed and nobody synchronized since
             raise self._failure()
         caller = self._caller_stream(stream)
+        self._record.set_call(plan, send, recv)
+        return self.enqueue(lambda own: self.kernels.launch(plan.kernel, plan.nchannels, self.threads,
+                                                            self._record.args, own, plan.spec, self._record.address),
+                            caller)
+
+    def _refuse_legacy_stream(self, caller: int) -> None:
         if caller in LEGACY_STREAMS and self._ranks_on_device > 1:
             raise ValueError(
                 f"rank {self.rank}: {self._ranks_on_device} ranks of this process share GPU {self.device_id}, and "
@@ -403,16 +409,13 @@ class Communicator:
                 f"for the other ranks' kernels while they wait for it; pass each rank a stream of its own "
                 f"(stream=cupy.cuda.Stream(non_blocking=True)) or make one current "
                 f"(cupy.cuda.Stream(non_blocking=True).use())")
-        self._record.set_call(plan, send, recv)
-        return self.enqueue(lambda own: self.kernels.launch(plan.kernel, plan.nchannels, self.threads,
-                                                            self._record.args, own, plan.spec, self._record.address),
-                            caller)
 
     def enqueue(self, launch, caller: int):
         """GPU: runs launch(the communicator's CUstream) joined to the `caller` stream
         (a CUstream handle): the caller's earlier work first, the caller's later work
         after. Returns what launch returns. Users' kernels (device_api.Kernel) go
         through it as well, so they never overlap this communicator's collectives."""
+        self._refuse_legacy_stream(caller)
         rt, own = self._runtime, self._stream_ptr
         if caller != own:
             rt.eventRecord(self._joined_ptr, caller)

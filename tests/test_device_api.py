@@ -370,5 +370,22 @@ COMMREF_KERNEL(every_call, KernelArgs, args) {
         assert proc.returncode == 0, f"{src.name}:\n{proc.stderr}"
 
 
+def test_nvrtc_compiles_the_examples_and_reports_a_syntax_error_with_its_line(tmp_path, monkeypatch):
+    """The GPU route of Kernel.compile (NVRTC, as the driver will load it); no GPU needed."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed (pip install -e '.[gpu-oldest]')")
+    monkeypatch.setenv("COMMREF_CACHE_DIR", str(tmp_path))
+    from commref.rmsnorm import kernel
+
+    assert loader.build_user_gpu_image(kernel().path, 90).stat().st_size > 0
+    broken = Kernel(PREAMBLE + "COMMREF_KERNEL(broken, KernelArgs, args) {\n  int x = ;\n}\n", "broken")
+    with pytest.raises(CompileError) as info:
+        try:
+            loader.build_user_gpu_image(broken.path, 90)
+        except CompileError as e:
+            raise broken._compile_error(e, broken.path) from None
+    assert str(info.value).startswith("kernel broken: broken.cu does not compile:\nbroken.cu(3): error")
+    assert "int x = ;" in str(info.value)
+
+
 def test_the_public_names():
     assert commref.DeviceComm is DeviceComm and commref.Kernel is Kernel and commref.CompileError is CompileError
