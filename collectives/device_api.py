@@ -34,6 +34,7 @@ from commref.transports.errors import CapabilityError, CommAborted
 from commref.transports.gin.plan import counted_writes_refusal
 
 from .communicator import Communicator
+from .launch import address_of
 
 
 class DeviceComm:
@@ -91,7 +92,7 @@ class DeviceComm:
         d["windowOff"], d["windowBytes"] = comm.device_window_offset, window_bytes
         d["counters"] = (int(coll["gin"]["counters"]) if comm.gin.used
                          else comm.window.address + int(comm.layout["ginCountersOff"]))
-        d["lsaRanks"] = self._lsa_table.ctypes.data if comm.device == "cpu" else int(self._lsa_table.data.ptr)
+        d["lsaRanks"] = address_of(self._lsa_table)
         d["signalBase"] = abi.gin_signals(comm.max_channels, comm.nsteps)[1]
         d["nsignals"], d["ncounters"] = signals, counters
         d["flags"] = ((abi.DEVCOMM_STRONG_SIGNALS if self.strong_signals else 0)

@@ -12,6 +12,8 @@ import subprocess
 import numpy as np
 import pytest
 
+from conftest import clean_env, run_mpi
+
 import commref
 from commref import CapabilityError, CommTimeout, ThreadWorld
 from commref.collectives.device_api import CompileError, DeviceComm, Kernel
@@ -389,3 +391,13 @@ def test_nvrtc_compiles_the_examples_and_reports_a_syntax_error_with_its_line(tm
 
 def test_the_public_names():
     assert commref.DeviceComm is DeviceComm and commref.Kernel is Kernel and commref.CompileError is CompileError
+
+
+@pytest.mark.mpi
+def test_fused_rmsnorm_under_mpiexec_across_simulated_nodes(shm_leak_check):
+    """One rank per process, 2 x 2 simulated nodes: LSA inside a node, GIN over network
+    mpi across, on the unordered wire with weak signals (gda)."""
+    proc = run_mpi(4, ["commref.rmsnorm", "--path", "auto", "--network", "mpi", "--wire", "unordered", "--weak",
+                       "--tokens", "13", "--hidden", "64"], module=True, env=clean_env(COMMREF_NODES="2"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 ranks, path auto, backend gda, 3 launches: 0 wrong elements" in proc.stdout
