@@ -98,6 +98,32 @@ COMMREF_KERNEL(prims_ring, KernelArgs, args) {
 }
 '''
 
+# A connection per peer: every rank sends a block of `bytes` to every peer through the
+# flow primitives and receives one from each (an all-to-all on Prims).
+PRIMS_PER_PEER = PREAMBLE + r'''
+COMMREF_KERNEL(prims_per_peer, KernelArgs, args) {
+  DeviceComm comm(args);
+  const uint8_t* src = comm.ptr<const uint8_t>(0);
+  uint8_t* dst = comm.ptr<uint8_t>(1);
+  const uint64_t bytes = comm.u64(2);
+  const int n = comm.nranks(), r = comm.rank();
+  for (int k = 1; k < n; k++) {
+    const int peer = (r + k) % n;
+    Prims<uint8_t, OpSum> tx(comm.coll(), comm.sendChannel(peer));
+    comm.connectSend(tx, peer);
+    tx.send(src + peer * bytes, bytes);
+    tx.finish();
+  }
+  for (int k = 1; k < n; k++) {
+    const int peer = (r + n - k) % n;
+    Prims<uint8_t, OpSum> rx(comm.coll(), comm.recvChannel(peer));
+    comm.connectRecv(rx, peer);
+    rx.recv(dst + peer * bytes, bytes);
+    rx.finish();
+  }
+}
+'''
+
 # Waits for a signal that nobody sends.
 WAIT_FOREVER = PREAMBLE + r'''
 COMMREF_KERNEL(wait_forever, KernelArgs, args) {
@@ -211,6 +237,36 @@ def test_prims_run_in_a_user_kernel(path):
             assert (dst == prev + 1).all()
 
     _run(3, body)
+
+
+@pytest.mark.parametrize("path", ["lsa", "gin-unordered"])
+def test_a_connection_per_peer_carries_the_flow_primitives(path):
+    kernel, nbytes = Kernel(PRIMS_PER_PEER, "prims_per_peer"), 100
+
+    def body(world):
+        n = world.size
+        with DeviceComm(world, window_bytes=64, device="cpu", max_channels=2, **PATHS[path]) as dc:
+            for launch in (1, 2):
+                src = np.array([(world.rank * 16 + j) * launch % 256 for j in range(n) for _ in range(nbytes)],
+                               np.uint8)
+                dst = np.zeros(n * nbytes, np.uint8)
+                kernel.launch(dc, 1, args=(src, dst, nbytes))
+                for j in range(n):
+                    want = 0 if j == world.rank else (j * 16 + world.rank) * launch % 256
+                    assert (dst[j * nbytes:(j + 1) * nbytes] == want).all(), (world.rank, j)
+
+    _run(6, body)  # 6 ranks: distances up to 5, channels 0 and 1
+
+
+def test_a_connection_per_peer_needs_enough_channels():
+    kernel = Kernel(PRIMS_PER_PEER, "prims_per_peer")
+
+    def body(world):
+        with DeviceComm(world, window_bytes=64, device="cpu", max_channels=1, timeout=5) as dc:
+            with pytest.raises(ValueError, match=r"was given 1 where the limit is 1"):
+                kernel.launch(dc, 1, args=(np.zeros(6, np.uint8), np.zeros(6, np.uint8), 1))
+
+    _run(6, body)
 
 
 def test_a_syntax_error_gives_the_compilers_message_with_the_line(tmp_path, monkeypatch):

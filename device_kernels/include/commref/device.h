@@ -44,7 +44,8 @@
 //     its targets (a launch expecting k signals waits for launch() * k).
 //   - coll() is the communicator's launch record: Prims<T, Op>(comm.coll(), c) with
 //     connectRing (ring.h) runs the collectives' own flow primitives on channel c
-//     (c < the communicator's max_channels).
+//     (c < the communicator's max_channels); connectSend / connectRecv give them a
+//     connection per peer instead (below).
 #pragma once
 #include "ring.h"
 
@@ -225,6 +226,30 @@ struct DeviceComm {
   // The LSA team only, by loads and stores.
   __device__ void lsaBarrier() { barrierOver(true); }
 
+  // ---- a connection per peer: the flow primitives between any two ranks ----
+  // The link from rank s to rank r, d = (r - s) mod n, is channel (d - 1) / 4's outbound
+  // link (d - 1) % 4 at s and inbound FIFO (d - 1) % 4 at r: on a channel every sender
+  // arrives on a FIFO of its own and every receiver is reached by a link of its own.
+  // n ranks need ceil((n - 1) / 4) channels (the communicator's max_channels). Usage:
+  //   Prims<T, Op> tx(comm.coll(), comm.sendChannel(peer)); comm.connectSend(tx, peer);
+  //   Prims<T, Op> rx(comm.coll(), comm.recvChannel(peer)); comm.connectRecv(rx, peer);
+  // A device communicator's FIFOs serve either these links or the ring and tree
+  // (connectRing, its collectives), not both: step counters persist per FIFO.
+  __device__ int sendChannel(int peer) const { return (distance(a.rank, peer) - 1) / 4; }
+  __device__ int recvChannel(int peer) const { return (distance(peer, a.rank) - 1) / 4; }
+  template <typename T, typename Op>
+  __device__ void connectSend(Prims<T, Op>& p, int peer) {
+    const int d = distance(a.rank, peer);
+    if (linkOk(peer, d, p.channel())) p.addSend((d - 1) % 4, peer, (d - 1) % 4);
+    sync();
+  }
+  template <typename T, typename Op>
+  __device__ void connectRecv(Prims<T, Op>& p, int peer) {
+    const int d = distance(peer, a.rank);
+    if (linkOk(peer, d, p.channel())) p.addRecv((d - 1) % 4, peer, (d - 1) % 4);
+    sync();
+  }
+
   // Fails the launch with kBadArgument unless `ok`; returns ok.
   __device__ bool argumentOk(bool ok, uint64_t limit, uint64_t value) {
     if (!ok) commref_fail(env, kMismatch, kBadArgument, -1, blockIdx.x, limit, value);
@@ -240,6 +265,13 @@ struct DeviceComm {
   __device__ uint64_t* counterWord(uint32_t id) const { return (uint64_t*)dc.counters + id; }
   __device__ GinRemoteAction ginAction(Signal s) const {
     return GinRemoteAction{s.flags, s.flags ? dc.signalBase + s.id : 0, s.value};
+  }
+  __device__ int distance(int from, int to) const { return ((to - from) % a.nranks + a.nranks) % a.nranks; }
+  __device__ bool linkOk(int peer, int d, int channel) {
+    const int want = (d - 1) / 4;
+    return argumentOk(peer >= 0 && peer < a.nranks && d != 0, a.nranks, (uint64_t)peer) &&
+           argumentOk(want < a.nchannels, a.nchannels, (uint64_t)want) &&
+           argumentOk(channel == want, want, (uint64_t)channel);
   }
   __device__ bool signalOk(uint32_t id) { return argumentOk(id < dc.nsignals, dc.nsignals, id); }
   __device__ bool counterOk(uint32_t id) { return argumentOk(id < dc.ncounters, dc.ncounters, id); }

@@ -72,6 +72,7 @@ class Prims {
     rxStep[nrecv] = load_relaxed(rx[nrecv].stepState);
     nrecv++;
   }
+  __device__ int channel() const { return channel_; }
   // Outbound link `out` of this rank to `peer`, which receives on its FIFO `inAtPeer`.
   __device__ void addSend(int out, int peer, int inAtPeer) {
     tx[nsend] = makeSend(a, channel_, out, peer, inAtPeer);
