@@ -218,6 +218,7 @@ class Kernel:
         words = [self._word(i, a, dc) for i, a in enumerate(args)]
         if len(words) > abi.KERNEL_MAX_ARGS:
             raise ValueError(f"a kernel takes at most {abi.KERNEL_MAX_ARGS} arguments, got {len(words)}")
+        built = self.compile(comm.device, comm.device_id or 0)  # before counting a launch that cannot happen
         with dc._lock:
             dc.launches += 1
             record = dc.args.copy()  # the driver copies it at launch; the CPU reads it until the kernel ends
@@ -227,13 +228,13 @@ class Kernel:
             k["arg"][:len(words)] = words
             k["nargs"] = len(words)
             if comm.device == "cpu":
-                status = self.compile("cpu").launch(self.name, grid, block, record)
+                status = built.launch(self.name, grid, block, record)
             else:
                 if comm._host.failed:
                     raise comm._failure()
                 from cupy.cuda import driver
 
-                fn = self.compile("cuda", comm.device_id)
+                fn = built
                 param = ctypes.c_void_p(record.ctypes.data)  # the driver copies the record at launch
                 status = comm.enqueue(
                     lambda own: driver.launchKernel(*loader.launch_arguments(fn, grid, block, own, param)) or 0,
