@@ -215,6 +215,8 @@ COLL_ARGS = np.dtype(
 )
 
 COPY_ARGS = np.dtype([("src", "<u8"), ("dst", "<u8"), ("bytes", "<u8")], align=True)
+# One prepared CPU launch (commref_cpu_launch_prepared, cpu/engine.cpp).
+LAUNCH_DESC = np.dtype([("kernel", "<u8"), ("args", "<u8"), ("grid", "<u4"), ("block", "<u4")], align=True)
 
 # The device communicator of users' kernels, and what they take (args.h).
 KERNEL_MAX_ARGS = 16
@@ -243,6 +245,7 @@ STRUCTS = {
     "WindowLayout": WINDOW_LAYOUT,
     "ErrorRecord": ERROR_RECORD,
     "CopyArgs": COPY_ARGS,
+    "LaunchDesc": LAUNCH_DESC,
     "GinArgs": GIN_ARGS,
     "GinDescriptor": GIN_DESCRIPTOR,
     "SymBuffer": SYM_BUFFER,

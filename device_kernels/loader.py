@@ -217,6 +217,10 @@ class CpuKernels:
         self._launch = self._lib.commref_cpu_launch
         self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
         self._launch.restype = ctypes.c_int
+        # run_prepared(desc): commref_cpu_launch_prepared, the launch a LaunchDesc describes
+        self.run_prepared = self._lib.commref_cpu_launch_prepared
+        self.run_prepared.argtypes = [ctypes.c_void_p]
+        self.run_prepared.restype = ctypes.c_int
         self._entry: dict[str, int] = {}
 
     def entry(self, name: str) -> int:
@@ -242,6 +246,11 @@ class CpuKernels:
             raise KernelError(f"the CPU engine could not run {name} with grid={grid} block={block}")
         return status
 
+    def prepared(self, name: str, grid: int, block: int, address: int) -> "PreparedLaunch":
+        """Launch `name` with the argument record at `address`, described once (abi.LAUNCH_DESC)
+        so that repeating it costs one argument's conversion: PreparedLaunch.run()."""
+        return PreparedLaunch(self, name, grid, block, address)
+
     def prepare(self, specs) -> None:
         """Nothing to do: the CPU library holds every instance."""
 
@@ -265,6 +274,25 @@ class CpuKernels:
                 raise KernelError(f"the ABI table of {self.path} lists {name!r} twice")
             table[name] = int(value) if kind == "i" else value
         return table
+
+
+class PreparedLaunch:
+    """One CPU launch described once (abi.LAUNCH_DESC); `status = run(desc)` runs it and
+    returns what CpuKernels.launch returns, except that a refusal comes back as
+    abi.LAUNCH_REFUSED for the caller to raise (refused()). The record at `address` must
+    outlive it."""
+
+    __slots__ = ("name", "grid", "block", "record", "desc", "run")
+
+    def __init__(self, kernels: CpuKernels, name: str, grid: int, block: int, address: int):
+        self.name, self.grid, self.block = name, grid, block
+        self.record = np.zeros(1, dtype=abi.LAUNCH_DESC)
+        self.record[0] = (kernels.entry(name), address, grid, block)
+        self.desc = ctypes.c_void_p(self.record.ctypes.data)
+        self.run = kernels.run_prepared
+
+    def refused(self) -> KernelError:
+        return KernelError(f"the CPU engine could not run {self.name} with grid={self.grid} block={self.block}")
 
 
 _cpu_lock = threading.Lock()

@@ -387,6 +387,13 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*
   return L.failed.load();
 }
 
+// commref_cpu_launch of the launch that `d` describes (args.h, LaunchDesc): one argument
+// for ctypes to convert instead of four, on the path of every repeated small call.
+extern "C" __attribute__((visibility("default"))) int commref_cpu_launch_prepared(const LaunchDesc* d) {
+  return commref_cpu_launch((void (*)(const void*))(uintptr_t)d->kernel, (const void*)(uintptr_t)d->args, d->grid,
+                            d->block);
+}
+
 // CpuProtocolSupport (args.h) of the CPU this runs on: the host refuses LL, and LL and
 // LL128 over GIN, where a guarantee they rely on is missing (proto.h).
 extern "C" __attribute__((visibility("default"))) uint32_t commref_cpu_protocol_support() {

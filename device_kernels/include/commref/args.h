@@ -220,6 +220,15 @@ struct CopyArgs {  // engine self-test and benchmark kernels
   uint64_t src, dst, bytes;
 };
 
+// One launch on the CPU engine, prepared once by the host and then run by its address
+// alone (commref_cpu_launch_prepared, cpu/engine.cpp): a call that repeats pays for one
+// argument where commref_cpu_launch takes four (ctypes converts each, about 0.1 us).
+struct LaunchDesc {
+  uint64_t kernel;  // void (*)(const void*), an entry point of the library
+  uint64_t args;    // the kernel's argument record
+  uint32_t grid, block;
+};
+
 // What this CPU guarantees of the accesses the line protocols rely on (proto.h), as
 // commref_cpu_protocol_support() (cpu/engine.cpp) reports it at run time.
 enum CpuProtocolSupport : uint32_t {
