@@ -38,7 +38,7 @@ from commref.transports.windows import rank_nodes, register_window
 from . import catalogue, protocols, topology, tuner
 from .buffers import BufferChecker
 from .hierarchical import HIERARCHICAL, Hierarchy, NodeShape, node_shape
-from .launch import CallPlan, HostWords, LaunchRecord, address_of, plan_fields
+from .launch import CallPlan, HostWords, LaunchRecord, RepeatedCall, address_of, plan_fields
 from .options import CommOptions, resolve_device
 from .symmetric import SymmetricWindows, describe_unmapped
 from .verify import DTYPE_CODES, OPS, dtype_name
@@ -46,6 +46,7 @@ from .verify import DTYPE_CODES, OPS, dtype_name
 LEGACY_STREAMS = (0, 1)  # CUstream handles of CUDA's legacy default stream (0, CU_STREAM_LEGACY)
 CUDA_ERROR_NOT_READY = 600
 DEVICE_WINDOW_ALIGN = 4096  # bytes: where a device communicator's window starts in the connection window
+REPEATED_CALLS = 64  # RepeatedCalls a CPU communicator keeps (the oldest goes first)
 
 
 class Communicator:
@@ -163,6 +164,8 @@ class Communicator:
         self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window)
         self._direct_possible = not self.peer_mask and self.nranks <= abi.DIRECT_MAX_RANKS
         self._calls: dict = {}  # call signature -> CallPlan
+        self._repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall
+        self._prepared: dict = {}  # CPU: (kernel, channels) -> PreparedLaunch of the record
         world.barrier(what="communicator ready")
 
     def _device_table(self, table: np.ndarray):
@@ -286,6 +289,7 @@ class Communicator:
         it until free_symmetric() or close(). On a communicator of several nodes that can
         run "hierarchical", the array lives in the intra-node child's windows: every
         rank of this rank's node maps it (no peer on another node could)."""
+        self._repeated.clear()  # whether a buffer is symmetric may change
         if isinstance(self.node_shape, NodeShape):
             return self.hierarchy().intra.alloc_symmetric(count, dtype)
         return self._symmetric.alloc(count, dtype)
@@ -298,6 +302,7 @@ class Communicator:
         array no longer counts as symmetric. On the CPU the array stays valid memory
         for as long as it is referenced; on a GPU the memory is freed and the array must
         not be used again."""
+        self._repeated.clear()
         if self._hierarchy is not None:
             self._hierarchy.intra.free_symmetric(array)
             return
@@ -312,7 +317,18 @@ class Communicator:
         """One call. `avg_divisor` (op avg): divide by this instead of nranks (a
         hierarchical phase divides by the whole job's ranks); `flat`: never the
         hierarchical algorithm (its own tail); `protocol`: of the ring and tree steps
-        (None: the communicator's; a hierarchical call's phases use the communicator's)."""
+        (None: the communicator's; a hierarchical call's phases use the communicator's).
+
+        On the CPU a call with the arguments and arrays of an earlier one, unchanged
+        (RepeatedCall), skips the checks and the planning it passed then."""
+        repeat = (coll, id(sendbuf), id(recvbuf), op, root, root.__class__, algorithm, protocol, avg_divisor, flat)
+        try:
+            again = self._repeated.get(repeat)
+        except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+            again = repeat = None
+        if again is not None and not self._broken and again.matches(sendbuf, recvbuf):
+            self._launch_cpu(again)
+            return
         spec = catalogue.CATALOGUE[coll]
         if spec.rooted:
             root = self._check.root(root)
@@ -332,24 +348,55 @@ class Communicator:
         if plan.hierarchical:
             self._run_hierarchical(spec, s, r, op, stream)
             return
-        record = self._record
-        if plan.direct:
-            record.set_symmetric(sym)
         if self.device == "cpu":
-            big = s.nbytes >= tuner.STORE_CHOOSER_MIN_BYTES  # small calls skip the placement test
-            streamed, store_key = self._stores.choose(plan.kernel, s.nbytes, big and s.overlaps(r))
-            record.set_call(plan, s.address, r.address, streamed)
-            t0 = time.perf_counter()
-            status = self.kernels.launch(plan.kernel, plan.nchannels, self.threads, record.args, stream, plan.spec,
-                                         record.address)
-            if store_key is not None and not status:
-                self._stores.record(store_key, streamed, time.perf_counter() - t0, s.nbytes)
-        else:
-            status = self._launch_gpu(plan, s.address, r.address, stream)
+            self._launch_cpu(self._repeatable(repeat, s, r, plan, sym))
+            return
+        if plan.direct:
+            self._record.set_symmetric(sym)
+        status = self._launch_gpu(plan, s.address, r.address, stream)
         if self.proxy is not None and self.proxy.error is not None:
             self._broken = f"an earlier call failed: GIN proxy failed: {self.proxy.error}"
             raise self.proxy.error
         if status:
+            raise self._failure()
+
+    def _repeatable(self, repeat, s, r, plan: CallPlan, sym) -> RepeatedCall:
+        """The RepeatedCall of a CPU call that passed the checks, kept under its
+        arguments `repeat` (None: not kept) for the next call with them."""
+        prepared = self._prepared.get((plan.kernel, plan.nchannels))
+        if prepared is None:
+            prepared = self._prepared[(plan.kernel, plan.nchannels)] = self.kernels.prepared(
+                plan.kernel, plan.nchannels, self.threads, self._record.address)
+        timed = self._stores.mode == "auto" and s.nbytes >= tuner.STORE_CHOOSER_MIN_BYTES
+        in_place = timed and s.overlaps(r)
+        streamed = 0 if timed else self._stores.choose(plan.kernel, s.nbytes, in_place)[0]  # the same every call
+        call = RepeatedCall(s, r, plan, sym, streamed, timed, in_place, prepared)
+        if repeat is not None and call.kept and (id(s.obj), id(r.obj)) == repeat[1:3]:  # not root_only's stand-in
+            if len(self._repeated) >= REPEATED_CALLS:
+                self._repeated.pop(next(iter(self._repeated)))
+            self._repeated[repeat] = call
+        return call
+
+    def _launch_cpu(self, call: RepeatedCall) -> None:
+        """Runs a CPU call (its record fields written unless the record holds them)."""
+        if self._record.holder is not call:
+            call.load(self._record)
+        launch = call.launch
+        if call.timed:  # tuner.StoreChooser picks and times streamStores
+            streamed, store_key = self._stores.choose(call.plan.kernel, call.nbytes, call.in_place)
+            self._record.set_stream_stores(streamed)
+            t0 = time.perf_counter()
+            status = launch.run(launch.desc)
+            if store_key is not None and not status:
+                self._stores.record(store_key, streamed, time.perf_counter() - t0, call.nbytes)
+        else:
+            status = launch.run(launch.desc)
+        if self.proxy is not None and self.proxy.error is not None:
+            self._broken = f"an earlier call failed: GIN proxy failed: {self.proxy.error}"
+            raise self.proxy.error
+        if status:
+            if status == abi.LAUNCH_REFUSED:
+                raise launch.refused()
             raise self._failure()
 
     def hierarchy(self) -> Hierarchy:

@@ -4,13 +4,16 @@ kernels write and poll, and the failure they report turned into an exception.
 The record is built once; a call rewrites only its per-call fields, through integer
 views of the record (field access by name costs microseconds, a noticeable part of a
 small collective). A call's signature-dependent part (kernel, channels, the int32
-fields, the call descriptor) is planned once per signature (CallPlan).
+fields, the call descriptor) is planned once per signature (CallPlan). On the CPU a
+call that repeats the previous arguments' buffers (RepeatedCall) skips the buffer
+checks, the plan lookup and, while the record still holds its fields, the writes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,8 +60,10 @@ class LaunchRecord:
         self._fields32 = f["root"][1] // 4
         assert [f[k][1] for k in _INT32_FIELDS] == [f["root"][1] + 4 * i for i in range(len(_INT32_FIELDS))]
         self._sym = f["symSend"][1] // 8  # symSend.peerTable, .offset, symRecv.peerTable, .offset
+        self.holder = None  # the RepeatedCall whose fields the record holds (None: some other call's)
 
     def set_call(self, plan: CallPlan, send: int, recv: int, stream_stores: int = 0) -> None:
+        self.holder = None
         u64, i32, at = self._u64, self._i32, self._fields32
         u64[self._send] = send
         u64[self._recv] = recv
@@ -69,7 +74,62 @@ class LaunchRecord:
 
     def set_symmetric(self, sym: tuple[int, int, int, int]) -> None:
         """symSend and symRecv: (peer table, offset, peer table, offset)."""
+        self.holder = None
         self._u64[self._sym : self._sym + 4] = sym
+
+    def set_stream_stores(self, stream_stores: int) -> None:
+        self._i32[self._fields32 + _STREAM_STORES] = stream_stores
+
+
+class RepeatedCall:
+    """A CPU call whose buffers passed every check, kept so that the same call on the
+    same arrays again (Communicator._collective) goes straight to the launch.
+
+    It holds the arrays weakly (it keeps none alive) and matches a later call only while
+    they are the same live arrays with the shape, strides and dtype they had, and recvbuf
+    is still writeable: all that the checks looked at that an array can change in place.
+    (Its data cannot move: numpy refuses to resize an array that has weak references,
+    and a buffer does not move otherwise while the array lives.) Everything else the checks and the plan depend on is the call's
+    arguments, which key it, or the communicator's symmetric windows, whose changes drop
+    every RepeatedCall. `timed`: tuner.StoreChooser times calls of this size, so each
+    call asks it for streamStores (`in_place` is the chooser's flag); else `streamed` is
+    the setting it gives every call of this size. `kept`: false when an array cannot be
+    weakly referenced (an ndarray subclass without __weakref__): it is never matched."""
+
+    __slots__ = ("_send", "_recv", "_shapes", "_dtype", "kept", "plan", "sym", "send", "recv", "nbytes", "streamed",
+                 "timed", "in_place", "launch")
+
+    def __init__(self, s, r, plan: CallPlan, sym, streamed: int, timed: bool, in_place: bool, launch):
+        try:
+            self._send, self._recv = weakref.ref(s.obj), weakref.ref(r.obj)
+            self.kept = True
+        except TypeError:
+            self._send = self._recv = _gone
+            self.kept = False
+        self._shapes = (s.obj.shape, s.obj.strides, r.obj.shape, r.obj.strides)
+        self._dtype = s.obj.dtype  # is recvbuf's (the checks compared them)
+        self.plan, self.sym, self.send, self.recv, self.nbytes = plan, sym, s.address, r.address, s.nbytes
+        self.streamed, self.timed, self.in_place, self.launch = streamed, timed, in_place, launch
+
+    def matches(self, sendbuf, recvbuf) -> bool:
+        if self._send() is not sendbuf or self._recv() is not recvbuf:
+            return False
+        shapes = self._shapes
+        return (sendbuf.shape == shapes[0] and sendbuf.strides == shapes[1] and sendbuf.dtype is self._dtype
+                and recvbuf.shape == shapes[2] and recvbuf.strides == shapes[3] and recvbuf.dtype is self._dtype
+                and recvbuf.flags.writeable)
+
+    def load(self, record: LaunchRecord) -> None:
+        """Writes this call's fields into `record` (the caller skips it while
+        record.holder is this call)."""
+        record.set_call(self.plan, self.send, self.recv, self.streamed)
+        if self.plan.direct:
+            record.set_symmetric(self.sym)
+        record.holder = self
+
+
+def _gone() -> None:
+    return None
 
 
 def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsize: int,
