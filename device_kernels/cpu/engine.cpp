@@ -160,24 +160,25 @@ void runBlock(Launch* L, unsigned blockId) {
   Block b;
   b.launch = L;
   b.nthreads = L->block.x;
-  b.threads.resize(b.nthreads);
-  for (unsigned t = 0; t < b.nthreads; t++) {
-    b.threads[t].tid = dim3{t, 0, 0};
-    b.threads[t].bid = dim3{blockId, 0, 0};
-    b.threads[t].bdim = L->block;
-    b.threads[t].gdim = L->grid;
-  }
   Block* saved = tl_block;
   ThreadState* savedThread = tl_thread;
   tl_block = &b;
-  if (b.nthreads == 1) {
-    tl_thread = &b.threads[0];
+  if (b.nthreads == 1) {  // on this thread's stack: no allocation on the path of small calls
+    ThreadState only{dim3{0, 0, 0}, dim3{blockId, 0, 0}, L->block, L->grid};
+    tl_thread = &only;
     try {
       L->kernel(L->args);
     } catch (const KernelAbort&) {
       L->failed.store(kLaunchFailed);
     }
   } else {
+    b.threads.resize(b.nthreads);
+    for (unsigned t = 0; t < b.nthreads; t++) {
+      b.threads[t].tid = dim3{t, 0, 0};
+      b.threads[t].bid = dim3{blockId, 0, 0};
+      b.threads[t].bdim = L->block;
+      b.threads[t].gdim = L->grid;
+    }
     b.ctx.resize(b.nthreads);
     b.state.assign(b.nthreads, kRunnable);
     b.nlive = b.nthreads;
