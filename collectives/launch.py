@@ -112,12 +112,10 @@ class RepeatedCall:
         self.streamed, self.timed, self.in_place, self.launch = streamed, timed, in_place, launch
 
     def matches(self, sendbuf, recvbuf) -> bool:
-        if self._send() is not sendbuf or self._recv() is not recvbuf:
-            return False
-        shapes = self._shapes
-        return (sendbuf.shape == shapes[0] and sendbuf.strides == shapes[1] and sendbuf.dtype is self._dtype
-                and recvbuf.shape == shapes[2] and recvbuf.strides == shapes[3] and recvbuf.dtype is self._dtype
-                and recvbuf.flags.writeable)
+        dtype = self._dtype
+        return (self._send() is sendbuf and self._recv() is recvbuf
+                and (sendbuf.shape, sendbuf.strides, recvbuf.shape, recvbuf.strides) == self._shapes
+                and sendbuf.dtype is dtype and recvbuf.dtype is dtype and recvbuf.flags.writeable)
 
     def load(self, record: LaunchRecord) -> None:
         """Writes this call's fields into `record` (the caller skips it while
