@@ -164,8 +164,7 @@ class Communicator:
         self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window)
         self._direct_possible = not self.peer_mask and self.nranks <= abi.DIRECT_MAX_RANKS
         self._calls: dict = {}  # call signature -> CallPlan
-        self._repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall
-        self._prepared: dict = {}  # CPU: (kernel, channels) -> PreparedLaunch of the record
+        self._repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall, kept
         world.barrier(what="communicator ready")
 
     def _device_table(self, table: np.ndarray):
@@ -349,7 +348,18 @@ class Communicator:
             self._run_hierarchical(spec, s, r, op, stream)
             return
         if self.device == "cpu":
-            self._launch_cpu(self._repeatable(repeat, s, r, plan, sym))
+            timed = s.nbytes >= tuner.STORE_CHOOSER_MIN_BYTES and self._stores.mode == "auto"
+            in_place = timed and s.overlaps(r)
+            streamed = 0 if timed else self._stores.choose(plan.kernel, s.nbytes)[0]  # the same every call
+            # Kept for the next call with these arguments, unless a buffer was not looked at
+            # (root_only: the other one stood in for it).
+            keep = repeat is not None and s.obj is sendbuf and r.obj is recvbuf
+            call = RepeatedCall(sendbuf, recvbuf, plan, s, r, sym, streamed, timed, in_place, keep)
+            if call.kept:
+                if len(self._repeated) >= REPEATED_CALLS:
+                    self._repeated.clear()
+                self._repeated[repeat] = call
+            self._launch_cpu(call)
             return
         if plan.direct:
             self._record.set_symmetric(sym)
@@ -360,28 +370,11 @@ class Communicator:
         if status:
             raise self._failure()
 
-    def _repeatable(self, repeat, s, r, plan: CallPlan, sym) -> RepeatedCall:
-        """The RepeatedCall of a CPU call that passed the checks, kept under its
-        arguments `repeat` (None: not kept) for the next call with them."""
-        prepared = self._prepared.get((plan.kernel, plan.nchannels))
-        if prepared is None:
-            prepared = self._prepared[(plan.kernel, plan.nchannels)] = self.kernels.prepared(
-                plan.kernel, plan.nchannels, self.threads, self._record.address)
-        timed = self._stores.mode == "auto" and s.nbytes >= tuner.STORE_CHOOSER_MIN_BYTES
-        in_place = timed and s.overlaps(r)
-        streamed = 0 if timed else self._stores.choose(plan.kernel, s.nbytes, in_place)[0]  # the same every call
-        call = RepeatedCall(s, r, plan, sym, streamed, timed, in_place, prepared)
-        if repeat is not None and call.kept and (id(s.obj), id(r.obj)) == repeat[1:3]:  # not root_only's stand-in
-            if len(self._repeated) >= REPEATED_CALLS:
-                self._repeated.pop(next(iter(self._repeated)))
-            self._repeated[repeat] = call
-        return call
-
     def _launch_cpu(self, call: RepeatedCall) -> None:
         """Runs a CPU call (its record fields written unless the record holds them)."""
         if self._record.holder is not call:
             call.load(self._record)
-        launch = call.launch
+        launch = call.plan.launch
         if call.timed:  # tuner.StoreChooser picks and times streamStores
             streamed, store_key = self._stores.choose(call.plan.kernel, call.nbytes, call.in_place)
             self._record.set_stream_stores(streamed)
@@ -518,10 +511,13 @@ class Communicator:
         desc = abi.pack_call(spec.name, plan.algorithm, DTYPE_CODES[dname], op_code, root, plan.nchannels,
                              plan.protocol)
         kernel, kspec = spec.kernels[plan.algorithm], self.kernel_spec(spec.name, dname, op)
+        launch = None
         if self.device == "cuda":
             self._check_residency(kernel, kspec, plan.nchannels)
+        else:  # described once: a launch then costs ctypes one argument (loader.PreparedLaunch)
+            launch = self.kernels.prepared(kernel, plan.nchannels, self.threads, self._record.address)
         return CallPlan(kernel, plan.nchannels, kspec, fields32, desc, spec.kernel_count(count, dtype.itemsize),
-                        plan.algorithm == "direct", protocol=plan.protocol)
+                        plan.algorithm == "direct", protocol=plan.protocol, launch=launch)
 
     @staticmethod
     def kernel_spec(coll: str, dtype: str, op: str | None):

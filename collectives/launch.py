@@ -12,6 +12,7 @@ checks, the plan lookup and, while the record still holds its fields, the writes
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 import weakref
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_dev
 # The int32 fields a call sets, consecutive in CollArgs (checked below).
 _INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "avgDivisor", "streamStores", "protocol")
 _STREAM_STORES = _INT32_FIELDS.index("streamStores")
+# How set_call writes: packed into the record's bytes, half the time of numpy item writes.
+_HEAD = struct.Struct("<QQQ")  # sendbuf, recvbuf, count (consecutive in CollArgs, checked below)
+_U64 = struct.Struct("<Q")
+_INT32 = struct.Struct("<i")
+_INT32S = struct.Struct(f"<{len(_INT32_FIELDS)}i")  # CallPlan.fields32
 
 
 @dataclass(frozen=True)
@@ -37,12 +43,13 @@ class CallPlan:
     kernel: str
     nchannels: int
     spec: tuple[int, int] | None
-    fields32: np.ndarray  # _INT32_FIELDS (streamStores set per call on the CPU)
+    fields32: bytes  # _INT32_FIELDS, packed (plan_fields; streamStores set per call on the CPU)
     desc: int
     count: int  # CollArgs.count (catalogue.Collective.kernel_count)
     direct: bool  # a direct kernel: the symmetric buffer fields are read
     hierarchical: bool = False  # no kernel of this communicator: its hierarchy's calls (hierarchical.py)
     protocol: str = "simple"  # of the kernel's FIFO steps (include/commref/proto.h)
+    launch: object = None  # CPU: loader.PreparedLaunch of the communicator's record
 
 
 class LaunchRecord:
@@ -53,24 +60,23 @@ class LaunchRecord:
         self.record = self.args[0]
         f = abi.COLL_ARGS.fields
         self._u64 = self.args.view(np.uint64)
-        self._i32 = self.args.view(np.int32)
+        self._bytes = memoryview(self.args.view(np.uint8))
         self.address = self._u64.__array_interface__["data"][0]
-        self._send, self._recv = f["sendbuf"][1] // 8, f["recvbuf"][1] // 8
-        self._count, self._desc = f["count"][1] // 8, f["callDesc"][1] // 8
-        self._fields32 = f["root"][1] // 4
+        self._head, self._desc = f["sendbuf"][1], f["callDesc"][1]
+        assert (f["recvbuf"][1], f["count"][1]) == (self._head + 8, self._head + 16)
+        self._fields32 = slice(f["root"][1], f["root"][1] + _INT32S.size)
+        self._stream_stores = f["root"][1] + 4 * _STREAM_STORES
         assert [f[k][1] for k in _INT32_FIELDS] == [f["root"][1] + 4 * i for i in range(len(_INT32_FIELDS))]
         self._sym = f["symSend"][1] // 8  # symSend.peerTable, .offset, symRecv.peerTable, .offset
         self.holder = None  # the RepeatedCall whose fields the record holds (None: some other call's)
 
     def set_call(self, plan: CallPlan, send: int, recv: int, stream_stores: int = 0) -> None:
         self.holder = None
-        u64, i32, at = self._u64, self._i32, self._fields32
-        u64[self._send] = send
-        u64[self._recv] = recv
-        u64[self._count] = plan.count
-        u64[self._desc] = plan.desc
-        i32[at : at + len(_INT32_FIELDS)] = plan.fields32
-        i32[at + _STREAM_STORES] = stream_stores
+        b = self._bytes
+        _HEAD.pack_into(b, self._head, send, recv, plan.count)
+        _U64.pack_into(b, self._desc, plan.desc)
+        b[self._fields32] = plan.fields32
+        _INT32.pack_into(b, self._stream_stores, stream_stores)
 
     def set_symmetric(self, sym: tuple[int, int, int, int]) -> None:
         """symSend and symRecv: (peer table, offset, peer table, offset)."""
@@ -78,7 +84,7 @@ class LaunchRecord:
         self._u64[self._sym : self._sym + 4] = sym
 
     def set_stream_stores(self, stream_stores: int) -> None:
-        self._i32[self._fields32 + _STREAM_STORES] = stream_stores
+        _INT32.pack_into(self._bytes, self._stream_stores, stream_stores)
 
 
 class RepeatedCall:
@@ -89,29 +95,33 @@ class RepeatedCall:
     they are the same live arrays with the shape, strides and dtype they had, and recvbuf
     is still writeable: all that the checks looked at that an array can change in place.
     (Its data cannot move: numpy refuses to resize an array that has weak references,
-    and a buffer does not move otherwise while the array lives.) Everything else the checks and the plan depend on is the call's
-    arguments, which key it, or the communicator's symmetric windows, whose changes drop
-    every RepeatedCall. `timed`: tuner.StoreChooser times calls of this size, so each
-    call asks it for streamStores (`in_place` is the chooser's flag); else `streamed` is
-    the setting it gives every call of this size. `kept`: false when an array cannot be
-    weakly referenced (an ndarray subclass without __weakref__): it is never matched."""
+    and a buffer does not move otherwise while the array lives.) Everything else the
+    checks and the plan depend on is the call's arguments, which key it, or the
+    communicator's symmetric windows, whose changes drop every kept call. `timed`:
+    tuner.StoreChooser times calls of this size, so each call asks it for streamStores
+    (`in_place` is the chooser's flag); else `streamed` is the setting it gives every
+    call of this size. `kept`: whether it can match later calls (`keep` asked for it, and
+    the arrays can be weakly referenced: not an ndarray subclass without __weakref__)."""
 
-    __slots__ = ("_send", "_recv", "_shapes", "_dtype", "kept", "plan", "sym", "send", "recv", "nbytes", "streamed",
-                 "timed", "in_place", "launch")
+    __slots__ = ("_send", "_recv", "_shapes", "_dtype", "kept", "plan", "send", "recv", "nbytes", "sym",
+                 "streamed", "timed", "in_place")
 
-    def __init__(self, s, r, plan: CallPlan, sym, streamed: int, timed: bool, in_place: bool, launch):
-        try:
-            self._send, self._recv = weakref.ref(s.obj), weakref.ref(r.obj)
-            self.kept = True
-        except TypeError:
-            self._send = self._recv = _gone
-            self.kept = False
-        self._shapes = (s.obj.shape, s.obj.strides, r.obj.shape, r.obj.strides)
-        self._dtype = s.obj.dtype  # is recvbuf's (the checks compared them)
-        self.plan, self.sym, self.send, self.recv, self.nbytes = plan, sym, s.address, r.address, s.nbytes
-        self.streamed, self.timed, self.in_place, self.launch = streamed, timed, in_place, launch
+    def __init__(self, sendbuf, recvbuf, plan: CallPlan, s, r, sym, streamed: int, timed: bool, in_place: bool,
+                 keep: bool = True):
+        self.kept = False
+        if keep:
+            try:
+                self._send, self._recv = weakref.ref(sendbuf), weakref.ref(recvbuf)
+                self._shapes = (sendbuf.shape, sendbuf.strides, recvbuf.shape, recvbuf.strides)
+                self._dtype = s.dtype  # is recvbuf's (the checks compared them)
+                self.kept = True
+            except TypeError:
+                pass
+        self.plan, self.send, self.recv, self.nbytes, self.sym = plan, s.address, r.address, s.nbytes, sym
+        self.streamed, self.timed, self.in_place = streamed, timed, in_place
 
     def matches(self, sendbuf, recvbuf) -> bool:
+        """Whether a call with these arrays is this call again, unchanged."""
         dtype = self._dtype
         return (self._send() is sendbuf and self._recv() is recvbuf
                 and (sendbuf.shape, sendbuf.strides, recvbuf.shape, recvbuf.strides) == self._shapes
@@ -126,14 +136,9 @@ class RepeatedCall:
         record.holder = self
 
 
-def _gone() -> None:
-    return None
-
-
 def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsize: int,
-                avg_divisor: int, protocol: str = "simple") -> np.ndarray:
-    return np.array([root, dtype_code, op_code, nchannels, itemsize, avg_divisor, 0, abi.PROTOCOL_CODES[protocol]],
-                    np.int32)
+                avg_divisor: int, protocol: str = "simple") -> bytes:
+    return _INT32S.pack(root, dtype_code, op_code, nchannels, itemsize, avg_divisor, 0, abi.PROTOCOL_CODES[protocol])
 
 
 # CUDA runtime codes used here (the flags: transports/host_memory.py).
