@@ -8,10 +8,10 @@
   same buffers in the same run. The two are timed alternately, after a warmup, and
   each reports the median of --reps repetitions as GB/s (10^9 bytes copied per
   second).
-- launch: commref_empty launched through CpuKernels.launch() -- the path the
-  collectives take (kernel name, numpy args record, ctypes call that releases the
-  GIL) -- timed one launch at a time; median over --launches launches, in
-  microseconds. Measured at grid 1 x block 1 (a small collective on the CPU: one
+- launch: commref_empty launched the way the collectives launch on the CPU -- a
+  launch prepared once (CpuKernels.prepared: kernel, args record, grid, block) and run
+  by its descriptor, one ctypes argument, the GIL released -- timed one launch at a
+  time; median over --launches launches, in microseconds. Measured at grid 1 x block 1 (a small collective on the CPU: one
   channel, one thread) and at --blocks x --threads (informational).
 
 Targets (the exit status is 1 when one is missed): copy >= 50% of numpy's bandwidth,
@@ -119,9 +119,9 @@ def bench_copy(kernels: loader.CpuKernels, nbytes: int, reps: int, warmup: int, 
 
 def bench_launch(kernels: loader.CpuKernels, launches: int, grid: int, block: int) -> dict:
     args = copy_args()
-    # As the Communicator calls it: name, grid, block, the args record, no stream, and
-    # the record's address.
-    launch = functools.partial(kernels.launch, "commref_empty", grid, block, args, None, address=args.ctypes.data)
+    # As the Communicator calls it: prepared once (CallPlan.launch), run by its descriptor.
+    prepared = kernels.prepared("commref_empty", grid, block, args.ctypes.data)
+    launch = functools.partial(prepared.run, prepared.desc)
     for _ in range(min(200, launches)):  # warm the worker pool and the fiber stacks
         launch()
     samples = []
