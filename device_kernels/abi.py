@@ -74,13 +74,15 @@ PROTOCOL_CODES = {"simple": 0, "ll": 1, "ll128": 2}
 
 # Kernel entry points (COMMREF_KERNEL names in kernels/*.cu): the collectives, which
 # take CollArgs, and the CPU engine's own self-test and benchmark kernels
-# (kernels/selftest.cu), which take CopyArgs.
+# (kernels/selftest.cu), which take the struct ENGINE_KERNELS names.
 KERNEL_NAMES = (
     "commref_ring_allreduce", "commref_tree_allreduce", "commref_ring_reduce_scatter", "commref_ring_allgather",
     "commref_ring_broadcast", "commref_ring_reduce", "commref_direct_allreduce", "commref_direct_reduce_scatter",
     "commref_direct_allgather", "commref_ring_alltoall", "commref_direct_alltoall",
 )
-ENGINE_KERNEL_NAMES = ("commref_copy", "commref_empty", "commref_engine_selftest")
+ENGINE_KERNELS = {"commref_copy": "CopyArgs", "commref_empty": "CopyArgs", "commref_engine_selftest": "CopyArgs",
+                  "commref_stream": "StreamArgs"}
+ENGINE_KERNEL_NAMES = tuple(ENGINE_KERNELS)
 
 # GinProtocol (args.h): how a GIN connection publishes a slot.
 GIN_PROTOCOLS = {"strong": 0, "weak-last": 1, "signal-per-put": 2, "flush-signal": 3}
@@ -215,6 +217,10 @@ COLL_ARGS = np.dtype(
 )
 
 COPY_ARGS = np.dtype([("src", "<u8"), ("dst", "<u8"), ("bytes", "<u8")], align=True)
+# commref_stream's arguments (bench/bound.py): nin input and nout output arrays of `words`
+# 32-bit words from `base`, the first `shared` outputs being the first inputs.
+STREAM_ARGS = np.dtype([("base", "<u8"), ("words", "<u8"), ("nin", "<i4"), ("nout", "<i4"), ("shared", "<i4"),
+                        ("streamStores", "<i4")], align=True)
 # One prepared CPU launch (commref_cpu_launch_prepared, cpu/engine.cpp).
 LAUNCH_DESC = np.dtype([("kernel", "<u8"), ("args", "<u8"), ("grid", "<u4"), ("block", "<u4")], align=True)
 
@@ -246,6 +252,7 @@ STRUCTS = {
     "ErrorRecord": ERROR_RECORD,
     "CopyArgs": COPY_ARGS,
     "LaunchDesc": LAUNCH_DESC,
+    "StreamArgs": STREAM_ARGS,
     "GinArgs": GIN_ARGS,
     "GinDescriptor": GIN_DESCRIPTOR,
     "SymBuffer": SYM_BUFFER,
@@ -366,10 +373,14 @@ def abi_table() -> dict[str, int | str]:
             for field, shift, bits in value:
                 table[f"CALL_FIELDS.{field}.shift"] = shift
                 table[f"CALL_FIELDS.{field}.bits"] = bits
-        elif name in ("KERNEL_NAMES", "ENGINE_KERNEL_NAMES"):
-            args = "CollArgs" if name == "KERNEL_NAMES" else "CopyArgs"
+        elif name == "KERNEL_NAMES":
             for kernel in value:
+                table[f"kernel({kernel})"] = "CollArgs"
+        elif name == "ENGINE_KERNELS":
+            for kernel, args in value.items():
                 table[f"kernel({kernel})"] = args
+        elif name == "ENGINE_KERNEL_NAMES":
+            continue  # ENGINE_KERNELS' names
         elif isinstance(value, dict) and all(isinstance(v, (int, str)) for v in value.values()):
             for key, v in value.items():
                 table[f"{name}.{key}"] = v

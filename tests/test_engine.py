@@ -7,9 +7,12 @@ self-test kernels of device_kernels/kernels/selftest.cu:
   blockDim/gridDim.
 - commref_copy: block b copies its share of `bytes`, the threads of a block split it.
 - commref_empty: does nothing (launch cost).
+- commref_stream: the bound's STREAM-like kernel (bench/bound.py): nin arrays summed
+  into nout, the first `shared` outputs being the inputs.
 
-Every kernel takes one abi.COPY_ARGS record (src, dst, bytes); their names are
-abi.ENGINE_KERNEL_NAMES. A launch returns abi.LAUNCH_OK.
+commref_stream takes an abi.STREAM_ARGS record, the others one abi.COPY_ARGS record
+(src, dst, bytes); their names are abi.ENGINE_KERNEL_NAMES. A launch returns
+abi.LAUNCH_OK.
 """
 
 from __future__ import annotations
@@ -153,3 +156,50 @@ def test_concurrent_launches_from_python_threads(kernels):
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "concurrent launches did not finish within 120 s"
     assert not errors, "\n".join(errors)
+
+
+def stream_args(base: int, words: int, nin: int, nout: int, shared: int, streamed: bool) -> np.ndarray:
+    a = np.zeros(1, dtype=abi.STREAM_ARGS)
+    a[0]["base"], a[0]["words"] = base, words
+    a[0]["nin"], a[0]["nout"], a[0]["shared"], a[0]["streamStores"] = nin, nout, shared, int(streamed)
+    return a
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("grid,threads", [(1, 1), (3, 1), (2, 4)])
+@pytest.mark.parametrize("shape", [(1, 1, 0), (2, 1, 0), (2, 2, 0), (2, 2, 2), (3, 1, 1), (1, 3, 0), (4, 4, 4),
+                                   (1, 1, 1), (1, 0, 0)])
+def test_stream_sums_inputs_into_every_output(kernels, shape, grid, threads, streamed):
+    """commref_stream: every output word = the wrapping sum of the inputs' words at its
+    index (a copy for one input), outputs past `shared` after the inputs, inputs that
+    are not outputs unchanged, nothing written outside the arrays (64-byte aligned,
+    whole lines, as bench/bound.py lays them out)."""
+    nin, nout, shared = shape
+    words = 16 * 37
+    arrays = nin + nout - shared
+    raw = np.zeros(arrays * words + 64, dtype=np.uint32)
+    off = (-raw.ctypes.data % 64) // 4
+    buf = raw[off : off + arrays * words + 16]
+    rng = np.random.default_rng(sum(shape))
+    buf[:] = rng.integers(0, 2**32, size=buf.size, dtype=np.uint32)
+    before = buf.copy()
+    a = stream_args(buf.ctypes.data, words, nin, nout, shared, streamed)
+    assert kernels.launch("commref_stream", grid, threads, a) == abi.LAUNCH_OK
+    ins = before[: nin * words].reshape(nin, words)
+    total = ins.sum(axis=0, dtype=np.uint32)  # numpy wraps like the kernel
+    after = buf[: arrays * words].reshape(arrays, words)
+    for j in range(nout):
+        np.testing.assert_array_equal(after[j if j < shared else nin + j - shared], total, err_msg=f"output {j}")
+    for k in range(shared, nin):
+        np.testing.assert_array_equal(after[k], ins[k], err_msg=f"input {k} changed")
+    np.testing.assert_array_equal(buf[arrays * words :], before[arrays * words :], err_msg="wrote past the arrays")
+
+
+def test_stream_refuses_bad_shapes(kernels):
+    """Arguments the kernel cannot honour (words not whole lines, more shared arrays
+    than inputs, no input) leave memory alone."""
+    buf = np.full(64, 7, dtype=np.uint32)
+    for shape, words in (((1, 1, 0), 17), ((1, 2, 2), 16), ((0, 1, 0), 16)):
+        a = stream_args(buf.ctypes.data, words, *shape, False)
+        assert kernels.launch("commref_stream", 1, 1, a) == abi.LAUNCH_OK
+        assert (buf == 7).all(), shape

@@ -28,7 +28,7 @@ namespace {
 
 #define COMMREF_ABI_STRUCTS(S) \
   S(WindowLayout) S(ChannelPeers) S(ErrorRecord) S(GinArgs) S(GinDescriptor) S(SymBuffer) S(CollArgs) S(CopyArgs) S(DevComm) \
-  S(KernelArgs) S(LaunchDesc)
+  S(KernelArgs) S(LaunchDesc) S(StreamArgs)
 
 // Every field of every struct above, in declaration order.
 #define COMMREF_ABI_FIELDS(F)                                                                                   \
@@ -60,7 +60,9 @@ namespace {
   F(DevComm, launch) F(DevComm, signalBase) F(DevComm, nsignals) F(DevComm, ncounters) F(DevComm, flags)        \
   F(DevComm, lsaRank) F(DevComm, lsaSize) F(DevComm, ncontexts) F(DevComm, pad)                                \
   F(KernelArgs, comm) F(KernelArgs, arg) F(KernelArgs, nargs) F(KernelArgs, pad)                               \
-  F(LaunchDesc, kernel) F(LaunchDesc, args) F(LaunchDesc, grid) F(LaunchDesc, block)
+  F(LaunchDesc, kernel) F(LaunchDesc, args) F(LaunchDesc, grid) F(LaunchDesc, block)                          \
+  F(StreamArgs, base) F(StreamArgs, words) F(StreamArgs, nin) F(StreamArgs, nout) F(StreamArgs, shared)        \
+  F(StreamArgs, streamStores)
 
 struct Field {
   const char* strct;

@@ -220,6 +220,15 @@ struct CopyArgs {  // engine self-test and benchmark kernels
   uint64_t src, dst, bytes;
 };
 
+// commref_stream (kernels/selftest.cu, bench/bound.py): nin input and nout output arrays
+// of `words` 32-bit words each, one after the other from `base` (inputs first); the
+// first `shared` outputs are the first `shared` inputs (in place). words: a multiple of 16.
+struct StreamArgs {
+  uint64_t base, words;
+  int32_t nin, nout, shared;
+  int32_t streamStores;  // 1: non-temporal stores (where the build has them, move.h)
+};
+
 // One launch on the CPU engine, prepared once by the host and then run by its address
 // alone (commref_cpu_launch_prepared, cpu/engine.cpp): a call that repeats pays for one
 // argument where commref_cpu_launch takes four (ctypes converts each, about 0.1 us).
