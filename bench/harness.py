@@ -30,7 +30,8 @@ rank's timing includes another's restore).
 
 Bandwidths are nccl-tests': algbw = bytes / time, busbw = algbw * bus factor (the
 plugins define both, see plugins/base.py). "Avg bus bandwidth" is the mean busbw over
-every size, out-of-place and in-place, as nccl-tests prints it.
+every size, out-of-place and in-place, as nccl-tests prints it. The bound column
+and %bound (100 = as fast as this machine's memory allows) are bench/bound.py's.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from commref.transports.options import OptionError, bounded
 
 from . import plugins
 from .baselines import BaselineUnavailable, make_baseline
-from .bound import BoundMeter, BoundTimes, bound_busbw
+from .bound import StreamMeter, bound as placement_bound
 from .environment import LINKS, environment
 
 SCHEMA = "commref-bench/2"
@@ -507,13 +508,40 @@ def _result(times_per_rank: list[list[float]], nbytes: int, factor: float, wrong
     return out
 
 
+def size_bound(plugin, size: int, nranks: int, bus_bytes: float, every: list[dict]) -> dict:
+    """The bound column of one size from every rank's stream rounds ("stream|0",
+    "stream|1": a list of rounds on each rank): busbw and time_us out of place,
+    in_place_busbw and in_place_time_us (None where the collective has no in-place
+    form, or the call moves nothing), and each placement's details (bench/bound.py:
+    bound())."""
+    out: dict[str, Any] = {}
+    for in_place in (False, True):
+        key = f"stream|{int(in_place)}"
+        b = None
+        if in_place in plugin.placements and all(key in r for r in every):
+            rounds = [[r[key][k] for r in every] for k in range(len(every[0][key]))]
+            b = placement_bound(plugin.traffic(nranks, in_place), size, nranks, bus_bytes, rounds)
+        out["in_place" if in_place else "out_of_place"] = b
+    oop, ip = out["out_of_place"], out["in_place"]
+    return {"busbw": oop and oop["busbw"], "time_us": oop and oop["time_us"],
+            "in_place_busbw": ip and ip["busbw"], "in_place_time_us": ip and ip["time_us"], **out}
+
+
+def _pct(result: dict | None, bound_us: float | None) -> float | None:
+    """100 * the bound's time / ours (= our busbw / the bound's busbw, also where the bus
+    factor is 0); None without both."""
+    if not result or bound_us is None or result["time_us"] <= 0:
+        return None
+    return 100 * bound_us / result["time_us"]
+
+
 def _team(runner, world) -> tuple[int, int]:
     """(rank, ranks) of the ranks a runner calls among: a communicator's own (a team's
     child communicator has fewer), else the world's (baselines)."""
     return getattr(runner, "rank", world.rank), getattr(runner, "nranks", world.size)
 
 
-def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMeter | None,
+def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: StreamMeter | None,
           emit: Callable[[list[dict]], None] | None = None, progress: Callable[[int, int, int], None] | None = None
           ) -> list[dict]:
     """Runs the sweep on this rank; returns the rows (every rank gets them). `emit` gets
@@ -531,6 +559,9 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
         x = plugin.input(counts, ctx.dtype, op, args.seed, w.rank, n)
         expected = plugin.expected(counts, ctx.dtype, op, args.seed, w.rank, n, args.root) if args.check else None
         mine: dict[str, Any] = {}
+        stream = {}  # placement -> the bound's stream rounds on this rank, before and after the collectives
+        if meter is not None:
+            stream = {ip: [meter.measure(plugin.traffic(n, ip), size_col, args.iters)] for ip in plugin.placements}
         data = {(w.rank, n): (counts, x, expected)}  # a team's own counts, input and expected output
         for s, comm in runners:
             team = _team(comm, w)
@@ -545,13 +576,9 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
             b = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, n, args.root, False)
             mine["baseline"] = time_calls(w, lambda: plugin.run(baseline, b, op, args.root), baseline.synchronize,
                                           args.iters, args.warmup_iters)
-        if meter is not None:
-            copy_b, add_b = plugin.bound_bytes(size_col, n)
-            copy_ip, add_ip = plugin.bound_bytes(size_col, n, in_place=True)
-            w.barrier(what="bench: bound")
-            bt = meter.measure(size_col, max(copy_b, copy_ip), max(add_b, add_ip), args.iters)
-            mine["bound"] = dataclasses.asdict(dataclasses.replace(bt, copy_bytes=copy_b, add_bytes=add_b))
-            mine["bound_ip"] = dataclasses.asdict(dataclasses.replace(bt, copy_bytes=copy_ip, add_bytes=add_ip))
+        for in_place, rounds in stream.items():  # every rank streams at once, at each placement's footprint
+            rounds.append(meter.measure(plugin.traffic(n, in_place), size_col, args.iters))
+            mine[f"stream|{int(in_place)}"] = rounds
         every = w.allgather(mine, what="bench: results of one size")
 
         base = None
@@ -559,15 +586,7 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
             base = _result([r["baseline"] for r in every], nbytes, factor)
         bound = None
         if meter is not None:
-            bt = [BoundTimes(**r["bound"]) for r in every]
-            t_bound, bw_bound = bound_busbw(nbytes * factor, bt)
-            slowest = max(bt, key=BoundTimes.seconds)
-            t_ip, bw_ip = bound_busbw(nbytes * factor, [BoundTimes(**r["bound_ip"]) for r in every])
-            bound = {"busbw": bw_bound, "time_us": t_bound * 1e6, "copy_bytes": slowest.copy_bytes,
-                     "add_bytes": slowest.add_bytes,
-                     "copy_GBps": slowest.measured_bytes / slowest.copy_s / 1e9 if slowest.copy_s else None,
-                     "add_GBps": slowest.measured_bytes / slowest.add_s / 1e9 if slowest.add_s else None,
-                     "in_place_busbw": bw_ip, "in_place_time_us": t_ip * 1e6}
+            bound = size_bound(plugin, size_col, n, nbytes * factor, every)
         size_rows = []
         for s, comm in runners:
             res = {"in_place": None}  # stays None where the collective has no in-place form
@@ -592,9 +611,8 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: BoundMet
                 "baseline": base_s,
                 "ratio": (oop["busbw"] / base_s["busbw"]) if base_s and base_s["busbw"] > 0 else None,
                 "bound": bound_s,
-                "pct_of_bound": (100 * oop["busbw"] / bound_s["busbw"]) if bound_s and bound_s["busbw"] > 0 else None,
-                "in_place_pct_of_bound": (100 * res["in_place"]["busbw"] / bound_s["in_place_busbw"])
-                if res["in_place"] and bound_s and bound_s["in_place_busbw"] > 0 else None,
+                "pct_of_bound": _pct(oop, bound_s and bound_s["time_us"]),
+                "in_place_pct_of_bound": _pct(res["in_place"], bound_s and bound_s["in_place_time_us"]),
             })
         rows.extend(size_rows)
         if emit is not None:
@@ -714,9 +732,11 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
         lines.extend(f"# Baseline note: {n}" for n in dict.fromkeys(baseline.notes))
     elif env.get("baseline_unavailable"):
         lines.append(f"# Baseline: none ({env['baseline_unavailable']})")
-    lines.append("# Bound: busbw the memory bandwidth allows (numpy copy and add over each size's buffers, scaled to "
-                 "each rank's share, measured in this run; bench/bound.py); %bound = our out-of-place busbw / bound, "
-                 "%ip = our in-place busbw / the in-place bound (higher than the bound for all_gather only)")
+    lines.append("# Bound: busbw if each rank only loaded and stored the least bytes any algorithm must, at the rate "
+                 "memory serves loads and stores with every rank streaming at once (the fastest STREAM-like kernel at "
+                 "the call's footprint, measured before and after each size's calls; bench/bound.py); %bound = our "
+                 "out-of-place busbw / bound (100 = as fast as memory allows), %ip = our in-place busbw / the in-place "
+                 "bound")
     lines.append("#")
     return lines
 
@@ -903,7 +923,7 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
     ctx.memory = symmetric_memory(args, plugin, dtype, world.size, xp, runners)
     baseline, baseline_error = (setup_baseline(world, device, device_id, plugin, dtype, op) if args.baseline
                                 else (None, "--no-baseline"))
-    meter = BoundMeter(xp, dtype, sync) if args.bound else None
+    meter = StreamMeter(world, xp, sync) if args.bound else None
     env = environment(world, device, device_id, baseline, baseline_error)
     ctx.link = env["link"]
     sizes = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)

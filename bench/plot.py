@@ -1,8 +1,10 @@
 """busbw vs size plots from bench results (the harness's JSON documents).
 
 One line per path (out-of-place solid, in-place dashed), one for the baseline and
-one for the bound, on a log2 size axis. Several documents (several runs, e.g. one
-per path or per machine) can share one plot:
+the bound's (bench/bound.py: the busbw if the call only moved the least bytes at the
+rate memory streams; dotted gray out of place, dash-dotted gray in place), on a log2
+size axis. Several documents (several runs, e.g. one per path or per machine) can
+share one plot:
 
     python -m commref.bench.plot run1.json run2.json -o busbw.png
 """
@@ -59,9 +61,11 @@ def plot(docs: list[dict], path: str, title: str | None = None) -> None:
                     label=f"{base['label']} (baseline){tag}")
         if any(r.get("bound") for r in first) and tag not in drawn_bounds:
             drawn_bounds.add(tag)
-            pts = [(r["size"], r["bound"]["busbw"]) for r in first if r.get("bound")]
-            ax.plot(*zip(*pts), color="gray", ls=":", lw=2 + k % 2, alpha=1 - 0.3 * (k % 2),
-                    label=f"memory-bandwidth bound{tag}")
+            for key, ls, what in (("busbw", ":", "out-of-place"), ("in_place_busbw", "-.", "in-place")):
+                pts = [(r["size"], r["bound"][key]) for r in first if r.get("bound") and r["bound"].get(key)]
+                if pts:
+                    ax.plot(*zip(*pts), color="gray", ls=ls, lw=2 + k % 2, alpha=1 - 0.3 * (k % 2),
+                            label=f"memory bound {what}{tag}")
     ax.set_xscale("log", base=2)
     if all_sizes:
         ax.set_xlim(min(all_sizes) / 1.4, max(all_sizes) * 1.4)

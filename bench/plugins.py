@@ -66,10 +66,10 @@ class Collective:
     def bus_factor(self, nranks: int) -> float:
         return self.spec.bus_factor(nranks)
 
-    def bound_bytes(self, size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
-        """(copy bytes, add bytes) one rank must at least move for a call of `size`
-        bytes (the size column), out of place or in place; see bench/bound.py."""
-        return self.spec.bound_bytes(size, nranks, in_place)
+    def traffic(self, nranks: int, in_place: bool = False) -> catalogue.Traffic:
+        """One rank's share of the least loads and stores of a call, out of place or in
+        place (catalogue.Traffic; the bound, bench/bound.py)."""
+        return self.spec.traffic(nranks, in_place)
 
     def input(self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int) -> np.ndarray:
         return verify.make_input(self.coll, dtype, op, seed, rank, nranks, counts.param)

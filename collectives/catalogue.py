@@ -40,9 +40,9 @@ class Collective:
     root_only: str | None  # the buffer only the root passes (others' is ignored), if any
     peer_accessed: tuple[str, ...]  # buffers the direct kernel loads from or stores to on peers
     bus_factor: Callable[[int], float]  # nccl-tests' busbw = algbw * bus_factor(nranks)
-    # (copy bytes, add bytes) one rank must at least move for a call whose larger buffer
-    # is `size` bytes, out of place or in place (bench/bound.py).
-    bound_bytes: Callable[[int, int, bool], tuple[int, int]]
+    # traffic(nranks, in_place): one rank's share of the least memory traffic any
+    # algorithm needs for a call (Traffic below; bench/bound.py turns it into the bound).
+    traffic: Callable[[int, bool], "Traffic"]
     # Algorithms made of other calls rather than one kernel: "hierarchical" (hierarchical.py).
     composed: tuple[str, ...] = ()
     # Whether NCCL defines an in-place form (in_place_layout); False: overlapping buffers
@@ -132,10 +132,75 @@ class CallBuffers:
     restore: Callable[[], None] | None = None
 
 
-def _reduce_bound(size: int, nranks: int, in_place: bool = False) -> tuple[int, int]:
-    # Reduce this rank's 1/n shard from the n inputs, then fetch the other shards.
-    share = (nranks - 1) * size // nranks
-    return share, share
+@dataclass(frozen=True)
+class Traffic:
+    """One rank's share of the least memory traffic a call needs, whatever the
+    algorithm: the loads and stores of the best one (direct loads and stores over
+    symmetric buffers, NCCL's symmetric kernels), with the work split evenly among the
+    ranks, which is what the bound divides by the rate at which all ranks stream at
+    once (bench/bound.py). Each rank loads `nin` arrays and stores `nout` arrays of
+    size / `parts` bytes each (size: the benchmark's size column, the larger buffer);
+    the first `shared` outputs are the first `shared` inputs (in place), so the rank
+    touches nin + nout - shared arrays. Every output element is the reduction of the
+    inputs' elements at its index (a copy when nin == 1).
+
+    Why it is the least: every input byte that some output depends on must be loaded
+    at least once by some rank (an output depends on all of its inputs), every output
+    byte that does not already hold its value must be stored at least once (out of
+    place none does; in place the one input of a copy does), and a byte loaded once can
+    be stored to any number of outputs. Summed over the ranks that is the job's least
+    traffic; `nin`, `nout` and `parts` are one rank's even share of it."""
+
+    nin: int
+    nout: int
+    shared: int
+    parts: int
+
+    @property
+    def moves(self) -> bool:
+        """False when the result is the input, already in place (one input, every
+        output shared with it, or no output): nothing needs to move."""
+        return not (self.nin == 1 and self.nout == self.shared)
+
+    def loads(self, size: int) -> float:
+        """Bytes this rank loads, for a call of `size` bytes (the size column)."""
+        return self.nin * size / self.parts if self.moves else 0.0
+
+    def stores(self, size: int) -> float:
+        """Bytes this rank stores."""
+        return self.nout * size / self.parts if self.moves else 0.0
+
+    def footprint(self, size: int) -> float:
+        """Distinct bytes this rank touches (its share of the buffers the call uses)."""
+        return (self.nin + self.nout - self.shared) * size / self.parts if self.moves else 0.0
+
+
+# For n ranks, size S (the size column) and in place or not. Each rank r takes part r
+# (S / n bytes) of the work:
+def _reduce_to_all(n: int, in_place: bool = False) -> Traffic:
+    # all_reduce: part r of the n inputs, reduced, stored to part r of the n outputs.
+    # Loads S, stores S, out of place and in place (the outputs are the inputs).
+    return Traffic(n, n, n if in_place else 0, n)
+
+
+def _reduce_to_one(n: int, in_place: bool = False) -> Traffic:
+    # reduce_scatter (rank r's output is block r) and reduce (the root's output, part r
+    # of it reduced by rank r): part r of the n inputs into one output of S / n.
+    # Loads S, stores S / n; in place that output is rank r's own part of its input.
+    return Traffic(n, 1, 1 if in_place else 0, n)
+
+
+def _copy_to_all(n: int, in_place: bool = False) -> Traffic:
+    # all_gather (rank r's shard) and broadcast (part r of the root's buffer): load S / n
+    # once, store it to the n outputs; in place it already lies in one of them (rank r's
+    # own recvbuf, or the root's), so n - 1. Loads S / n, stores S or (n - 1) S / n.
+    return Traffic(1, n - 1 if in_place else n, 0, n)
+
+
+def _exchange(n: int, in_place: bool = False) -> Traffic:
+    # alltoall: every block of the sendbuf loaded once and stored once into its place
+    # in some recvbuf. Loads S, stores S (no in-place form).
+    return Traffic(1, 1, 0, 1)
 
 
 CATALOGUE: dict[str, Collective] = {c.name: c for c in (
@@ -144,44 +209,32 @@ CATALOGUE: dict[str, Collective] = {c.name: c for c in (
         kernels={"ring": "commref_ring_allreduce", "tree": "commref_tree_allreduce",
                  "direct": "commref_direct_allreduce"},
         scaled=None, root_only=None, peer_accessed=(SEND, RECV),
-        bus_factor=lambda n: 2 * (n - 1) / n, bound_bytes=_reduce_bound, composed=(HIERARCHICAL,)),
+        bus_factor=lambda n: 2 * (n - 1) / n, traffic=_reduce_to_all, composed=(HIERARCHICAL,)),
     Collective(
         "allgather", "all_gather", reducing=False, rooted=False,
         kernels={"ring": "commref_ring_allgather", "direct": "commref_direct_allgather"},
         scaled=RECV, root_only=None, peer_accessed=(RECV,),
-        bus_factor=lambda n: (n - 1) / n,
-        # Land the n - 1 other ranks' shards in this rank's recvbuf, and out of place
-        # this rank's own shard too.
-        bound_bytes=lambda size, n, in_place=False: (((n - 1) * size // n if in_place else size), 0),
-        composed=(HIERARCHICAL,)),
+        bus_factor=lambda n: (n - 1) / n, traffic=_copy_to_all, composed=(HIERARCHICAL,)),
     Collective(
         "reduce_scatter", "reduce_scatter", reducing=True, rooted=False,
         kernels={"ring": "commref_ring_reduce_scatter", "direct": "commref_direct_reduce_scatter"},
         scaled=SEND, root_only=None, peer_accessed=(SEND,),
-        bus_factor=lambda n: (n - 1) / n,
-        # Reduce this rank's 1/n shard from the n inputs.
-        bound_bytes=lambda size, n, in_place=False: (0, (n - 1) * size // n), composed=(HIERARCHICAL,)),
+        bus_factor=lambda n: (n - 1) / n, traffic=_reduce_to_one, composed=(HIERARCHICAL,)),
     Collective(
         "broadcast", "broadcast", reducing=False, rooted=True,
         kernels={"ring": "commref_ring_broadcast"},
         scaled=None, root_only=SEND, peer_accessed=(),
-        bus_factor=lambda n: 1.0,
-        # A non-root rank lands all of the root's bytes.
-        bound_bytes=lambda size, n, in_place=False: (size, 0)),
+        bus_factor=lambda n: 1.0, traffic=_copy_to_all),
     Collective(
         "reduce", "reduce", reducing=True, rooted=True,
         kernels={"ring": "commref_ring_reduce"},
         scaled=None, root_only=RECV, peer_accessed=(),
-        bus_factor=lambda n: 1.0,
-        # Work spread evenly: reduce a 1/n shard from the n inputs; the root gathers the rest.
-        bound_bytes=_reduce_bound),
+        bus_factor=lambda n: 1.0, traffic=_reduce_to_one),
     Collective(
         "alltoall", "alltoall", reducing=False, rooted=False,
         kernels={"ring": "commref_ring_alltoall", "direct": "commref_direct_alltoall"},
         scaled=BOTH, root_only=None, peer_accessed=(RECV,),
-        bus_factor=lambda n: (n - 1) / n,
-        # Land the n - 1 other ranks' blocks in this rank's recvbuf, and its own block.
-        bound_bytes=lambda size, n, in_place=False: (size, 0),
+        bus_factor=lambda n: (n - 1) / n, traffic=_exchange,
         # NCCL defines no in-place alltoall (its in-place page names the other
         # collectives only) and nccl-tests does not check its in-place column.
         in_place_ok=False),
