@@ -182,12 +182,13 @@ def line_cell(protocol: str, transport: semantics.Transport, segment_bytes: int)
 
 
 @functools.lru_cache(maxsize=None)
-def study_safe(row: str, column: str) -> bool:
+def study_safe(row: str, column: str, strength: str | None = None) -> bool:
     """The ordering study's verdict on a cell (the explorer's exhaustive search, at the
-    study's default bound; a few milliseconds, once per process)."""
+    study's default bound; a few milliseconds, once per process). `strength`: "weak"
+    or "strong" for the rows with signals (None: weak), None for the others."""
     from commref.transports.gin.study import explorer, protocols
 
-    return explorer.run_cell(protocols.PROTOCOL_BY_NAME[row], None, protocols.MODEL_BY_NAME[column]).safe
+    return explorer.run_cell(protocols.PROTOCOL_BY_NAME[row], strength, protocols.MODEL_BY_NAME[column]).safe
 
 
 # MPI tags of the proxies' messages on network mpi, one per GIN communicator: a
@@ -197,20 +198,24 @@ NETWORK_TAG_BASE, NETWORK_TAG_SPAN = 1024, 30000  # inside the 32767 every MPI a
 _network_tags = itertools.count()
 
 
+def wire_column(transport: semantics.Transport) -> str:
+    """The column of the ordering study that models a wire of `transport` for messages
+    on one context (whole puts, whatever their segment size)."""
+    if transport.ordered:
+        return "ordered"
+    if transport.duplicates:
+        return "unordered+duplicates"
+    if transport.placement == "block128":
+        return "unordered+block128"
+    if transport.flush_orders_later_writes:
+        return "unordered+flush_orders"
+    return "unordered"
+
+
 def counted_writes_cell(transport: semantics.Transport) -> tuple[str, str]:
     """The cell of the ordering study that models counted writes (device.h countedPut)
     on a wire of `transport`: the counted-writes row, the wire's column."""
-    if transport.ordered:
-        column = "ordered"
-    elif transport.duplicates:
-        column = "unordered+duplicates"
-    elif transport.placement == "block128":
-        column = "unordered+block128"
-    elif transport.flush_orders_later_writes:
-        column = "unordered+flush_orders"
-    else:
-        column = "unordered"
-    return "counted-writes", column
+    return "counted-writes", wire_column(transport)
 
 
 def counted_writes_refusal(transport: semantics.Transport | None) -> str | None:
