@@ -1,0 +1,232 @@
+"""MoE dispatch and combine (commref.ep, high-throughput mode) against the same exchange
+built on mpi4py's Alltoallv, in the same run.
+
+    mpiexec -n 4 python -m mpi4py -m commref.bench.ep [--tokens 8,64,512] [--hidden 256,2048]
+        [--topk 4] [--experts 16] [-n 30] [-w 5] [--path auto] [--wire ordered] [--protocol auto] [--json F]
+    python -m commref.bench.ep -t 4 ...   # 4 ranks as threads (ThreadWorld): commref alone, no MPI baseline
+
+Per (tokens, hidden): one ep.Buffer sized for it, DeepEP-style inputs (collectives/ep_check:
+bfloat16 tokens, top-k of random scores with a few -1 entries), one layout shared by
+both implementations. Both are checked first with the same exact checks
+(ep_check.check_ht_dispatch / check_ht_combine). Then each is timed: -w untimed calls,
+a world barrier, -n calls timed one by one on every rank; an iteration's time is the
+slowest rank's, the figure is the median over iterations, in microseconds.
+
+The baseline moves the same bytes from the same arrays to the same arrays: dispatch
+packs one row per (token, destination) like commref's ([source token | x | top-k
+indices local to the destination, -1 elsewhere | weights, 0 elsewhere]), exchanges the
+count matrix (Allgather, so every rank has the prefix matrix commref returns), sends
+the rows with one Alltoallv and unpacks them; combine sends each received row (with
+its weights) back with one Alltoallv and sums each token's copies in float32. "bytes"
+is the mean over ranks of the token bytes one dispatch sends (hidden x dtype size per
+(token, destination), the rank's own copies included); "mpi/commref" > 1 means commref
+is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from commref.collectives import ep, ep_check
+from commref.transports.world import MPIWorld, ThreadWorld
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+class MpiExchange:
+    """commref.ep's high-throughput dispatch and combine on mpi4py (Allgather, Alltoallv, numpy)."""
+
+    def __init__(self, comm, hidden: int, topk: int, num_experts: int, dtype):
+        self.comm, self.n = comm, comm.Get_size()
+        self.hidden, self.topk, self.per, self.dtype = hidden, topk, num_experts // self.n, np.dtype(dtype)
+        xbytes = hidden * self.dtype.itemsize
+        xpad = (xbytes + 7) // 8 * 8
+        self.xbytes = xbytes
+        self.row = np.dtype([("src", "<i8"), ("x", "u1", (xpad,)), ("idx", "<i4", (topk,)), ("w", "<f4", (topk,))])
+        wpad = (4 * topk + 7) // 8 * 2
+        self.back = np.dtype([("slot", "<i8"), ("x", "u1", (xpad,)), ("w", "<f4", (wpad,))])
+
+    def _alltoallv(self, send, send_counts, recv, recv_counts, itemsize):
+        from mpi4py import MPI
+
+        self.comm.Alltoallv([send.view(np.uint8), send_counts * itemsize, MPI.BYTE],
+                            [recv.view(np.uint8), recv_counts * itemsize, MPI.BYTE])
+
+    def dispatch(self, x, topk_idx, topk_weights, layout):
+        n, per = self.n, self.per
+        counts = np.ascontiguousarray(layout.num_tokens_per_rank, np.int32)
+        matrix = np.empty((n, n), np.int32)
+        self.comm.Allgather(counts, matrix)
+        dest, tok = np.nonzero(layout.is_token_in_rank.T)  # by destination, tokens ascending
+        send = np.empty(len(tok), self.row)
+        send["src"] = tok
+        send["x"][:, :self.xbytes] = x.view(np.uint8).reshape(len(x), self.xbytes)[tok]
+        topk = topk_idx[tok]
+        local = topk - (dest * per)[:, None]
+        mine = (topk >= 0) & (local >= 0) & (local < per)
+        send["idx"] = np.where(mine, local, -1)
+        send["w"] = np.where(mine, topk_weights[tok], 0)
+        recv_counts = np.ascontiguousarray(matrix[:, self.comm.Get_rank()])
+        recv = np.empty(int(recv_counts.sum()), self.row)
+        self._alltoallv(send, counts, recv, recv_counts, self.row.itemsize)
+        recv_x = np.ascontiguousarray(recv["x"][:, :self.xbytes]).view(self.dtype)
+        recv_topk = recv["idx"].astype(np.int64)
+        per_expert = np.bincount(recv_topk[recv_topk >= 0], minlength=per)
+        handle = SimpleNamespace(rank_prefix_matrix=np.cumsum(matrix, axis=0), recv_src_idx=recv["src"].astype(np.int32),
+                                 num_recv=len(recv), counts=counts, recv_counts=recv_counts, dest=dest, tok=tok,
+                                 num_tokens=len(x))
+        return recv_x, recv_topk, recv["w"].copy(), [int(v) for v in per_expert], handle
+
+    def combine(self, y, handle, topk_weights):
+        send = np.empty(handle.num_recv, self.back)
+        send["slot"] = handle.recv_src_idx
+        send["x"][:, :self.xbytes] = y.view(np.uint8).reshape(len(y), self.xbytes)
+        send["w"][:, :self.topk] = topk_weights
+        back = np.empty(len(handle.tok), self.back)
+        self._alltoallv(send, handle.recv_counts, back, handle.counts, self.back.itemsize)
+        out = np.zeros((handle.num_tokens, self.hidden), np.float32)
+        out_w = np.zeros((handle.num_tokens, self.topk), np.float32)
+        bx = np.ascontiguousarray(back["x"][:, :self.xbytes]).view(self.dtype).astype(np.float32)
+        start = 0
+        for c in handle.counts:  # each destination's copies: distinct tokens, in order
+            rows = slice(start, start + c)
+            out[handle.tok[rows]] += bx[rows]
+            out_w[handle.tok[rows]] += back["w"][rows, :self.topk]
+            start += c
+        return out.astype(self.dtype), out_w
+
+
+def _timed(world, fn, warmup: int, iters: int) -> float:
+    """Median over iterations of the slowest rank's time of fn(), microseconds."""
+    for _ in range(warmup):
+        fn()
+    world.barrier(what="bench ep: before timing")
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    every = world.allgather(times, what="bench ep: times")
+    return statistics.median(max(col) for col in zip(*every)) * 1e6
+
+
+def run_rank(world, args) -> list[dict]:
+    mpi = world.kind == "mpi"
+    rows = []
+    for tokens in args.tokens:
+        for hidden in args.hidden:
+            opts = dict(path=args.path, wire=args.wire, protocol=args.protocol, timeout=args.timeout)
+            with ep.Buffer(world, num_experts=args.experts, hidden=hidden, max_tokens_per_rank=tokens,
+                           num_topk=args.topk, device="cpu", **opts) as buf:
+                x, topk, w = ep_check.make_inputs(world.rank, world.size, tokens, hidden, args.experts, args.topk,
+                                                  seed=args.seed)
+                layout = buf.get_dispatch_layout(topk)
+                all_topk = world.allgather(topk, what="bench ep: topk")
+                all_w = world.allgather(w, what="bench ep: weights")
+                res = buf.dispatch(x, topk, w, layout)
+                wrong = ep_check.check_ht_dispatch(world.rank, world.size, args.experts, all_topk, all_w, res)
+                cx, cw = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
+                wrong += ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, cx, cw)
+                row = {"tokens": tokens, "hidden": hidden, "path": args.path, "protocol": buf.protocol,
+                       "bytes": int(np.asarray(layout.num_tokens_per_rank).sum()) * hidden * buf.dtype.itemsize}
+                handle, recv_x, recv_w = res.handle, res.recv_x, res.recv_topk_weights
+                row["commref_dispatch_us"] = _timed(world, lambda: buf.dispatch(x, topk, w, layout), args.warmup,
+                                                    args.iters)
+                row["commref_combine_us"] = _timed(world, lambda: buf.combine(recv_x, handle, recv_w), args.warmup,
+                                                   args.iters)
+                if mpi:
+                    base = MpiExchange(world.comm, hidden, args.topk, args.experts, buf.dtype)
+                    bres = base.dispatch(x, topk, w, layout)
+                    wrong += ["mpi: " + p for p in
+                              ep_check.check_ht_dispatch(world.rank, world.size, args.experts, all_topk, all_w, bres)]
+                    bx, bw = base.combine(bres[0], bres[4], bres[2])
+                    wrong += ["mpi: " + p for p in
+                              ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, bx, bw)]
+                    bh, brx, brw = bres[4], bres[0], bres[2]
+                    row["mpi_dispatch_us"] = _timed(world, lambda: base.dispatch(x, topk, w, layout), args.warmup,
+                                                    args.iters)
+                    row["mpi_combine_us"] = _timed(world, lambda: base.combine(brx, bh, brw), args.warmup, args.iters)
+                row["wrong"] = wrong
+            rows.append(row)
+    every = world.allgather(rows, what="bench ep: rows")
+    return [dict(row, bytes=int(statistics.mean(r[i]["bytes"] for r in every)),
+                 wrong=sum(len(r[i]["wrong"]) for r in every),
+                 first_wrong=next((r[i]["wrong"][0] for r in every if r[i]["wrong"]), None))
+            for i, row in enumerate(rows)]
+
+
+def _size(b: int) -> str:
+    for unit, k in (("M", 1 << 20), ("K", 1 << 10)):
+        if b >= k:
+            return f"{b / k:.1f}{unit}"
+    return f"{b}B"
+
+
+def format_table(rows: list[dict], nranks: int, kind: str, args, load: tuple) -> str:
+    lines = [f"# commref.ep high-throughput dispatch/combine vs mpi4py Alltoallv: {nranks} ranks ({kind}), "
+             f"path {args.path}, wire {args.wire}, protocol {rows[0]['protocol'] if rows else args.protocol}, "
+             f"topk {args.topk}, experts {args.experts}, bfloat16; median of {args.iters} (slowest rank), us",
+             f"# load average {load[0]:.2f} at the start, {load[1]:.2f} at the end (2 cores here is 2.0 busy)",
+             f"{'tokens':>7} {'hidden':>7} {'bytes':>8} | {'dispatch':>9} {'mpi':>9} {'mpi/cr':>7} | "
+             f"{'combine':>9} {'mpi':>9} {'mpi/cr':>7} | wrong"]
+    for r in rows:
+        def cell(key):
+            return f"{r[key]:9.1f}" if key in r else f"{'n/a':>9}"
+
+        def ratio(a, b):
+            return f"{r[b] / r[a]:7.2f}" if b in r else f"{'n/a':>7}"
+
+        lines.append(f"{r['tokens']:>7} {r['hidden']:>7} {_size(r['bytes']):>8} | {cell('commref_dispatch_us')} "
+                     f"{cell('mpi_dispatch_us')} {ratio('commref_dispatch_us', 'mpi_dispatch_us')} | "
+                     f"{cell('commref_combine_us')} {cell('mpi_combine_us')} "
+                     f"{ratio('commref_combine_us', 'mpi_combine_us')} | {r['wrong']}")
+    for r in rows:
+        if r["first_wrong"]:
+            lines.append(f"# WRONG ({r['tokens']} x {r['hidden']}): {r['first_wrong']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m commref.bench.ep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=_ints, default=_ints("8,64,512"))
+    p.add_argument("--hidden", type=_ints, default=_ints("256,2048"))
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("-n", "--iters", type=int, default=30)
+    p.add_argument("-w", "--warmup", type=int, default=5)
+    p.add_argument("--path", default="auto")
+    p.add_argument("--wire", default="ordered")
+    p.add_argument("--protocol", default="auto")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("-t", "--threads", type=int, default=4, help="ranks as threads of this process (ThreadWorld)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    load0 = os.getloadavg()[0]
+    if MPIWorld.launched_under_mpi():
+        world = MPIWorld(timeout=args.timeout)
+        rows, nranks, kind = run_rank(world, args), world.size, "MPI processes"
+        if world.rank != 0:
+            return 0 if all(r["wrong"] == 0 for r in rows) else 1
+    else:
+        rows = ThreadWorld.run(args.threads, run_rank, args, timeout=args.timeout * 10)[0]
+        nranks, kind = args.threads, "ThreadWorld"
+    print(format_table(rows, nranks, kind, args, (load0, os.getloadavg()[0])), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"nranks": nranks, "world": kind, "args": vars(args), "rows": rows}, f, indent=1)
+    return 0 if all(r["wrong"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
