@@ -31,11 +31,11 @@ python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy._
 # Build every GPU module the checks below use into the image cache before any rank
 # starts (one NVRTC process per module); the ranks then only load them.
 CC=$(python3 -c "import cupy; print(cupy.cuda.Device(0).compute_capability)")
-step "compile kernels for sm_$CC (NVRTC)" timeout 70 python3 -m commref.device_kernels.loader --gpu "$CC" \
+step "compile kernels for sm_$CC (NVRTC)" timeout 65 python3 -m commref.device_kernels.loader --gpu "$CC" \
   --dtype float32 bfloat16 float16 float64 int32 int8 uint8 --op sum prod max min
-step "GPU tests (pytest -m gpu)" timeout 45 python3 -m pytest -q -m gpu tests -p no:cacheprovider
-step "4 ranks in ThreadWorld on one GPU" timeout 45 python3 tests/gpu/thread_world_gpu.py --np 4
-step "2 MPI ranks on one GPU through CUDA IPC" timeout 50 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m commref.cli check \
+step "GPU tests (pytest -m gpu)" timeout 40 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+step "4 ranks in ThreadWorld on one GPU" timeout 40 python3 tests/gpu/thread_world_gpu.py --np 4
+step "2 MPI ranks on one GPU through CUDA IPC" timeout 45 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m commref.cli check \
   --device cuda --dtype float32 bfloat16 int32 --count 0 7 1001 65537
 # GIN on the GPU: the copy-engine proxy (transports/gin/gpu_proxy.py; needs cuda-python)
 step "GIN: 2 ranks as threads on one GPU (proxy strong, gda signal-per-put)" timeout 35 bash -c \
@@ -51,7 +51,10 @@ step "hierarchical and alltoall: 4 ranks as threads on one GPU, 2 simulated node
 step "device API: users' kernels (NVRTC), fused RMSNorm, 4 ranks as threads on one GPU; GIN across 2 simulated nodes" \
   timeout 35 bash -c "python3 tests/gpu/device_api_gpu.py --np 4 &&
     COMMREF_NODES=2 python3 tests/gpu/device_api_gpu.py --np 4 --path auto"
-step "commref vs NCCL (nccl4py), 2 ranks one GPU" timeout 40 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py tests/gpu/nccl_compare.py
+step "EP: MoE dispatch and combine (commref.ep, both modes), 4 ranks as threads on one GPU over LSA; 2x2 simulated nodes over GIN (headers)" \
+  timeout 25 bash -c "python3 -m commref.ep --np 4 --device cuda &&
+    COMMREF_NODES=2 python3 -m commref.ep --np 4 --device cuda --path auto --protocol headers"
+step "commref vs NCCL (nccl4py), 2 ranks one GPU" timeout 35 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py tests/gpu/nccl_compare.py
 if [ -f bench/harness.py ] && [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
   step "bench: ours vs NCCL, 2 ranks one GPU" timeout 40 "$MPIEXEC" -n 2 $MPIFLAGS "$PY" -m mpi4py -m commref.cli bench \
     all_reduce -b 8 -e 64M -f 8 --device cuda -n 5 -w 2 -R 0,2
