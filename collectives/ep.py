@@ -47,7 +47,9 @@ wire of its GIN links and refuses an unsafe one with a CapabilityError naming th
 unless unsafe_ok=True (to watch it fail: tests/test_ep.py). Over LSA every protocol is
 the same stores and one release signal.
 
-Every operation is collective (all ranks, in the same order) and ends with a barrier.
+Every operation is collective (all ranks, in the same order); a dispatch ends with a
+barrier, a combine after a dispatch needs none, a combine after a combine starts with one
+(ep.cu says why).
 Results are returned as new arrays (the flat receive buffers are views of the first
 num_recv rows of arrays of capacity n * max_tokens_per_rank).
 """
@@ -153,7 +155,7 @@ def _regions(n: int, hidden: int, elem: int, topk: int, experts: int, max_tokens
     region("llCountStage", n * per * 8, low_latency)
     region("llComb", T * topk * cfg["llRow"], low_latency)
     region("llCombStage", per * n * T * cfg["llRow"], low_latency and staging)
-    region("scratch", 16 * n + 8 * experts)
+    region("scratch", 24 * n + 8 * experts)
     return cfg, at
 
 
@@ -245,7 +247,7 @@ class Buffer:
                                    self.max_tokens, low_latency_mode, staging=options.get("path", "auto") != "lsa")
         # strong signals: required by strong, asked for by auto unless the backend named has none
         strong = protocol == "strong" or (protocol == "auto" and options.get("backend", "auto") != "gda")
-        self.dc = DeviceComm(world, window_bytes=window, signals=2 * n, strong_signals=strong, device=device,
+        self.dc = DeviceComm(world, window_bytes=window, signals=3 * n, strong_signals=strong, device=device,
                              **options)
         try:
             comm = self.dc.comm
@@ -277,6 +279,7 @@ class Buffer:
             self.dc.close()
             raise
         self._epoch = 0
+        self._after_combine = False  # the last operation was a combine: the next one syncs first (ep.cu)
         self.launches = 0  # EP kernels launched (bad input raises before any)
 
     # ---- what every call checks first ----
@@ -288,6 +291,8 @@ class Buffer:
     def _launch(self, name: str, *args) -> None:
         self.launches += 1
         kernel(name).launch(self.dc, 1, args=(self._cfg, *args))
+        if name != "ep_layout":
+            self._after_combine = name.endswith("combine")
 
     def _array(self, a, name: str, shape: tuple, dtypes: tuple) -> Any:
         on_gpu = hasattr(a, "__cuda_array_interface__")
@@ -386,7 +391,7 @@ class Buffer:
         out_w = xp.empty((ntok, self.num_topk), np.float32) if topk_weights is not None else None
         self._launch("ep_ht_combine", x, 0 if topk_weights is None else topk_weights, handle.rank_prefix_matrix,
                      handle.token_idx_in_rank, handle.num_tokens_per_rank, ntok, self._tag(), out,
-                     0 if out_w is None else out_w)
+                     0 if out_w is None else out_w, int(self._after_combine))
         return out, out_w
 
     # ---- low-latency ----
@@ -427,7 +432,7 @@ class Buffer:
         self._array(topk_weights, "topk_weights", (ntok, self.num_topk), (np.dtype(np.float32),))
         out = self.xp.empty((ntok, self.hidden), x.dtype)
         self._launch("ep_ll_combine", x, topk_idx, topk_weights, ntok, self._tag(), handle.recv_src_info,
-                     handle.recv_src_topk, handle.recv_layout_range, out)
+                     handle.recv_src_topk, handle.recv_layout_range, out, int(self._after_combine))
         return out
 
     # ---- lifetime ----

@@ -31,12 +31,19 @@
 // Over LSA the sender stores rows and counts into the peer's window and then signals
 // once (a release add: every store before it is visible).
 //
-// Signals (user ids): data signal of source s = s, count signal of source s = n + s.
-// Signals are never reset: this rank's window keeps, per id, how many increments the
+// Signals (user ids), of source s: dispatch data s, dispatch count n + s, combine data
+// 2n + s. They are never reset: this rank's window keeps, per id, how many increments the
 // operations before this one consumed (EpConfig.scratch).
 //
-// Every kernel ends with a barrier: no operation's puts can overwrite what the previous
-// one's receivers still read (counts, rows, staging).
+// Reuse of the window. A dispatch ends with a barrier: no rank's next dispatch can
+// overwrite the rows, counts and staging that this one's receivers still read. A combine
+// that follows a dispatch needs none: its rows go to a region only combines use, at
+// sources that wait for every row of theirs (so the puts and their staging are done with
+// when the source returns), and the next combine's rows come only after the next
+// dispatch, which no rank finishes before every rank has sent it a count message, i.e.
+// has returned from this combine; its signals are ids of its own, which a peer already
+// in the next dispatch does not touch. A combine that follows a combine (the same handle
+// again, or the other mode's) begins with a barrier instead (argument syncFirst).
 #include "commref/device.h"
 
 // Launch argument 0 of every kernel: int64 words in the order of ep.py CONFIG_FIELDS.
@@ -45,7 +52,7 @@ struct EpConfig {
   int64_t xBytes, xPad;
   int64_t htRow, htRecv, htCount, htStage, htCountStage, htCombRow, htComb, htCombStage;
   int64_t llRow, llRecv, llCount, llStage, llCountStage, llComb, llCombStage;
-  int64_t scratch;  // uint64[2 * nranks] signal bases, then int64[experts] slot counters
+  int64_t scratch;  // uint64[3 * nranks] signal bases, then int64[experts] slot counters
 };
 
 enum EpProtocol { kEpStrong = 0, kEpSignalPerPut = 1, kEpHeaders = 2, kEpWeakLast = 3 };
@@ -67,8 +74,12 @@ struct Ep {
   const int n, me;
   const uint64_t tag;  // this operation's header tag: epoch << 32 (epoch 1 .. 2^32 - 1)
 
-  __device__ Ep(DeviceComm& cm, uint64_t epoch)
-      : comm(cm), c(*cm.ptr<const EpConfig>(0)), n(cm.nranks()), me(cm.rank()), tag(epoch << 32) {}
+  const int dataIds;  // the data signals of this kind of operation: dataIds + source
+
+  __device__ Ep(DeviceComm& cm, uint64_t epoch, bool combine)
+      : comm(cm), c(*cm.ptr<const EpConfig>(0)), n(cm.nranks()), me(cm.rank()), tag(epoch << 32),
+        dataIds(combine ? 2 * cm.nranks() : 0) {}
+  __device__ int data(int source) const { return dataIds + source; }
 
   __device__ bool overGin(int peer) const { return !comm.isLsaPeer(peer); }
   __device__ bool valid(const char* row) const { return (load_relaxed((const uint64_t*)row) >> 32) == (tag >> 32); }
@@ -80,13 +91,13 @@ struct Ep {
     return overGin(peer) ? comm.local<char>(stage) : comm.lsaPtr<char>(peer, dst);
   }
   __device__ Signal rowSignal() const {
-    return c.protocol == kEpSignalPerPut || c.protocol == kEpHeaders ? weakInc(me) : noSignal();
+    return c.protocol == kEpSignalPerPut || c.protocol == kEpHeaders ? weakInc(data(me)) : noSignal();
   }
   // The last put of a message (dispatch: its count message; combine: its last row).
   __device__ Signal lastSignal(bool countMessage) const {
-    if (c.protocol == kEpStrong) return strongInc(me);
+    if (c.protocol == kEpStrong) return strongInc(data(me));
     if (c.protocol == kEpSignalPerPut && countMessage) return weakInc(n + me);
-    return weakInc(me);
+    return weakInc(data(me));
   }
   // A row built at rowAt(): over GIN put with `s`; over LSA it is already there.
   __device__ void sendRow(int peer, uint64_t dst, uint64_t stage, uint64_t bytes, Signal s) {
@@ -95,7 +106,7 @@ struct Ep {
   }
   // The end of a message over LSA: one release add publishes the block's stores.
   __device__ void endLsaMessage(int peer) {
-    if (!overGin(peer)) comm.signal(peer, weakInc(me));
+    if (!overGin(peer)) comm.signal(peer, weakInc(data(me)));
   }
   // A count message of `words` words staged at `stage` (this rank's counts, ~count).
   __device__ void sendCounts(int peer, uint64_t dst, uint64_t stage, int words) {
@@ -110,7 +121,7 @@ struct Ep {
   }
 
   // ---- receiving ----
-  __device__ void waitData(int s, uint64_t increments) { comm.waitSignal(s, *base(s) + increments, s); }
+  __device__ void waitData(int s, uint64_t increments) { comm.waitSignal(data(s), *base(data(s)) + increments, s); }
   __device__ void consumed(int id, uint64_t increments) {
     __syncthreads();
     if (threadIdx.x == 0) *base(id) += increments;
@@ -137,15 +148,15 @@ struct Ep {
       if (threadIdx.x == 0) {
         // The signal first, then the headers: every put signalled by then has a valid
         // header when they are read, so signalled >= valid means they are the same puts.
-        const uint64_t seen = comm.readSignal(s) - *base(s);
+        const uint64_t seen = comm.readSignal(data(s)) - *base(data(s));
         const bool counted = load_relaxed(countWord) != 0;
         uint64_t validHeaders = counted;
         slots([&](int, int, const char* row) { validHeaders += valid(row); });
         done = counted && seen >= validHeaders;
-        target = *base(s) + (seen >= validHeaders ? validHeaders + 1 : validHeaders);
+        target = *base(data(s)) + (seen >= validHeaders ? validHeaders + 1 : validHeaders);
       }
       if (fromThread0(done)) return;
-      comm.waitSignal(s, fromThread0(target), s);
+      comm.waitSignal(data(s), fromThread0(target), s);
     }
   }
 
@@ -160,13 +171,13 @@ struct Ep {
       if (!countMessage && rows == 0) return;  // a combine message of no rows is not sent
       if (!countMessage) waitData(s, 1);
       forRows(consume);
-      consumed(s, 1);
+      consumed(data(s), 1);
       return;
     }
     if (c.protocol == kEpSignalPerPut) {
       waitData(s, rows);
       forRows(consume);
-      consumed(s, rows);
+      consumed(data(s), rows);
       return;
     }
     // headers: rows are read in order as soon as the rule allows, while others land
@@ -175,7 +186,7 @@ struct Ep {
       int64_t upto = 0;
       uint64_t target = 0;
       if (threadIdx.x == 0) {
-        const uint64_t seen = comm.readSignal(s) - *base(s);
+        const uint64_t seen = comm.readSignal(data(s)) - *base(data(s));
         uint64_t validHeaders = countMessage;  // the count message, read valid by awaitCounts
         int64_t j = 0, firstInvalid = -1;
         forRows([&](int, int, const char* row) {
@@ -185,7 +196,7 @@ struct Ep {
           j++;
         });
         upto = seen >= validHeaders ? (firstInvalid < 0 ? rows : firstInvalid) : next;
-        target = *base(s) + (seen >= validHeaders ? validHeaders + 1 : validHeaders);
+        target = *base(data(s)) + (seen >= validHeaders ? validHeaders + 1 : validHeaders);
       }
       upto = fromThread0(upto);
       int64_t j = 0;
@@ -195,9 +206,9 @@ struct Ep {
       });
       next = upto;
       if (next == rows) break;
-      comm.waitSignal(s, fromThread0(target), s);
+      comm.waitSignal(data(s), fromThread0(target), s);
     }
-    consumed(s, rows + countMessage);
+    consumed(data(s), rows + countMessage);
   }
 };
 
@@ -283,7 +294,7 @@ COMMREF_KERNEL(ep_layout, KernelArgs, args) {
 // num_recv (int32 [1]).
 COMMREF_KERNEL(ep_ht_dispatch, KernelArgs, args) {
   DeviceComm comm(args);
-  Ep ep(comm, comm.u64(6));
+  Ep ep(comm, comm.u64(6), false);
   const EpConfig& c = ep.c;
   const int n = ep.n, me = ep.me;
   const char* x = comm.ptr<const char>(1);
@@ -378,33 +389,40 @@ COMMREF_KERNEL(ep_ht_dispatch, KernelArgs, args) {
   comm.barrier();
 }
 
-// out[t] = sum of the rows at srcs[0 .. m) (elements of type T, reduced in float).
+// out = the sum over j < m of w[j] (1 without w) times the row at srcs[j], elements of
+// type T, in float32 in the order of j, rounded once to T.
 template <typename T>
-static __device__ void sumRows(char* out, const char* const* srcs, int m, int64_t hidden) {
+static __device__ void sumRows(char* out, const char* const* srcs, const float* w, int m, int64_t hidden) {
   typedef Arith<T> A;
   T* o = (T*)out;
+#ifdef COMMREF_CPU
+  // A piece at a time, each source's pass over it one loop the compiler vectorizes.
+  const int64_t kPiece = 1024;
+  float acc[kPiece];
+  const ElemRange r = elemRange(hidden);
+  for (int64_t base = r.begin; base < (int64_t)r.end; base += kPiece) {
+    const int64_t len = (int64_t)r.end - base < kPiece ? (int64_t)r.end - base : kPiece;
+    for (int64_t i = 0; i < len; i++) acc[i] = 0.0f;
+    for (int j = 0; j < m; j++) {
+      const T* src = (const T*)srcs[j] + base;
+      const float wj = w ? w[j] : 1.0f;
+      for (int64_t i = 0; i < len; i++) acc[i] += wj * (float)A::load(src[i]);
+    }
+    for (int64_t i = 0; i < len; i++) o[base + i] = A::store((typename A::Compute)acc[i]);
+  }
+#else
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
     float acc = 0.0f;
-    for (int j = 0; j < m; j++) acc += (float)A::load(((const T*)srcs[j])[i]);
+    for (int j = 0; j < m; j++) acc += (w ? w[j] : 1.0f) * (float)A::load(((const T*)srcs[j])[i]);
     o[i] = A::store((typename A::Compute)acc);
   }
-}
-// out[t] = sum of w[j] * the rows at srcs[j].
-template <typename T>
-static __device__ void weightedSumRows(char* out, const char* const* srcs, const float* w, int m, int64_t hidden) {
-  typedef Arith<T> A;
-  T* o = (T*)out;
-  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < m; j++) acc += w[j] * (float)A::load(((const T*)srcs[j])[i]);
-    o[i] = A::store((typename A::Compute)acc);
-  }
+#endif
 }
 static __device__ void sumRowsOf(int64_t dtype, char* out, const char* const* srcs, const float* w, int m,
                                  int64_t hidden) {
-  if (dtype == kEpBfloat16) w ? weightedSumRows<bf16_t>(out, srcs, w, m, hidden) : sumRows<bf16_t>(out, srcs, m, hidden);
-  else if (dtype == kEpFloat16) w ? weightedSumRows<half_t>(out, srcs, w, m, hidden) : sumRows<half_t>(out, srcs, m, hidden);
-  else w ? weightedSumRows<float>(out, srcs, w, m, hidden) : sumRows<float>(out, srcs, m, hidden);
+  if (dtype == kEpBfloat16) sumRows<bf16_t>(out, srcs, w, m, hidden);
+  else if (dtype == kEpFloat16) sumRows<half_t>(out, srcs, w, m, hidden);
+  else sumRows<float>(out, srcs, w, m, hidden);
 }
 
 #define EP_MAX_RANKS 64
@@ -413,10 +431,10 @@ static __device__ void sumRowsOf(int64_t dtype, char* out, const char* const* sr
 // HT combine row: [tag | slot][y: xPad bytes][topk weights: float32, padded to 8].
 // args: cfg, y [num_recv, hidden], recv_topk_weights (float32 [num_recv, topk] or 0),
 // rank_prefix_matrix, token_idx_in_rank, num_tokens_per_rank (int32 [n]), ntok, epoch,
-// combined_x [ntok, hidden], combined_topk_weights (float32 [ntok, topk] or 0).
+// combined_x [ntok, hidden], combined_topk_weights (float32 [ntok, topk] or 0), syncFirst.
 COMMREF_KERNEL(ep_ht_combine, KernelArgs, args) {
   DeviceComm comm(args);
-  Ep ep(comm, comm.u64(7));
+  Ep ep(comm, comm.u64(7), true);
   const EpConfig& c = ep.c;
   const int n = ep.n, me = ep.me;
   const char* y = comm.ptr<const char>(1);
@@ -428,6 +446,7 @@ COMMREF_KERNEL(ep_ht_combine, KernelArgs, args) {
   char* out = comm.ptr<char>(8);
   float* outWeights = comm.ptr<float>(9);
   const int64_t combRow = c.htCombRow;
+  if (comm.u64(10)) comm.barrier();
 
   for (int k = 1; k <= n; k++) {  // each source's rows back to it
     const int s = (me + k) % n;
@@ -464,7 +483,8 @@ COMMREF_KERNEL(ep_ht_combine, KernelArgs, args) {
         outWeights[t * K + j] = acc;
       }
   }
-  comm.barrier();
+  // No barrier: see the top (combine).
+
 }
 
 // ---- low-latency ----
@@ -479,7 +499,7 @@ COMMREF_KERNEL(ep_ht_combine, KernelArgs, args) {
 // [localExperts, n]: begin << 32 | count).
 COMMREF_KERNEL(ep_ll_dispatch, KernelArgs, args) {
   DeviceComm comm(args);
-  Ep ep(comm, comm.u64(4));
+  Ep ep(comm, comm.u64(4), false);
   const EpConfig& c = ep.c;
   const int n = ep.n, me = ep.me;
   const char* x = comm.ptr<const char>(1);
@@ -490,7 +510,7 @@ COMMREF_KERNEL(ep_ll_dispatch, KernelArgs, args) {
   int32_t* srcInfo = comm.ptr<int32_t>(7);
   int32_t* srcTopk = comm.ptr<int32_t>(8);
   int64_t* range = comm.ptr<int64_t>(9);
-  int64_t* slots = comm.local<int64_t>(c.scratch + 16ull * n);  // per expert: rows sent so far
+  int64_t* slots = comm.local<int64_t>(c.scratch + 24ull * n);  // per expert: rows sent so far
 
   if (threadIdx.x == 0)
     for (int64_t e = 0; e < c.experts; e++) slots[e] = 0;
@@ -555,10 +575,10 @@ COMMREF_KERNEL(ep_ll_dispatch, KernelArgs, args) {
 // LL combine row: [tag | token << 8 | top-k slot][y: xPad bytes], at the source in slot
 // llComb + (token * topk + slot) * llRow.
 // args: cfg, y (packed like packed_recv_x), topk_idx, topk_weights, ntok, epoch,
-// recv_src_info, recv_src_topk, recv_layout_range, combined_x [ntok, hidden].
+// recv_src_info, recv_src_topk, recv_layout_range, combined_x [ntok, hidden], syncFirst.
 COMMREF_KERNEL(ep_ll_combine, KernelArgs, args) {
   DeviceComm comm(args);
-  Ep ep(comm, comm.u64(5));
+  Ep ep(comm, comm.u64(5), true);
   const EpConfig& c = ep.c;
   const int n = ep.n, me = ep.me;
   const char* y = comm.ptr<const char>(1);
@@ -569,6 +589,7 @@ COMMREF_KERNEL(ep_ll_combine, KernelArgs, args) {
   const int32_t* srcTopk = comm.ptr<const int32_t>(7);
   const int64_t* range = comm.ptr<const int64_t>(8);
   char* out = comm.ptr<char>(9);
+  if (comm.u64(10)) comm.barrier();
 
   for (int k = 1; k <= n; k++) {  // every expert's outputs for source s back to s
     const int s = (me + k) % n;
@@ -604,5 +625,6 @@ COMMREF_KERNEL(ep_ll_combine, KernelArgs, args) {
       }
     sumRowsOf(c.dtype, out + t * c.xBytes, srcs, w, m, c.hidden);
   }
-  comm.barrier();
+  // No barrier: see the top (combine).
+
 }
