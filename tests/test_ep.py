@@ -3,9 +3,10 @@ on the device API, checked as DeepEP's tests check them (collectives/ep_check.py
 
 - one node, 4 ranks over LSA, and 2 x 2 simulated nodes (LSA inside, GIN across) on the
   ordered and the unordered wire, with every protocol the ordering study clears there:
-  layout, high-throughput dispatch and combine, low-latency dispatch and combine, each
-  checked element by element, twice with the same inputs and the received buffers'
-  digests equal (the flat buffer's order is (source rank, token) by the prefix matrix);
+  layout, high-throughput dispatch and combine, low-latency dispatch and combine, then
+  each combine again (a combine after a combine), each checked element by element, twice
+  with the same inputs and the received buffers' digests equal (the flat buffer's order
+  is (source rank, token) by the prefix matrix);
 - the unsafe variant: weak-last (a weak signal on the last put only) is refused on the
   unordered wire with the study's cell named, and run anyway (unsafe_ok=True) it delivers
   wrong data that the checks catch on some seed, where headers on the same seed does not;
@@ -49,6 +50,11 @@ def _one_round(world, buf, seed):
     problems += ep.check_ll_dispatch(r, n, E, T, all_topk, ll)
     out = buf.low_latency_combine(ll.packed_recv_x, topk, w, ll.handle)
     problems += ep.check_ll_combine(r, x, topk, w, out)
+    # combines after a combine (DeepEP's tuning loops): the same handles again, each mode
+    again = buf.low_latency_combine(ll.packed_recv_x, topk, w, ll.handle)
+    problems += ep.check_ll_combine(r, x, topk, w, again)
+    cx2, cw2 = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
+    problems += ep.check_ht_combine(r, n, E, x, topk, w, cx2, cw2)
     digest = ep.digest(res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx, cx, cw,
                        *ep.ll_received(ll), out)
     return problems, digest
