@@ -8,8 +8,11 @@ built on mpi4py's Alltoallv, in the same run.
 Per (tokens, hidden): one ep.Buffer sized for it, DeepEP-style inputs (collectives/ep_check:
 bfloat16 tokens, top-k of random scores with a few -1 entries), one layout shared by
 both implementations. Both are checked first with the same exact checks
-(ep_check.check_ht_dispatch / check_ht_combine). Then each is timed: -w untimed calls,
-a world barrier, -n calls timed one by one on every rank; an iteration's time is the
+(ep_check.check_ht_dispatch / check_ht_combine). Then they are timed as a MoE layer uses
+them, a dispatch then a combine of its result: -w untimed pairs of each, a world
+barrier, -n iterations in which every rank times each implementation's dispatch and
+combine, the implementations in turn (which goes first rotates every iteration, so that
+a change of this shared machine's load reaches both alike); an iteration's time is the
 slowest rank's, the figure is the median over iterations, in microseconds.
 
 The baseline moves the same bytes from the same arrays to the same arrays: dispatch
@@ -106,18 +109,28 @@ class MpiExchange:
         return out.astype(self.dtype), out_w
 
 
-def _timed(world, fn, warmup: int, iters: int) -> float:
-    """Median over iterations of the slowest rank's time of fn(), microseconds."""
+def _timed(world, impls: list[list], warmup: int, iters: int) -> list[list[float]]:
+    """Per implementation of `impls` (each a list of steps: dispatch, combine), per step,
+    the median over iterations of the slowest rank's time of the step, microseconds. An
+    iteration runs every implementation's steps in order, the implementations in turn, the
+    first one rotating every iteration, so that a change of the machine's load reaches
+    them alike."""
     for _ in range(warmup):
-        fn()
+        for steps in impls:
+            for step in steps:
+                step()
     world.barrier(what="bench ep: before timing")
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = [[[] for _ in steps] for steps in impls]
+    for i in range(iters):
+        for k in range(len(impls)):
+            j = (i + k) % len(impls)
+            for s, step in enumerate(impls[j]):
+                t0 = time.perf_counter()
+                step()
+                times[j][s].append(time.perf_counter() - t0)
     every = world.allgather(times, what="bench ep: times")
-    return statistics.median(max(col) for col in zip(*every)) * 1e6
+    return [[statistics.median(max(col) for col in zip(*(r[j][s] for r in every))) * 1e6 for s in range(len(steps))]
+            for j, steps in enumerate(impls)]
 
 
 def run_rank(world, args) -> list[dict]:
@@ -139,11 +152,13 @@ def run_rank(world, args) -> list[dict]:
                 wrong += ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, cx, cw)
                 row = {"tokens": tokens, "hidden": hidden, "path": args.path, "protocol": buf.protocol,
                        "bytes": int(np.asarray(layout.num_tokens_per_rank).sum()) * hidden * buf.dtype.itemsize}
-                handle, recv_x, recv_w = res.handle, res.recv_x, res.recv_topk_weights
-                row["commref_dispatch_us"] = _timed(world, lambda: buf.dispatch(x, topk, w, layout), args.warmup,
-                                                    args.iters)
-                row["commref_combine_us"] = _timed(world, lambda: buf.combine(recv_x, handle, recv_w), args.warmup,
-                                                   args.iters)
+                out = {}
+
+                def ours():
+                    out["ours"] = buf.dispatch(x, topk, w, layout)
+
+                impls = [[ours, lambda: buf.combine(out["ours"].recv_x, out["ours"].handle,
+                                                    out["ours"].recv_topk_weights)]]
                 if mpi:
                     base = MpiExchange(world.comm, hidden, args.topk, args.experts, buf.dtype)
                     bres = base.dispatch(x, topk, w, layout)
@@ -152,10 +167,15 @@ def run_rank(world, args) -> list[dict]:
                     bx, bw = base.combine(bres[0], bres[4], bres[2])
                     wrong += ["mpi: " + p for p in
                               ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, bx, bw)]
-                    bh, brx, brw = bres[4], bres[0], bres[2]
-                    row["mpi_dispatch_us"] = _timed(world, lambda: base.dispatch(x, topk, w, layout), args.warmup,
-                                                    args.iters)
-                    row["mpi_combine_us"] = _timed(world, lambda: base.combine(brx, bh, brw), args.warmup, args.iters)
+
+                    def theirs():
+                        out["mpi"] = base.dispatch(x, topk, w, layout)
+
+                    impls.append([theirs, lambda: base.combine(out["mpi"][0], out["mpi"][4], out["mpi"][2])])
+                times = _timed(world, impls, args.warmup, args.iters)
+                row["commref_dispatch_us"], row["commref_combine_us"] = times[0]
+                if mpi:
+                    row["mpi_dispatch_us"], row["mpi_combine_us"] = times[1]
                 row["wrong"] = wrong
             rows.append(row)
     every = world.allgather(rows, what="bench ep: rows")
