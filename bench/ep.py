@@ -12,8 +12,9 @@ both implementations. Both are checked first with the same exact checks
 them, a dispatch then a combine of its result: -w untimed pairs of each, a world
 barrier, -n iterations in which every rank times each implementation's dispatch and
 combine, the implementations in turn (which goes first rotates every iteration, so that
-a change of this shared machine's load reaches both alike); an iteration's time is the
-slowest rank's, the figure is the median over iterations, in microseconds.
+a change of this shared machine's load reaches both alike), each step after an untimed
+world barrier; an iteration's time is the slowest rank's, the figure is the median over
+iterations, in microseconds.
 
 The baseline moves the same bytes from the same arrays to the same arrays: dispatch
 packs one row per (token, destination) like commref's ([source token | x | top-k
@@ -114,7 +115,8 @@ def _timed(world, impls: list[list], warmup: int, iters: int) -> list[list[float
     the median over iterations of the slowest rank's time of the step, microseconds. An
     iteration runs every implementation's steps in order, the implementations in turn, the
     first one rotating every iteration, so that a change of the machine's load reaches
-    them alike."""
+    them alike; a world barrier (untimed) before each step, so that no step's time holds
+    the ranks' skew from the one before."""
     for _ in range(warmup):
         for steps in impls:
             for step in steps:
@@ -125,6 +127,7 @@ def _timed(world, impls: list[list], warmup: int, iters: int) -> list[list[float
         for k in range(len(impls)):
             j = (i + k) % len(impls)
             for s, step in enumerate(impls[j]):
+                world.barrier(what="bench ep: before a step")  # every step starts together
                 t0 = time.perf_counter()
                 step()
                 times[j][s].append(time.perf_counter() - t0)
