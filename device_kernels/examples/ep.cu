@@ -1,6 +1,6 @@
 // examples/ep.cu — MoE dispatch and combine (DeepEP's two modes) on the device API
 // (include/commref/device.h) alone. commref.ep (collectives/ep.py) builds the buffer and
-// launches these kernels; docs/ep.md... the module docstring there is the user's view.
+// launches these kernels; its module docstring is the user's view.
 //
 // Kernels (one block; every rank launches the same ones in the same order):
 //   ep_layout        topk_idx -> tokens per rank, per expert, is_token_in_rank (local)
