@@ -86,7 +86,8 @@ class MpiExchange:
         recv_x = np.ascontiguousarray(recv["x"][:, :self.xbytes]).view(self.dtype)
         recv_topk = recv["idx"].astype(np.int64)
         per_expert = np.bincount(recv_topk[recv_topk >= 0], minlength=per)
-        handle = SimpleNamespace(rank_prefix_matrix=np.cumsum(matrix, axis=0), recv_src_idx=recv["src"].astype(np.int32),
+        handle = SimpleNamespace(rank_prefix_matrix=np.cumsum(matrix, axis=0),
+                                 recv_src_idx=recv["src"].astype(np.int32),
                                  num_recv=len(recv), counts=counts, recv_counts=recv_counts, dest=dest, tok=tok,
                                  num_tokens=len(x))
         return recv_x, recv_topk, recv["w"].copy(), [int(v) for v in per_expert], handle

@@ -61,7 +61,8 @@ def _main(argv=None) -> int:
             cupy.cuda.Stream(non_blocking=True).use()
             xp = cupy
         r, n, E, K, T = world.rank, world.size, args.experts, args.topk, args.tokens
-        gin = dict(wire=args.wire, network=args.network, backend=args.backend, seed=args.seed) if args.path != "lsa" else {}
+        gin = (dict(wire=args.wire, network=args.network, backend=args.backend, seed=args.seed)
+               if args.path != "lsa" else {})
         with Buffer(world, num_experts=E, hidden=args.hidden, max_tokens_per_rank=T, num_topk=K,
                     low_latency_mode=True, protocol=args.protocol, device=device, path=args.path, **gin) as buf:
             x, topk, w = ep_check.make_inputs(r, n, T, args.hidden, E, K, seed=args.seed)

@@ -172,7 +172,8 @@ def _refusals(world):
              ValueError, r"topk_idx holds -2"),
             ("topk_idx int32", lambda: buf.dispatch(x, topk.astype(np.int32), w), TypeError,
              r"topk_idx must be int64, not int32"),
-            ("topk_idx 1-D", lambda: buf.dispatch(x, topk[:, 0], w), ValueError, r"topk_idx must be 2-D \[tokens, 2\], not \(4,\)"),
+            ("topk_idx 1-D", lambda: buf.dispatch(x, topk[:, 0], w), ValueError,
+             r"topk_idx must be 2-D \[tokens, 2\], not \(4,\)"),
             ("topk_idx width", lambda: buf.dispatch(x, np.zeros((4, 3), np.int64), w), ValueError,
              r"topk_idx must have shape \(4, 2\), not \(4, 3\)"),
             ("too many tokens", lambda: buf.dispatch(x, np.zeros((5, 2), np.int64), w), ValueError,
@@ -184,8 +185,10 @@ def _refusals(world):
              r"topk_weights must be float32"),
             ("x not contiguous", lambda: buf.dispatch(np.asfortranarray(x), topk, w), ValueError,
              r"x must be contiguous"),
-            ("foreign handle", lambda: buf.combine(x, object()), ValueError, r"combine needs the handle of a dispatch of this buffer"),
-            ("low latency off", lambda: buf.low_latency_dispatch(x, topk), ValueError, r"the low-latency calls need a Buffer made with low_latency_mode=True"),
+            ("foreign handle", lambda: buf.combine(x, object()), ValueError,
+             r"combine needs the handle of a dispatch of this buffer"),
+            ("low latency off", lambda: buf.low_latency_dispatch(x, topk), ValueError,
+             r"the low-latency calls need a Buffer made with low_latency_mode=True"),
             ("a list", lambda: buf.dispatch(x.tolist(), topk, w), TypeError, r"x must be a numpy array"),
         ]
         for what, call, exc, msg in bad:

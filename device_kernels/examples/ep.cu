@@ -230,7 +230,8 @@ struct ExpertRows {  // LL dispatch: per local expert e, the source's block of s
   __device__ void operator()(F f) const {
     for (int64_t e = 0; e < experts; e++) {
       const char* first = recv + (e * n + s) * maxTokens * rowBytes;
-      for (int64_t i = 0, m = counts ? (int64_t)~counts[e] : maxTokens; i < m; i++) f((int)e, (int)i, first + i * rowBytes);
+      const int64_t m = counts ? (int64_t)~counts[e] : maxTokens;
+      for (int64_t i = 0; i < m; i++) f((int)e, (int)i, first + i * rowBytes);
     }
   }
 };
@@ -352,7 +353,8 @@ COMMREF_KERNEL(ep_ht_dispatch, KernelArgs, args) {
   // Every source's count message: the whole count matrix, then where each source's rows go.
   const uint64_t* matrix = comm.local<const uint64_t>(c.htCount);  // [s][d] = ~count
   for (int s = 0; s < n; s++)
-    ep.awaitCounts(s, matrix + s * n, SlotRows{comm.local<const char>(c.htRecv + (uint64_t)s * T * c.htRow), c.htRow, T});
+    ep.awaitCounts(s, matrix + s * n,
+                   SlotRows{comm.local<const char>(c.htRecv + (uint64_t)s * T * c.htRow), c.htRow, T});
   if (threadIdx.x == 0) {
     for (int d = 0; d < n; d++) {
       int32_t sum = 0;
@@ -474,7 +476,8 @@ COMMREF_KERNEL(ep_ht_combine, KernelArgs, args) {
     const char* srcs[EP_MAX_RANKS];
     int m = 0;
     for (int d = 0; d < n; d++)
-      if (slotOf[t * n + d] >= 0) srcs[m++] = comm.local<const char>(c.htComb + (uint64_t)(d * T + slotOf[t * n + d]) * combRow) + 8;
+      if (slotOf[t * n + d] >= 0)
+        srcs[m++] = comm.local<const char>(c.htComb + (uint64_t)(d * T + slotOf[t * n + d]) * combRow) + 8;
     sumRowsOf(c.dtype, out + t * c.xBytes, srcs, nullptr, m, c.hidden);
     if (outWeights && threadIdx.x == 0)
       for (int64_t j = 0; j < K; j++) {
