@@ -23,11 +23,14 @@ class Defaults:
 
 # FIFO slot bytes on the CPU when GIN peers are reached over network "mpi": each step is
 # a message to the peer's engine, whose fixed cost (matching, rendezvous, a wake of the
-# engine) 256 KiB slots do not amortize (docs/gin.md, "Network mpi": 16 MiB AllReduce at
-# 2 ranks against MPICH's, alternating: 0.2-0.4x with 256 KiB slots, 0.74-0.82x with 1
-# and 2 MiB, 0.87-0.94x with 4 MiB). NCCL's network transport moves large chunks per step
-# for the same reason. The cost: a connection's FIFO is nsteps x 4 MiB on each side.
-NETWORK_SLOT_BYTES = 4 * 1024 * 1024
+# engine) 256 KiB slots do not amortize (docs/gin.md, "Network mpi": 0.2-0.4x MPICH's
+# 16 MiB AllReduce with 256 KiB slots), while 4 MiB ones leave a 16 MiB call two steps per
+# phase to overlap the messages with the reductions. Measured on today's engines, 2 ranks,
+# 16 MiB, only the two communicators alive, alternating: 1 MiB slots 5.08-5.67 ms against
+# 4 MiB ones' 6.25-6.47 ms in three runs (docs/gin.md, "Slots for network mpi"). NCCL's
+# network transport moves large chunks per step for the same reason. The cost: a
+# connection's FIFO is nsteps x 1 MiB on each side.
+NETWORK_SLOT_BYTES = 1024 * 1024
 
 
 def defaults(device: str, local_ranks: int = 1, network: str | None = None) -> Defaults:
