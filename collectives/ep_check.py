@@ -229,5 +229,37 @@ def ll_received(result) -> list:
     return [a[e, :count[e]] for e in range(len(count)) for a in (packed, handle.recv_src_info, handle.recv_src_topk)]
 
 
+def checked_round(buf, inputs, all_topk: list, all_weights: list, device_inputs=None,
+                  combine_twice: bool = False) -> tuple[list[str], str]:
+    """One round as DeepEP's tests run it on `buf` (a commref.ep Buffer in low-latency
+    mode): the layout, high-throughput dispatch and combine, low-latency dispatch and
+    combine, each checked. `inputs`: this rank's (x, topk_idx, topk_weights) from
+    make_inputs, on the host; `device_inputs`: the same where the buffer's kernels read
+    them (default: `inputs`). With `combine_twice`, each mode combines again on the same
+    handles afterwards (DeepEP's tuning loops), checked too. Returns the problems and a
+    digest of what was received and combined the first time."""
+    r, n, E, T = buf.rank, buf.nranks, buf.num_experts, buf.max_tokens
+    x, topk, w = inputs
+    dx, dtopk, dw = inputs if device_inputs is None else device_inputs
+    layout = buf.get_dispatch_layout(dtopk)
+    problems = check_layout(r, n, E, topk, layout)
+    res = buf.dispatch(dx, dtopk, dw, layout)
+    problems += check_ht_dispatch(r, n, E, all_topk, all_weights, res)
+    cx, cw = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
+    problems += check_ht_combine(r, n, E, x, topk, w, cx, cw)
+    ll = buf.low_latency_dispatch(dx, dtopk)
+    problems += check_ll_dispatch(r, n, E, T, all_topk, ll)
+    out = buf.low_latency_combine(ll.packed_recv_x, dtopk, dw, ll.handle)
+    problems += check_ll_combine(r, x, topk, w, out)
+    if combine_twice:
+        again = buf.low_latency_combine(ll.packed_recv_x, dtopk, dw, ll.handle)
+        problems += check_ll_combine(r, x, topk, w, again)
+        cx2, cw2 = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
+        problems += check_ht_combine(r, n, E, x, topk, w, cx2, cw2)
+    received = digest(res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx, cx, cw,
+                      *ll_received(ll), out)
+    return problems, received
+
+
 __all__ = ["make_inputs", "index_columns", "check_layout", "check_ht_dispatch", "check_ht_combine",
-           "check_ll_dispatch", "check_ll_combine", "digest", "ll_received"]
+           "check_ll_dispatch", "check_ll_combine", "checked_round", "digest", "ll_received"]

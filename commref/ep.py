@@ -68,21 +68,12 @@ def _main(argv=None) -> int:
             x, topk, w = ep_check.make_inputs(r, n, T, args.hidden, E, K, seed=args.seed)
             all_topk, all_w = world.allgather(topk), world.allgather(w)
             dx = xp.asarray(x.view(np.uint16)) if device == "cuda" else x
-            dtopk, dw = xp.asarray(topk), xp.asarray(w)
+            on_device = (dx, xp.asarray(topk), xp.asarray(w))
             problems, digests = [], []
             for _ in range(2):
-                layout = buf.get_dispatch_layout(dtopk)
-                problems += ep_check.check_layout(r, n, E, topk, layout)
-                res = buf.dispatch(dx, dtopk, dw, layout)
-                problems += ep_check.check_ht_dispatch(r, n, E, all_topk, all_w, res)
-                cx, cw = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
-                problems += ep_check.check_ht_combine(r, n, E, x, topk, w, cx, cw)
-                ll = buf.low_latency_dispatch(dx, dtopk)
-                problems += ep_check.check_ll_dispatch(r, n, E, T, all_topk, ll)
-                out = buf.low_latency_combine(ll.packed_recv_x, dtopk, dw, ll.handle)
-                problems += ep_check.check_ll_combine(r, x, topk, w, out)
-                digests.append(ep_check.digest(res.recv_x, res.recv_topk_idx, res.recv_topk_weights,
-                                               res.handle.recv_src_idx, cx, cw, *ep_check.ll_received(ll), out))
+                found, received = ep_check.checked_round(buf, (x, topk, w), all_topk, all_w, on_device)
+                problems += found
+                digests.append(received)
             if digests[0] != digests[1]:
                 problems.append(f"rank {r}: the same inputs received differently: digests {digests}")
             return problems, buf.protocol, buf.cell, buf.dc.backend

@@ -40,24 +40,8 @@ def _one_round(world, buf, seed):
     x, topk, w = ep.make_inputs(r, n, NTOK, HIDDEN, E, K, seed=seed)
     all_topk = world.allgather(topk, what="test ep: topk")
     all_w = world.allgather(w, what="test ep: weights")
-    layout = buf.get_dispatch_layout(topk)
-    problems = ep.check_layout(r, n, E, topk, layout)
-    res = buf.dispatch(x, topk, w, layout)
-    problems += ep.check_ht_dispatch(r, n, E, all_topk, all_w, res)
-    cx, cw = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
-    problems += ep.check_ht_combine(r, n, E, x, topk, w, cx, cw)
-    ll = buf.low_latency_dispatch(x, topk)
-    problems += ep.check_ll_dispatch(r, n, E, T, all_topk, ll)
-    out = buf.low_latency_combine(ll.packed_recv_x, topk, w, ll.handle)
-    problems += ep.check_ll_combine(r, x, topk, w, out)
-    # combines after a combine (DeepEP's tuning loops): the same handles again, each mode
-    again = buf.low_latency_combine(ll.packed_recv_x, topk, w, ll.handle)
-    problems += ep.check_ll_combine(r, x, topk, w, again)
-    cx2, cw2 = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
-    problems += ep.check_ht_combine(r, n, E, x, topk, w, cx2, cw2)
-    digest = ep.digest(res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx, cx, cw,
-                       *ep.ll_received(ll), out)
-    return problems, digest
+    # combines after a combine too (DeepEP's tuning loops): the same handles again, each mode
+    return ep.checked_round(buf, (x, topk, w), all_topk, all_w, combine_twice=True)
 
 
 def _exchange(world, protocol, **options):
