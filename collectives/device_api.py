@@ -74,9 +74,8 @@ class DeviceComm:
         self.rank, self.nranks, self.device = comm.rank, comm.nranks, comm.device
         self.window_bytes, self.signals, self.counters = window_bytes, signals, counters
         backend = comm.backend
+        # strong_signals=True kept gin_protocol "strong", which made backend selection insist on them
         self.strong_signals = backend is None or backend.caps.strong_signals
-        if strong_signals and not self.strong_signals:  # requirements already select for it; belt and braces
-            raise CapabilityError(f"rank {self.rank}: GIN backend {backend.name} offers weak signals only")
         refusal = counted_writes_refusal(comm.gin.transport if comm.gin.used else None)
         self.counted_writes = refusal is None
         if counted_writes and refusal:
@@ -134,6 +133,22 @@ class DeviceComm:
 
     def __exit__(self, *exc):
         return self.comm.__exit__(*exc)
+
+
+class UsesDeviceComm:
+    """What owns a device communicator `dc` (the examples' handles: rmsnorm.FusedRMSNorm,
+    ep.Buffer): close() and the with-statement end it as DeviceComm's own do."""
+
+    dc: DeviceComm
+
+    def close(self) -> None:
+        self.dc.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.dc.__exit__(*exc)
 
 
 _KERNEL_NAME = re.compile(r"^[A-Za-z_]\w*$")
@@ -288,4 +303,4 @@ class Kernel:
         raise TypeError(f"argument {i}: {type(value).__name__} is not an array, an integer or a float")
 
 
-__all__ = ["DeviceComm", "Kernel", "CompileError", "KernelError"]
+__all__ = ["DeviceComm", "Kernel", "UsesDeviceComm", "CompileError", "KernelError"]

@@ -68,7 +68,7 @@ import numpy as np
 from commref.transports.errors import CapabilityError
 from commref.transports.gin.plan import study_safe, wire_column
 
-from .device_api import DeviceComm, Kernel
+from .device_api import DeviceComm, Kernel, UsesDeviceComm
 
 KERNELS = ("ep_layout", "ep_ht_dispatch", "ep_ht_combine", "ep_ll_dispatch", "ep_ll_combine")
 
@@ -211,7 +211,7 @@ class LowLatencyResult(NamedTuple):
     handle: LowLatencyHandle
 
 
-class Buffer:
+class Buffer(UsesDeviceComm):
     """An EP communication buffer over the ranks of `world` (DeepEP's deep_ep.Buffer):
     a DeviceComm whose device window holds the receive, count and staging regions of
     both modes (the low-latency ones with low_latency_mode=True).
@@ -467,17 +467,6 @@ class Buffer:
         self._launch("ep_ll_combine", a(x), a(topk_idx), a(topk_weights), ntok, self._tag(), *handle.addresses,
                      out_address, int(self._after_combine))
         return out
-
-    # ---- lifetime ----
-
-    def close(self) -> None:
-        self.dc.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.dc.__exit__(*exc)
 
 
 __all__ = ["Buffer", "Layout", "DispatchHandle", "DispatchResult", "LowLatencyHandle", "LowLatencyResult",

@@ -13,7 +13,7 @@ from importlib import resources
 
 import numpy as np
 
-from commref.collectives.device_api import DeviceComm, Kernel
+from commref.collectives.device_api import DeviceComm, Kernel, UsesDeviceComm
 
 KERNEL = "commref_rmsnorm_rs_ag"
 
@@ -44,7 +44,7 @@ def reference(partials: list[np.ndarray], weight: np.ndarray, eps: float) -> np.
     return (v * inv[:, None]) * weight.astype(np.float32)
 
 
-class FusedRMSNorm:
+class FusedRMSNorm(UsesDeviceComm):
     """The fused kernel on a device communicator of its own over `world`'s ranks; other
     keywords are DeviceComm's (path, wire, strong_signals, device, ...)."""
 
@@ -57,7 +57,10 @@ class FusedRMSNorm:
 
     def __call__(self, x, weight, out=None, threads: int | None = None):
         shape = (self.tokens, self.hidden)
-        xp = np if self.dc.device == "cpu" else __import__("cupy")
+        if self.dc.device == "cpu":
+            xp = np
+        else:
+            import cupy as xp
         for name, a, want in (("x", x, shape), ("weight", weight, (self.hidden,))):
             if tuple(a.shape) != want or a.dtype != np.float32:
                 raise ValueError(f"{name} must be float32 of shape {want}, not {a.dtype} {tuple(a.shape)}")
@@ -65,15 +68,6 @@ class FusedRMSNorm:
         self.kernel.launch(self.dc, 1, threads, (xp.ascontiguousarray(x), xp.ascontiguousarray(weight), out,
                                                  self.tokens, self.hidden, self.eps))
         return out
-
-    def close(self) -> None:
-        self.dc.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.dc.__exit__(*exc)
 
 
 def _main(argv=None) -> int:
