@@ -363,12 +363,7 @@ class Communicator:
             return
         if plan.direct:
             self._record.set_symmetric(sym)
-        status = self._launch_gpu(plan, s.address, r.address, stream)
-        if self.proxy is not None and self.proxy.error is not None:
-            self._broken = f"an earlier call failed: GIN proxy failed: {self.proxy.error}"
-            raise self.proxy.error
-        if status:
-            raise self._failure()
+        self.end_launch(self._launch_gpu(plan, s.address, r.address, stream))
 
     def _launch_cpu(self, call: RepeatedCall) -> None:
         """Runs a CPU call (its record fields written unless the record holds them)."""
@@ -384,12 +379,18 @@ class Communicator:
                 self._stores.record(store_key, streamed, time.perf_counter() - t0, call.nbytes)
         else:
             status = launch.run(launch.desc)
+        self.end_launch(status, launch.refused)
+
+    def end_launch(self, status: int, refused=None) -> None:
+        """After a launch of this communicator's (a collective's, or a user's kernel,
+        device_api.Kernel): raises the GIN proxy's failure, else the kernel's (`status`
+        nonzero), else, for abi.LAUNCH_REFUSED, refused() when given."""
         if self.proxy is not None and self.proxy.error is not None:
             self._broken = f"an earlier call failed: GIN proxy failed: {self.proxy.error}"
             raise self.proxy.error
         if status:
-            if status == abi.LAUNCH_REFUSED:
-                raise launch.refused()
+            if status == abi.LAUNCH_REFUSED and refused is not None:
+                raise refused()
             raise self._failure()
 
     def hierarchy(self) -> Hierarchy:

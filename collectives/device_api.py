@@ -264,11 +264,8 @@ class Kernel:
                 status = comm.enqueue(
                     lambda own: driver.launchKernel(*loader.launch_arguments(fn, grid, block, own, param)) or 0,
                     comm._caller_stream(stream))
-        if comm.proxy is not None and comm.proxy.error is not None:
-            comm._broken = f"an earlier call failed: GIN proxy failed: {comm.proxy.error}"
-            raise comm.proxy.error
-        if status or (comm.device == "cpu" and comm._host.failed):  # a failure recorded outside a wait, too
-            raise comm._failure()
+        # on the CPU also a failure recorded outside a wait (the kernel returned without leaving)
+        comm.end_launch(status or int(comm.device == "cpu" and comm._host.failed))
 
     def _word(self, i: int, value, dc: DeviceComm) -> int:
         """Launch argument `i` as a 64-bit word."""
