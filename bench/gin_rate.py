@@ -29,7 +29,9 @@
   numpy buffers (the MPI baseline), built from the same world in the same run and timed
   alternately: per iteration the slowest rank's time after a barrier; the median of
   --iters iterations after --warmup; busbw = 2(n-1)/n * bytes / time (nccl-tests'
-  AllReduce factor), in GB/s (10^9 B/s). Plain (not symmetric) buffers.
+  AllReduce factor), in GB/s (10^9 B/s). Each communicator twice: plain numpy buffers,
+  and buffers from its alloc_symmetric (NCCL's zero-copy path: the direct kernels, which
+  over GIN put straight from window to window); MPI on numpy buffers.
 
 In ThreadWorld the two proxies are Python threads of one process and share its GIL
 with each other and with the ranks' launch paths; under mpiexec each rank is its own
@@ -166,23 +168,39 @@ def _busbw(world, nbytes: int, iters: int, warmup: int) -> dict:
         comms["mpi"] = _MpiAllreduce(world)
     x = (np.arange(count, dtype=np.float32) % 1024) * (world.rank + 1)
     expected = (np.arange(count, dtype=np.float32) % 1024) * sum(range(1, world.size + 1))
-    y = np.empty_like(x)
-    times: dict = {k: [] for k in comms}
+    # series name -> (communicator, sendbuf, recvbuf): plain numpy buffers, and for each
+    # communicator buffers from its alloc_symmetric ("_sym": the direct kernels, which
+    # push over GIN where the engine carries the windows)
+    series = {name: (comm, x, np.empty_like(x)) for name, comm in comms.items()}
+    for name, comm in list(comms.items()):
+        if isinstance(comm, Communicator):
+            xs, ys = comm.alloc_symmetric(count, np.float32), comm.alloc_symmetric(count, np.float32)
+            xs[:] = x
+            series[f"{name}_sym"] = (comm, xs, ys)
+    times: dict = {k: [] for k in series}
     ok = True
     for i in range(warmup + iters):
-        for name, comm in comms.items():  # alternately, so drift hits both alike
-            y.fill(0)
-            t = _time_allreduce(world, comm, x, y)
-            ok = ok and bool((y == expected).all())
+        for name, (comm, sendbuf, recvbuf) in series.items():  # alternately, so drift hits all alike
+            recvbuf.fill(0)
+            t = _time_allreduce(world, comm, sendbuf, recvbuf)
+            ok = ok and bool((recvbuf == expected).all())
             if i >= warmup:
                 times[name].append(t)
     geometry = {k: {"channels_max": c.max_channels, "slot_bytes": c.slot_bytes, "nsteps": c.nsteps}
-                for k, c in comms.items() if isinstance(c, Communicator)}
+                for k, (c, _, _) in series.items() if isinstance(c, Communicator)}
+    kernels = {k: _kernel_of(c, s.size, k.endswith("_sym")) for k, (c, s, _) in series.items()
+               if isinstance(c, Communicator)}
     engines = {k: _engine(c) for k, c in comms.items() if k.startswith("gin")}
     world.barrier(what="busbw end")
     for c in comms.values():
         c.close()
-    return {"times": times, "ok": ok, "geometry": geometry, "engines": engines}
+    return {"times": times, "ok": ok, "geometry": geometry, "engines": engines, "kernels": kernels}
+
+
+def _kernel_of(comm, count: int, symmetric: bool) -> str:
+    """The kernel of comm's AllReduce of `count` elements on plain or symmetric buffers."""
+    kernels = [p.kernel for p in comm.planned("allreduce", count, symmetric)]
+    return kernels[-1] if kernels else "?"
 
 
 def _rate_summary(per: list[dict], calls: int) -> dict:
@@ -227,7 +245,8 @@ def measure(world, args) -> dict | None:
         med = statistics.median(per_iter)
         out["busbw"][name] = {"median_s": med, "algbw_GBps": args.bytes / med / 1e9,
                               "busbw_GBps": factor * args.bytes / med / 1e9,
-                              "geometry": gathered[0][1]["geometry"].get(name)}
+                              "geometry": gathered[0][1]["geometry"].get(name),
+                              "kernel": gathered[0][1]["kernels"].get(name)}
     out["busbw"]["bytes"] = args.bytes
     out["busbw"]["gin_engine"] = gathered[0][1]["engines"]["gin"]
     out["busbw"]["engines"] = gathered[0][1]["engines"]
@@ -259,18 +278,22 @@ def report(out: dict) -> str:
                  f"{p['slot_bytes']}-byte slots, {p['nsteps']} in flight: {_ops_line(p)}; "
                  f"{p['us_per_collective'] / 1e3:.2f} ms per call; correct={p['correct']}")
     b = out["busbw"]
-    lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce, plain buffers (median, slowest rank per iteration), "
-                 f"engines {b['engines']}, correct={b['correct']}:")
-    names = [k for k in ("lsa", "gin", "gin_mpi", "mpi") if k in b]
+    lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce (median, slowest rank per iteration; _sym: buffers from "
+                 f"alloc_symmetric, mpi: numpy buffers), engines {b['engines']}, correct={b['correct']}:")
+    names = [k for k in ("lsa", "gin", "gin_mpi", "lsa_sym", "gin_sym", "gin_mpi_sym", "mpi") if k in b]
     for name in names:
         r = b[name]
-        geometry = "" if r["geometry"] is None else f"  {r['geometry']}"
-        lines.append(f"  {name:>7}: {r['median_s'] * 1e3:8.2f} ms  algbw {r['algbw_GBps']:6.2f} GB/s  "
+        geometry = "" if r["geometry"] is None else f"  {r['kernel']} {r['geometry']}"
+        lines.append(f"  {name:>11}: {r['median_s'] * 1e3:8.2f} ms  algbw {r['algbw_GBps']:6.2f} GB/s  "
                      f"busbw {r['busbw_GBps']:6.2f} GB/s{geometry}")
-    lines.append(f"  gin/lsa busbw: {b['gin']['busbw_GBps'] / b['lsa']['busbw_GBps']:.2f}")
+
+    def ratio(a: str, over: str) -> str:
+        return f"{b[a]['busbw_GBps'] / b[over]['busbw_GBps']:.2f}"
+
+    lines.append(f"  gin/lsa busbw: plain {ratio('gin', 'lsa')}, symmetric {ratio('gin_sym', 'lsa_sym')}")
     if "gin_mpi" in b:
-        lines.append(f"  gin over network mpi / MPI's Allreduce busbw: "
-                     f"{b['gin_mpi']['busbw_GBps'] / b['mpi']['busbw_GBps']:.2f}")
+        lines.append(f"  gin over network mpi / MPI's Allreduce busbw: plain {ratio('gin_mpi', 'mpi')}, "
+                     f"symmetric {ratio('gin_mpi_sym', 'mpi')}")
     return "\n".join(lines)
 
 

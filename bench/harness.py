@@ -223,7 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="accepted for compatibility: CPU calls are synchronous, GPU calls synchronized per iteration")
     g.add_argument("-R", "--local_register", type=_registrations, default=[0],
                    help="buffer registration: 0 plain buffers, 2 symmetric (Communicator.alloc_symmetric; "
-                        "allreduce, reduce_scatter and allgather then run direct kernels); comma-separated "
+                        "the direct kernels then run where they can: over LSA, or pushing over GIN, "
+                        "docs/architecture.md); comma-separated "
                         "values are measured side by side (default 0; nccl-tests' 1, local registration, "
                         "has no commref counterpart)")
     g.add_argument("-t", "--nthreads", type=int_type(1), default=1,

@@ -48,6 +48,13 @@ class Collective:
     # Whether NCCL defines an in-place form (in_place_layout); False: overlapping buffers
     # are refused, and check and bench run out of place only.
     in_place_ok: bool = True
+    # The direct kernel where peers are over GIN (it pushes: direct.cu): the buffers its
+    # puts read or write, which must lie in symmetric windows the GIN engine carries;
+    # None where there is no such kernel.
+    gin_windows: tuple[str, ...] | None = None
+    # ... and whether it needs count (elements) to split evenly over the ranks and the
+    # buffers not to overlap (the AllReduce stages peers' blocks in its recvbuf).
+    gin_direct_even_out_of_place: bool = False
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -209,12 +216,13 @@ CATALOGUE: dict[str, Collective] = {c.name: c for c in (
         kernels={"ring": "commref_ring_allreduce", "tree": "commref_tree_allreduce",
                  "direct": "commref_direct_allreduce"},
         scaled=None, root_only=None, peer_accessed=(SEND, RECV),
-        bus_factor=lambda n: 2 * (n - 1) / n, traffic=_reduce_to_all, composed=(HIERARCHICAL,)),
+        bus_factor=lambda n: 2 * (n - 1) / n, traffic=_reduce_to_all, composed=(HIERARCHICAL,),
+        gin_windows=(SEND, RECV), gin_direct_even_out_of_place=True),
     Collective(
         "allgather", "all_gather", reducing=False, rooted=False,
         kernels={"ring": "commref_ring_allgather", "direct": "commref_direct_allgather"},
         scaled=RECV, root_only=None, peer_accessed=(RECV,),
-        bus_factor=lambda n: (n - 1) / n, traffic=_copy_to_all, composed=(HIERARCHICAL,)),
+        bus_factor=lambda n: (n - 1) / n, traffic=_copy_to_all, composed=(HIERARCHICAL,), gin_windows=(RECV,)),
     Collective(
         "reduce_scatter", "reduce_scatter", reducing=True, rooted=False,
         kernels={"ring": "commref_ring_reduce_scatter", "direct": "commref_direct_reduce_scatter"},
@@ -237,7 +245,7 @@ CATALOGUE: dict[str, Collective] = {c.name: c for c in (
         bus_factor=lambda n: (n - 1) / n, traffic=_exchange,
         # NCCL defines no in-place alltoall (its in-place page names the other
         # collectives only) and nccl-tests does not check its in-place column.
-        in_place_ok=False),
+        in_place_ok=False, gin_windows=(SEND, RECV)),
 )}
 NAMES = tuple(CATALOGUE)
 ALGORITHMS = tuple(abi.ALGORITHM_CODES) + (HIERARCHICAL,)

@@ -17,7 +17,7 @@ DEFAULT_COUNTS = (0, 1, 7, 1001)
 
 def algorithms_for(coll: str, direct: bool = True, hierarchical: bool = False) -> tuple[str, ...]:
     """The algorithms implemented for `coll`; without `direct`, not the direct kernels
-    (their cases need symmetric buffers and every peer over LSA); without
+    (Communicator.direct_kernels says where they run); without
     `hierarchical`, not the hierarchical algorithm (it needs several nodes of
     several ranks each)."""
     return tuple(a for a in catalogue.get(coll).algorithms
@@ -44,9 +44,13 @@ class Case:
 
 
 def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True),
-          direct: bool = True, denormals: bool = True, hierarchical: bool = False, protocols=()):
+          direct: bool = True, denormals: bool = True, hierarchical: bool = False, protocols=(),
+          pushed: bool = False):
     """Every case of the sweep, in a fixed order (all ranks enumerate the same list).
-    `direct`: include the direct kernels (a communicator whose peers are all LSA);
+    `direct`: include the direct kernels (Communicator.direct_kernels); `pushed`: they
+    push over GIN, so only the calls that can (catalogue.Collective.gin_windows, and
+    gin_direct_even_out_of_place: out of place, each count rounded down to a multiple of
+    nranks);
     `hierarchical`: include the hierarchical algorithm (several nodes of several ranks).
     `denormals`: after the cases of each count, one out of place on denormal inputs
     where the dtype and op have them (verify.has_denormal_case). A collective without an
@@ -60,11 +64,16 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
                                for p in (protocols if protocols and a in tuner.PROTOCOL_ALGORITHMS else [None])]:
             if algorithms and algo not in algorithms:
                 continue
+            spec = catalogue.get(coll)
+            pushing = pushed and algo == "direct"
+            if pushing and spec.gin_windows is None:
+                continue
+            even = pushing and spec.gin_direct_even_out_of_place
             for di, dtype in enumerate(dtypes):
-                for oi, op in enumerate(ops if catalogue.get(coll).reducing else [None]):
-                    for count in counts:
+                for oi, op in enumerate(ops if spec.reducing else [None]):
+                    for count in dict.fromkeys(c - c % nranks for c in counts) if even else counts:
                         root = (count + di + oi) % nranks
-                        for ip in placements:
+                        for ip in placements if not even else [False]:
                             out.append(Case(coll, algo, dtype, op, count, ip, root, seed * 1_000_003 + len(out),
                                             protocol=protocol))
                         if denormals and verify.has_denormal_case(DTYPES[dtype], op):

@@ -161,8 +161,13 @@ class Communicator:
         self._hierarchy: Hierarchy | None = None  # built by the first call that needs it
         self._ring_ranks = self._device_table(topology.ring_ranks(nodes, self.max_channels))
         a["ringRanks"] = address_of(self._ring_ranks)
-        self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window)
-        self._direct_possible = not self.peer_mask and self.nranks <= abi.DIRECT_MAX_RANKS
+        # Direct kernels: over LSA they load and store; with GIN peers they push, where the
+        # engine is given the symmetric windows (GinPlan.direct_refusal).
+        self.gin_direct_refusal = self.gin.direct_refusal(self.proxy)
+        gin_direct = self.gin.used and self.gin_direct_refusal is None
+        self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window,
+                                           gin_engine=self.proxy if gin_direct else None)
+        self._direct_possible = self.nranks <= abi.DIRECT_MAX_RANKS and (not self.peer_mask or gin_direct)
         self._calls: dict = {}  # call signature -> CallPlan
         self._repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall, kept
         world.barrier(what="communicator ready")
@@ -337,7 +342,10 @@ class Communicator:
                               rank=self.rank, origin_rank=None, reason=self._broken)
         sym = None
         if self._symmetric.windows and self._direct_possible and "direct" in spec.kernels:
-            sym = self._symmetric.direct(spec, s, r)
+            sym = self._direct_buffers(spec, s, r, count)
+        if sym is None and self.peer_mask and (algorithm or self.algorithm) == "direct" and "direct" in spec.kernels:
+            raise ValueError(f"rank {self.rank}: algorithm 'direct' with peers over GIN: "
+                             f"{self._why_not_pushed(spec, s, r, count)}")
         key = (coll, algorithm or self.algorithm, count, s.dtype, op, root, sym is not None, avg_divisor, flat,
                protocol or self.protocol)
         plan = self._calls.get(key)
@@ -364,6 +372,34 @@ class Communicator:
         if plan.direct:
             self._record.set_symmetric(sym)
         self.end_launch(self._launch_gpu(plan, s.address, r.address, stream))
+
+    def _direct_buffers(self, spec, s, r, count: int):
+        """symSend and symRecv for the direct kernel of `spec`, or None where it cannot
+        run this call: some buffer it reaches on peers is not in a symmetric window; with
+        GIN peers, also a collective without a pushing kernel (catalogue gin_windows), or
+        an AllReduce in place or whose count does not split evenly over the ranks."""
+        if not self.peer_mask:
+            return self._symmetric.direct(spec, s, r)
+        if spec.gin_windows is None:
+            return None
+        if spec.gin_direct_even_out_of_place and (count % self.nranks or s.overlaps(r)):
+            return None
+        return self._symmetric.direct(spec, s, r, spec.gin_windows)
+
+    def _why_not_pushed(self, spec, s, r, count: int) -> str:
+        """Why _direct_buffers found no direct kernel for this call with GIN peers."""
+        if self.gin_direct_refusal is not None:
+            return self.gin_direct_refusal
+        if self.nranks > abi.DIRECT_MAX_RANKS:
+            return f"{self.nranks} ranks (direct kernels reach at most {abi.DIRECT_MAX_RANKS})"
+        if spec.gin_windows is None:
+            return f"{spec.name} has no direct kernel over GIN (it would stage every peer's block: use the ring)"
+        if spec.gin_direct_even_out_of_place and count % self.nranks:
+            return f"{spec.name} pushes equal blocks: count {count} is not a multiple of {self.nranks} ranks"
+        if spec.gin_direct_even_out_of_place and s.overlaps(r):
+            return f"{spec.name} stages peers' blocks in its recvbuf: not in place"
+        return (f"{' and '.join(spec.gin_windows)} must come from Communicator.alloc_symmetric (the GIN engine "
+                f"puts from and into those windows)")
 
     def _launch_cpu(self, call: RepeatedCall) -> None:
         """Runs a CPU call (its record fields written unless the record holds them)."""
@@ -392,6 +428,23 @@ class Communicator:
             if status == abi.LAUNCH_REFUSED and refused is not None:
                 raise refused()
             raise self._failure()
+
+    @property
+    def direct_kernels(self) -> str | None:
+        """How this communicator's direct kernels run on buffers from alloc_symmetric:
+        "lsa" (every peer over LSA: loads and stores), "push" (GIN peers: pushes, for
+        the calls catalogue.Collective.gin_windows describes), or None (none run: too
+        many ranks, a GIN engine that cannot carry windows, or several nodes whose
+        symmetric buffers live in the intra-node child)."""
+        if not self._direct_possible or isinstance(self.node_shape, NodeShape):
+            return None
+        return "push" if self.peer_mask else "lsa"
+
+    def planned(self, coll: str, count: int, symmetric: bool) -> list[CallPlan]:
+        """The plans of the calls of `coll` with `count` elements made so far, on
+        buffers that ran the direct kernels' checks as symmetric or not (for reports)."""
+        return [plan for key, plan in self._calls.items()
+                if key[0] == coll and key[2] == count and key[6] == symmetric]
 
     def hierarchy(self) -> Hierarchy:
         """Collective on first use: the intra- and inter-node child communicators (split

@@ -67,7 +67,8 @@ class LaunchRecord:
         self._fields32 = slice(f["root"][1], f["root"][1] + _INT32S.size)
         self._stream_stores = f["root"][1] + 4 * _STREAM_STORES
         assert [f[k][1] for k in _INT32_FIELDS] == [f["root"][1] + 4 * i for i in range(len(_INT32_FIELDS))]
-        self._sym = f["symSend"][1] // 8  # symSend.peerTable, .offset, symRecv.peerTable, .offset
+        self._sym = f["symSend"][1] // 8  # symSend and symRecv: 3 words each (SymBuffer)
+        assert f["symRecv"][1] == f["symSend"][1] + abi.SYM_BUFFER.itemsize == f["symSend"][1] + 24
         self.holder = None  # the RepeatedCall whose fields the record holds (None: some other call's)
 
     def set_call(self, plan: CallPlan, send: int, recv: int, stream_stores: int = 0) -> None:
@@ -78,10 +79,10 @@ class LaunchRecord:
         b[self._fields32] = plan.fields32
         _INT32.pack_into(b, self._stream_stores, stream_stores)
 
-    def set_symmetric(self, sym: tuple[int, int, int, int]) -> None:
-        """symSend and symRecv: (peer table, offset, peer table, offset)."""
+    def set_symmetric(self, sym: tuple[int, int, int, int, int, int]) -> None:
+        """symSend and symRecv: (peer table, offset, GIN window id) of each."""
         self.holder = None
-        self._u64[self._sym : self._sym + 4] = sym
+        self._u64[self._sym : self._sym + 6] = sym
 
     def set_stream_stores(self, stream_stores: int) -> None:
         _INT32.pack_into(self._bytes, self._stream_stores, stream_stores)

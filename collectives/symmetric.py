@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commref.device_kernels import abi
+
 from .launch import address_of
 
 
@@ -58,15 +60,27 @@ class SymmetricArena:
 
 class SymmetricWindows:
     """A communicator's windows from alloc_symmetric (NCCL's ncclMemAlloc plus a
-    symmetric window registration), and where a call's buffers lie in them."""
+    symmetric window registration), and where a call's buffers lie in them.
+
+    Each window also has a GIN id (SymBuffer.ginWindow, gin.h "Windows"): the smallest
+    id from 1 not in use, so the same on every rank (ranks allocate and free alike).
+    `gin_engine`, where the communicator's GIN engine carries window ids (NativeProxy),
+    is given every window under its id; else the ids stay unused."""
 
     CACHE_CALLS = 64  # call shapes whose lookup is remembered
 
-    def __init__(self, world, device: str, device_id: int, connection_window):
+    def __init__(self, world, device: str, device_id: int, connection_window, gin_engine=None):
         self.world, self.rank, self.device, self.device_id = world, world.rank, device, device_id
         self._connection = connection_window
+        self._engine = gin_engine
         self.windows: list = []
+        self._ids: list[int] = []  # windows[i]'s GIN id
         self._cache: dict = {}  # (collective, buffer addresses and sizes) -> direct()
+
+    @property
+    def gin_carried(self) -> bool:
+        """Whether GIN puts can address these windows (the engine was given them)."""
+        return self._engine is not None
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -90,7 +104,14 @@ class SymmetricWindows:
             self._release(win)
             raise CapabilityError(f"rank {self.rank}: a symmetric window could not be mapped: "
                                   f"{describe_unmapped(self.rank, everyone)}")
+        gin_id = next(i for i in range(1, len(self._ids) + 2) if i not in self._ids)
+        if gin_id >= abi.GIN_MAX_WINDOWS:
+            self._release(win)
+            raise CapabilityError(f"rank {self.rank}: at most {abi.GIN_MAX_WINDOWS - 1} symmetric windows at once")
+        if self._engine is not None:
+            self._engine.add_window(gin_id, win)
         self.windows.append(win)
+        self._ids.append(gin_id)
         self._cache.clear()
         return win.local[:nbytes].view(dt)
 
@@ -105,6 +126,9 @@ class SymmetricWindows:
             raise ValueError(f"rank {self.rank}: free_symmetric needs the same array from alloc_symmetric on every "
                              f"rank; allocation indices by rank (None: not such an array): {every}")
         self._cache.clear()
+        gin_id = self._ids.pop(mine)
+        if self._engine is not None:
+            self._engine.remove_window(gin_id)
         self._release(self.windows.pop(mine))
 
     def _release(self, win) -> None:
@@ -115,26 +139,27 @@ class SymmetricWindows:
         self.world.barrier(what="symmetric window unmapped")
         win.free()
 
-    def of(self, b) -> tuple[int, int] | None:
-        """(peer table address, offset) of a buffer inside a window, or None."""
-        for win in self.windows:
+    def of(self, b) -> tuple[int, int, int] | None:
+        """(peer table address, offset, GIN id) of a buffer inside a window, or None."""
+        for win, gin_id in zip(self.windows, self._ids):
             if win.address <= b.address and b.address + b.nbytes <= win.address + win.nbytes:
-                return address_of(win.peer_table), b.address - win.address
+                return address_of(win.peer_table), b.address - win.address, gin_id
         return None
 
-    def direct(self, spec, s, r) -> tuple[int, int, int, int] | None:
-        """symSend and symRecv (table, offset, table, offset) when every buffer the
-        direct kernel of `spec` accesses on peers lies in a window, else None. A buffer
-        no peer accesses is described by one they do, so that the first barrier
-        compares only offsets that must agree."""
-        where = (spec.name, s.address, s.nbytes, r.address, r.nbytes)
+    def direct(self, spec, s, r, accessed=None) -> tuple[int, int, int, int, int, int] | None:
+        """symSend and symRecv (table, offset, GIN id of each) when every buffer the
+        direct kernel of `spec` accesses on peers (or the names in `accessed`) lies in a
+        window, else None. A buffer no peer accesses is described by one they do, so
+        that the first barrier compares only offsets that must agree."""
+        accessed = spec.peer_accessed if accessed is None else accessed
+        where = (spec.name, s.address, s.nbytes, r.address, r.nbytes, accessed)
         hit = self._cache.get(where, False)
         if hit is not False:
             return hit
         if len(self._cache) >= self.CACHE_CALLS:
             self._cache.clear()
         by_name = {"sendbuf": s, "recvbuf": r}
-        described = [self.of(by_name[name]) for name in spec.peer_accessed]
+        described = [self.of(by_name[name]) for name in accessed]
         sym = None if not described or None in described else (*described[0], *described[-1])
         self._cache[where] = sym
         return sym
@@ -150,6 +175,7 @@ class SymmetricWindows:
         for win in self.windows:
             win.free()
         self.windows.clear()
+        self._ids.clear()
         self._cache.clear()
 
     def close(self) -> None:

@@ -102,7 +102,8 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
          protocol: str = "auto", allowed=PROTOCOLS) -> Plan:
     """Algorithm, channel count and protocol for one call. `nbytes` is the size of the
     full (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
-    that the direct kernels can run (symmetric buffers, every peer over LSA); `nodes`
+    that the direct kernels can run (symmetric buffers; with GIN peers,
+    Communicator._direct_buffers' conditions); `nodes`
     is the job's NodeShape where the hierarchical algorithm can run, else why not
     (hierarchical.node_shape) or None; `slow_network`: GIN runs slower than memory (a
     real network between hosts, or the wire model), where "auto" takes the hierarchical
@@ -121,7 +122,7 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
                          f"{', '.join(catalogue.with_algorithm(algorithm))} only, not {coll}")
     if algorithm == "direct" and not symmetric:
         raise ValueError(f"algorithm 'direct' needs buffers from Communicator.alloc_symmetric ({coll}: "
-                         f"{' and '.join(spec.peer_accessed)}) and every peer over LSA")
+                         f"{' and '.join(spec.peer_accessed)})")
     if algorithm == HIERARCHICAL and not isinstance(nodes, NodeShape):
         raise ValueError(f"algorithm 'hierarchical' cannot run on this communicator: "
                          f"{nodes or 'it needs ranks on several nodes'}")

@@ -148,14 +148,13 @@ def run_check(args) -> int:
     """The verification sweep on this process's ranks (the MPI world under mpiexec, else one rank)."""
     from commref.collectives import check
     from commref.collectives.communicator import Communicator
-    from commref.device_kernels import abi
     from commref.transports.world import ThreadWorld
 
     world = MPIWorld() if MPIWorld.launched_under_mpi() else ThreadWorld.single()
     nodes = world.allgather(world.node, what="check nodes")
     with Communicator(world, args.device, **check_options(args)) as comm:
         colls = list(dict.fromkeys(args.collectives)) or list(COLLECTIVES)
-        direct = not comm.peer_mask and world.size <= abi.DIRECT_MAX_RANKS
+        direct = comm.direct_kernels
         hierarchical = isinstance(comm.node_shape, NodeShape)
         if HIERARCHICAL in args.algorithm and not hierarchical:
             raise ValueError(f"--algorithm hierarchical cannot run on this job: {comm.node_shape}")
@@ -163,7 +162,8 @@ def run_check(args) -> int:
         if refused:
             raise CapabilityError(f"protocol {refused[0]!r} cannot run here: {comm.protocol_refusals[refused[0]]}")
         case_list = check.cases(colls, args.dtype, args.op, args.algorithm, args.count, world.size, args.seed,
-                                direct=direct, hierarchical=hierarchical, protocols=args.protocol)
+                                direct=direct is not None, hierarchical=hierarchical, protocols=args.protocol,
+                                pushed=direct == "push")
         t0 = time.perf_counter()
         wrong = check.run_sweep(comm, case_list)
         elapsed = time.perf_counter() - t0

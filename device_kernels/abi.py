@@ -99,6 +99,12 @@ LL_LINE, LL_HEADER, LL128_LINE, LL128_LINE_DATA = 16, 32, 128, 120
 # After the GIN queue's descriptors: the claimed counter, a cache line later the consumed
 # counter, a line later the engine's idle word (uint32, a futex: gin.h).
 GIN_QUEUE_CLAIMED, GIN_QUEUE_CONSUMED, GIN_QUEUE_IDLE, GIN_QUEUE_HEADER = 0, 64, 128, 192
+GIN_MAX_WINDOWS = 1024  # COMMREF_GIN_MAX_WINDOWS: window ids of GinDescriptor.windows (gin.h)
+
+
+def gin_windows(src: int, dst: int) -> int:
+    """GinDescriptor.windows: a put's or get's source and destination window ids (gin.h)."""
+    return src | dst << 16
 GIN_QUEUE_HELP_FN, GIN_QUEUE_HELP_CTX = 136, 144  # the help hook (gin.h)
 
 
@@ -179,12 +185,12 @@ GIN_DESCRIPTOR = np.dtype(
         ("signal", "<u8"),
         ("signalValue", "<u8"),
         ("counter", "<u4"),
-        ("pad", "<u4"),
+        ("windows", "<u4"),
     ],
     align=True,
 )
 
-SYM_BUFFER = np.dtype([("peerTable", "<u8"), ("offset", "<u8")], align=True)
+SYM_BUFFER = np.dtype([("peerTable", "<u8"), ("offset", "<u8"), ("ginWindow", "<u4"), ("pad", "<u4")], align=True)
 
 COLL_ARGS = np.dtype(
     [

@@ -18,7 +18,7 @@ from commref.collectives import catalogue, check, tuner, verify
 from commref.collectives.communicator import Communicator
 from commref.collectives.symmetric import SymmetricArena
 from commref.transports.errors import CommMismatch
-from commref.transports.world import ThreadWorld
+from commref.transports.world import NODES_ENV, ThreadWorld
 
 TIMEOUT = 20.0
 
@@ -223,24 +223,120 @@ def test_offsets_that_differ_across_ranks_are_a_mismatch():
         ThreadWorld.run(2, body, timeout=30)
 
 
-def test_gin_peers_run_the_ring_kernel_on_symmetric_buffers():
-    """The direct kernels load from peers' windows: with GIN peers "auto" keeps the
-    ring kernels, and asking for direct is a clear error."""
+def _pushed_calls(world, comm):
+    """Every case _direct_buffers decides on GIN peers, run on buffers from
+    alloc_symmetric: (collective, what, kernel, wrong elements)."""
+    r, n = world.rank, world.size
+    out = []
+
+    def run(coll, what, count, in_place=False, **kw):
+        spec = catalogue.get(coll)
+        dtype = np.int32
+        x = verify.make_input(coll, dtype, "sum" if spec.reducing else None, 3, r, n, count)
+        exp = verify.expected_output(coll, dtype, "sum" if spec.reducing else None, 3, r, n, count)
+        scount, rcount = spec.counts(count, n)
+        send = comm.alloc_symmetric(scount, dtype)
+        recv = send if in_place else comm.alloc_symmetric(rcount, dtype)
+        if in_place and spec.scaled == catalogue.RECV:  # allgather in place: this rank's slot of recvbuf
+            recv = comm.alloc_symmetric(rcount, dtype)
+            send = recv[r * count:(r + 1) * count]
+        for _ in range(2):  # twice: the second call's arrivals start from the first's count
+            send[...] = x
+            spec.call(comm, send, recv, "sum" if spec.reducing else None, 0, **kw)
+        out.append((coll, what, _kernel_of(comm, coll, send), verify.count_wrong(recv, exp)))
+
+    big = tuner.DIRECT_MIN_BYTES // 4 * n  # "auto" takes direct from here, and a multiple of n
+    run("allreduce", "even", big)
+    run("allreduce", "uneven", big + 1)
+    run("allreduce", "in place", big + n, in_place=True)
+    run("allgather", "out of place", big + 1)
+    run("allgather", "in place", big + 3, in_place=True)
+    run("alltoall", "direct", 17, algorithm="direct")
+    run("reduce_scatter", "auto", big)
+    return out
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_gin_peers_push_on_symmetric_buffers(nranks):
+    """With peers over GIN the direct kernels push (direct.cu): AllReduce out of place
+    on counts that split evenly, AllGather, AlltoAll; every other call keeps the ring,
+    and asking for direct there says why."""
     def body(world):
         comm = _comm(world, path="gin")
-        r, n = world.rank, world.size
-        count = tuner.DIRECT_MIN_BYTES // 4 * 2  # large enough for "auto" to pick direct on LSA
-        x = verify.make_input("allreduce", np.int32, "sum", 9, r, n, count)
-        send, out = comm.alloc_symmetric(x.size, x.dtype), comm.alloc_symmetric(x.size, x.dtype)
-        send[...] = x
-        comm.allreduce(send, out)
-        kernel = _kernel_of(comm, "allreduce", send)
-        with pytest.raises(ValueError, match="every peer over LSA"):
-            comm.allreduce(send, out, algorithm="direct")
+        assert comm.direct_kernels == "push" and comm.gin_direct_refusal is None
+        out = _pushed_calls(world, comm)
+        x = comm.alloc_symmetric(6 * world.size + 1, np.float32)
+        y = comm.alloc_symmetric(6 * world.size + 1, np.float32)
+        with pytest.raises(ValueError, match="not a multiple of"):
+            comm.allreduce(x, y, algorithm="direct")
+        with pytest.raises(ValueError, match="not in place"):
+            comm.allreduce(x[:6], x[:6], algorithm="direct")
+        with pytest.raises(ValueError, match="reduce_scatter has no direct kernel over GIN"):
+            comm.reduce_scatter(x[:world.size], y[:1], algorithm="direct")
+        with pytest.raises(ValueError, match="must come from Communicator.alloc_symmetric"):
+            comm.allgather(np.zeros(3, np.float32), np.zeros(3 * world.size, np.float32), algorithm="direct")
         comm.close()
-        return kernel, verify.count_wrong(out, verify.expected_output("allreduce", np.int32, "sum", 9, r, n, count))
+        return out
 
-    assert ThreadWorld.run(2, body, timeout=60) == [("commref_ring_allreduce", 0)] * 2
+    direct = {c: f"commref_direct_{c}" for c in ("allreduce", "allgather", "alltoall")}
+    expect = [("allreduce", "even", direct["allreduce"]), ("allreduce", "uneven", "commref_ring_allreduce"),
+              ("allreduce", "in place", "commref_ring_allreduce"),
+              ("allgather", "out of place", direct["allgather"]), ("allgather", "in place", direct["allgather"]),
+              ("alltoall", "direct", direct["alltoall"]), ("reduce_scatter", "auto", "commref_ring_reduce_scatter")]
+    for out in ThreadWorld.run(nranks, body, timeout=60):  # (at 3 ranks "auto" may take the tree)
+        assert [(c, w, k.replace("_tree_", "_ring_")) for c, w, k, _ in out] == expect
+        assert [wrong for *_, wrong in out] == [0] * len(expect)
+
+
+def test_lsa_and_gin_peers_push_together(monkeypatch):
+    """3 ranks on 2 simulated nodes (2 + 1, path auto): rank 0 pushes to rank 1 by
+    stores and to rank 2 by GIN puts, in the same kernels."""
+    monkeypatch.setenv(NODES_ENV, "2")
+
+    def body(world):
+        comm = _comm(world, path="auto")
+        lsa_peers = [p for p in range(world.size) if p != world.rank and not comm.peer_mask >> p & 1]
+        assert comm.direct_kernels == "push"
+        out = _pushed_calls(world, comm)
+        comm.close()
+        return lsa_peers, out
+
+    results = ThreadWorld.run(3, body, timeout=60)
+    assert [peers for peers, _ in results] == [[1], [0], []]
+    for _, out in results:
+        assert [k for _, _, k, _ in out].count("commref_direct_allreduce") == 1
+        assert [wrong for *_, wrong in out] == [0] * len(out)
+
+
+def test_engines_without_windows_keep_the_ring():
+    """The unordered wire's engine (the Python proxy) carries no windows: no direct
+    kernel over GIN, and asking for one names the engine."""
+    def body(world):
+        comm = _comm(world, path="gin", wire="unordered")
+        refusal, kinds = comm.gin_direct_refusal, comm.direct_kernels
+        x, y = comm.alloc_symmetric(64, np.float32), comm.alloc_symmetric(64, np.float32)
+        with pytest.raises(ValueError, match="does not carry symmetric windows"):
+            comm.allreduce(x, y, algorithm="direct")
+        comm.close()
+        return refusal, kinds
+
+    for refusal, kinds in ThreadWorld.run(2, body, timeout=60):
+        assert kinds is None and "does not carry symmetric windows" in refusal
+
+
+def test_pushed_offsets_that_differ_across_ranks_are_a_mismatch():
+    """A GIN put lands at this rank's offsets in the peer's window: the call each rank
+    sends first (pushEnter) reports differing offsets instead of misplacing data."""
+    def body(world):
+        comm = _comm(world, path="gin")
+        arena = SymmetricArena(comm, 1 << 16)
+        arena.take(world.rank * 16, np.uint8)
+        send, out = arena.take(256, np.float32), arena.take(256, np.float32)
+        send[...] = 1
+        comm.allreduce(send, out, algorithm="direct")
+
+    with pytest.raises(CommMismatch, match="symmetric buffer offset is"):
+        ThreadWorld.run(2, body, timeout=30)
 
 
 def test_check_sweep_lists_direct_cases_only_where_they_can_run():

@@ -48,8 +48,8 @@ namespace {
   F(GinArgs, queue) F(GinArgs, counters)                                                                        \
   F(GinDescriptor, seq) F(GinDescriptor, op) F(GinDescriptor, flags) F(GinDescriptor, peer) F(GinDescriptor, ctx) \
   F(GinDescriptor, dstOffset) F(GinDescriptor, srcOffset) F(GinDescriptor, bytes) F(GinDescriptor, signal)      \
-  F(GinDescriptor, signalValue) F(GinDescriptor, counter) F(GinDescriptor, pad)                                 \
-  F(SymBuffer, peerTable) F(SymBuffer, offset)                                                                  \
+  F(GinDescriptor, signalValue) F(GinDescriptor, counter) F(GinDescriptor, windows)                                 \
+  F(SymBuffer, peerTable) F(SymBuffer, offset) F(SymBuffer, ginWindow) F(SymBuffer, pad)                                                             \
   F(CollArgs, sendbuf) F(CollArgs, recvbuf) F(CollArgs, count) F(CollArgs, peerWindows) F(CollArgs, ringRanks)  \
   F(CollArgs, errorRecord) F(CollArgs, abortFlag) F(CollArgs, callDesc) F(CollArgs, timeoutNs)                  \
   F(CollArgs, layout) F(CollArgs, rank) F(CollArgs, nranks) F(CollArgs, root) F(CollArgs, dtype)                \
@@ -150,7 +150,7 @@ struct Table {
   C(LL128_LINE_DATA, COMMREF_LL128_LINE_DATA) C(CPU_ATOMIC_16, kCpuAtomic16) C(CPU_STORE_ORDER, kCpuStoreOrder)   \
   C(GIN_QUEUE_CLAIMED, COMMREF_GIN_QUEUE_CLAIMED) C(GIN_QUEUE_CONSUMED, COMMREF_GIN_QUEUE_CONSUMED) C(GIN_QUEUE_IDLE, COMMREF_GIN_QUEUE_IDLE)            \
   C(GIN_QUEUE_HELP_FN, COMMREF_GIN_QUEUE_HELP_FN) C(GIN_QUEUE_HELP_CTX, COMMREF_GIN_QUEUE_HELP_CTX)                                                      \
-  C(GIN_QUEUE_HEADER, COMMREF_GIN_QUEUE_HEADER)
+  C(GIN_QUEUE_HEADER, COMMREF_GIN_QUEUE_HEADER) C(GIN_MAX_WINDOWS, COMMREF_GIN_MAX_WINDOWS)
 
 // Code tables: (Python dict, enumerator, Python key). DTYPE_CODES and OP_CODES come
 // from reduce.h's lists below.

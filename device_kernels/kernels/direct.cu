@@ -129,10 +129,237 @@ static __device__ void directAlltoAll(const CollArgs& a) {
   lsaBarrier(a, c, env, false);
 }
 
+// ---- Direct collectives over GIN ----
+//
+// Where some peers are reached over GIN (GinArgs.peerMask), nothing can be loaded from
+// them: every rank pushes. A push moves one channel's share of a block straight from a
+// symmetric buffer of this rank into the peer's (a GIN put naming both windows,
+// SymBuffer.ginWindow; over LSA, stores into the mapped copy) and adds 1 to the peer's
+// arrival word for (channel, this rank), SyncSlot.arrivals: a strong VA signal over
+// GIN, a release add over LSA. So each byte crosses once, as in the LSA kernels, with
+// no FIFO slot on either side.
+//
+// Arrival words count what each peer sent on the channel over every call; each call of
+// a kind adds the same number per pair (ranks run the same calls: the ring handshake
+// checks it first), so a rank waits for base + k, base being its own count before the
+// call (its slot sync[c][nranks]). The k-th push from a peer has landed once the count
+// reaches base + k: every signal is strong, and a strong signal lands after every put
+// its sender posted before it on that (peer, context), so whichever k signals have
+// landed, the first k puts have. The host runs these kernels only where the backend has
+// strong and VA signals and its engine carries window ids (Communicator._direct_sym).
+//
+//   enter      every rank sends each peer its call (callDesc, count, offsets, window
+//              ids: the SyncSlot fields) and waits for theirs: every peer runs this call
+//              and its buffers may be written (arrival 1)
+//   AllGather  push this rank's block into every peer's recvbuf          (arrival 2)
+//   AlltoAll   push block j of the sendbuf into slot r of rank j's recvbuf (arrival 2)
+//   AllReduce  (out of place, count a multiple of nranks) push block j of the sendbuf
+//              into slot r of rank j's recvbuf, its staging (arrival 2); fold block r of
+//              the sendbuf with the n - 1 staged blocks into recvbuf block r; tell every
+//              peer its staging here is free (arrival 3); once a peer's is (its arrival
+//              3), push the result into its recvbuf block r (arrival 4)
+//   leave      a flush: the puts' sources (the next call rewrites them) were read
+struct Pushes {
+  const CollArgs& a;
+  KernelEnv& env;
+  int c;
+  uint64_t base;  // what every peer had sent on channel c before this call
+
+  __device__ Gin gin() const { return Gin{a, env}; }
+  __device__ bool lsa(int peer) const { return !overGin(a, peer); }
+
+  // Thread 0: one arrival at `peer` (after what this rank pushed there before it).
+  __device__ void signal(int peer) const {
+    if (lsa(peer)) {
+      fetch_add_release(&syncSlot(a, peer, c, a.rank)->arrivals, 1);
+      return;
+    }
+    const uint64_t word = syncSlotOffset(a, c, a.rank) + kSyncArrivals;
+    gin().signal(c, peer, VaSignal(StrongSignalAdd(word, 1)));
+    if (a.gin.doorbells) gin().doorbell(c, peer);
+  }
+
+  // All threads: `bytes` at byte `from` of this rank's `src` to byte `to` of the peer's
+  // `dst`, then one arrival there.
+  __device__ void push(int peer, const SymBuffer& src, uint64_t from, const SymBuffer& dst, uint64_t to,
+                       uint64_t bytes) const {
+    if (lsa(peer)) {
+      uint8_t* out[1] = {(uint8_t*)symPeer(dst, peer) + to};
+      copyToAll((const uint8_t*)symPeer(src, a.rank) + from, out, 1, bytes, 0, userStreamMin(a.streamStores));
+      __syncthreads();
+      if (threadIdx.x == 0) signal(peer);
+      return;
+    }
+    if (threadIdx.x == 0) {
+      const uint64_t word = syncSlotOffset(a, c, a.rank) + kSyncArrivals;
+      gin().put(c, peer, dst.offset + to, src.offset + from, bytes, VaSignal(StrongSignalAdd(word, 1)), -1,
+                ginWindows(src.ginWindow, dst.ginWindow));
+      if (a.gin.doorbells) gin().doorbell(c, peer);
+    }
+  }
+
+  // All threads: until `peer`'s arrivals here reach base + k (thread 0 waits).
+  __device__ void await(int peer, uint64_t k) const {
+    if (threadIdx.x == 0) {
+      if (a.gin.peerMask) gin().wakeEngine();
+      waitAtLeast(&syncSlot(a, a.rank, c, peer)->arrivals, base + k, env, kWaitRecvReady, peer, c,
+                  gin().helpHook());
+    }
+    leaveIfFailed(env.failed);
+  }
+  __device__ void awaitAll(uint64_t k) const {
+    for (int i = 1; i < a.nranks; i++) {
+      if (threadIdx.x == 0) {
+        const int peer = (a.rank + a.nranks - i) % a.nranks;
+        if (a.gin.peerMask) gin().wakeEngine();
+        waitAtLeast(&syncSlot(a, a.rank, c, peer)->arrivals, base + k, env, kWaitRecvReady, peer, c,
+                    gin().helpHook());
+      }
+    }
+    leaveIfFailed(env.failed);
+  }
+};
+
+// Arrival 1 (see above): checks the call with the ring neighbours, sends every peer this
+// rank's call and waits for theirs, comparing them with its own.
+template <typename T, typename Op>
+static __device__ Pushes pushEnter(const CollArgs& a, KernelEnv& env) {
+  const int c = blockIdx.x, n = a.nranks, r = a.rank;
+  ringHandshake<T, Op>(a, c);
+  Pushes p{a, env, c, load_relaxed(&syncSlot(a, r, c, n)->arrivals)};
+  const uint64_t windows = a.symSend.ginWindow | (uint64_t)a.symRecv.ginWindow << 32;
+  if (threadIdx.x == 0) {
+    SyncSlot* mine = syncSlot(a, r, c, r);  // this rank's call, the source of its GIN puts
+    store_relaxed(&mine->callDesc, a.callDesc);
+    store_relaxed(&mine->count, a.count);
+    store_relaxed(&mine->sendOffset, a.symSend.offset);
+    store_relaxed(&mine->recvOffset, a.symRecv.offset);
+    store_relaxed(&mine->ginWindows, windows);
+    const uint64_t from = syncSlotOffset(a, c, r) + kSyncCallFields;
+    for (int k = 1; k < n; k++) {
+      const int peer = (r + k) % n;
+      if (p.lsa(peer)) {
+        SyncSlot* there = syncSlot(a, peer, c, r);
+        store_relaxed(&there->callDesc, a.callDesc);
+        store_relaxed(&there->count, a.count);
+        store_relaxed(&there->sendOffset, a.symSend.offset);
+        store_relaxed(&there->recvOffset, a.symRecv.offset);
+        store_relaxed(&there->ginWindows, windows);
+        p.signal(peer);  // release: the fields before the arrival
+      } else {
+        const uint64_t word = syncSlotOffset(a, c, r) + kSyncArrivals;
+        p.gin().put(c, peer, from, from, kSyncCallBytes, VaSignal(StrongSignalAdd(word, 1)));
+        if (a.gin.doorbells) p.gin().doorbell(c, peer);
+      }
+    }
+  }
+  p.awaitAll(1);
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < n; k++) {
+      const int peer = (r + k) % n;
+      const SyncSlot* s = syncSlot(a, r, c, peer);
+      const uint64_t desc = load_relaxed(&s->callDesc), count = load_relaxed(&s->count);
+      if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, peer, c, a.callDesc, desc);
+      if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, peer, c, a.count, count);
+      const uint64_t so = load_relaxed(&s->sendOffset), ro = load_relaxed(&s->recvOffset);
+      const uint64_t w = load_relaxed(&s->ginWindows);
+      if (so != a.symSend.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symSend.offset, so);
+      if (ro != a.symRecv.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symRecv.offset, ro);
+      if (w != windows) commref_fail(env, kMismatch, kBufferMismatch, peer, c, windows, w);
+    }
+  }
+  leaveIfFailed(env.failed);
+  return p;
+}
+
+// The call's last step: the GIN puts' sources were read (a flush), and this rank's count
+// moves past the call's `arrivals` per peer.
+static __device__ void pushLeave(const Pushes& p, uint64_t arrivals) {
+  if (threadIdx.x == 0) {
+    if (p.a.gin.peerMask) p.gin().flush(p.c);
+    store_relaxed(&syncSlot(p.a, p.a.rank, p.c, p.a.nranks)->arrivals, p.base + arrivals);
+  }
+  leaveIfFailed(p.env.failed);
+}
+
+static __device__ void pushAllGather(const CollArgs& a) {
+  KernelEnv env = kernelEnv(a);
+  const int n = a.nranks, r = a.rank;
+  const uint64_t B = a.count;
+  const Share s = channelShare(B, blockIdx.x, a.nchannels);
+  const Pushes p = pushEnter<uint8_t, OpSum>(a, env);
+  uint8_t* mine[1] = {(uint8_t*)a.recvbuf + r * B + s.begin};  // GIN puts read it from there
+  copyToAll((const uint8_t*)a.sendbuf + s.begin, mine, 1, s.end - s.begin, 0, userStreamMin(a.streamStores));
+  __syncthreads();
+  for (int k = 1; k < n; k++) p.push((r + k) % n, a.symRecv, r * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
+  p.awaitAll(2);
+  pushLeave(p, 2);
+}
+
+static __device__ void pushAlltoAll(const CollArgs& a) {
+  KernelEnv env = kernelEnv(a);
+  const int n = a.nranks, r = a.rank;
+  const uint64_t B = a.count;
+  const Share s = channelShare(B, blockIdx.x, a.nchannels);
+  const Pushes p = pushEnter<uint8_t, OpSum>(a, env);
+  uint8_t* mine[1] = {(uint8_t*)a.recvbuf + r * B + s.begin};
+  copyToAll((const uint8_t*)a.sendbuf + r * B + s.begin, mine, 1, s.end - s.begin, 0, userStreamMin(a.streamStores));
+  for (int k = 1; k < n; k++) {
+    const int j = (r + k) % n;
+    p.push(j, a.symSend, j * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
+  }
+  p.awaitAll(2);
+  pushLeave(p, 2);
+}
+
+template <typename T, typename Op>
+static __device__ void pushAllReduce(const CollArgs& a) {
+  KernelEnv env = kernelEnv(a);
+  const int n = a.nranks, r = a.rank;
+  const uint64_t B = a.count / n, es = sizeof(T);  // count % n == 0 (the host's condition)
+  const Share s = channelShare(B, blockIdx.x, a.nchannels);
+  const uint64_t len = s.end - s.begin, at = r * B + s.begin;  // this rank's share of block r
+  const Pushes p = pushEnter<T, Op>(a, env);
+  for (int k = 1; k < n; k++) {
+    const int j = (r + k) % n;
+    p.push(j, a.symSend, (j * B + s.begin) * es, a.symRecv, at * es, len * es);
+  }
+  p.awaitAll(2);
+  const T* in[COMMREF_DIRECT_MAX_RANKS];
+  in[0] = (const T*)a.sendbuf + at;
+  for (int k = 1; k < n; k++) in[k] = (const T*)a.recvbuf + ((r + k) % n) * B + s.begin;
+  foldInto<T, Op>(in, n, (T*)a.recvbuf + at, len, a.avgDivisor);
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int k = 1; k < n; k++) p.signal((r + k) % n);  // the staging here is free
+  for (int k = 1; k < n; k++) {
+    const int j = (r + k) % n;
+    p.await(j, 3);
+    p.push(j, a.symRecv, at * es, a.symRecv, at * es, len * es);
+  }
+  p.awaitAll(4);
+  pushLeave(p, 4);
+}
+
 #define DIRECT_ALLREDUCE(T, Op) directAllReduce<T, Op>(args)
 #define DIRECT_REDUCE_SCATTER(T, Op) directReduceScatter<T, Op>(args)
 
-COMMREF_KERNEL(commref_direct_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_ALLREDUCE) }
+#define PUSH_ALLREDUCE(T, Op) pushAllReduce<T, Op>(args)
+
+// Over LSA alone the kernels load and store; with GIN peers they push (above).
+COMMREF_KERNEL(commref_direct_allreduce, CollArgs, args) {
+  if (args.gin.peerMask) {
+    COMMREF_DISPATCH_REDUCTION(args, PUSH_ALLREDUCE)
+  } else {
+    COMMREF_DISPATCH_REDUCTION(args, DIRECT_ALLREDUCE)
+  }
+}
 COMMREF_KERNEL(commref_direct_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_REDUCE_SCATTER) }
-COMMREF_KERNEL(commref_direct_allgather, CollArgs, args) { directAllGather(args); }
-COMMREF_KERNEL(commref_direct_alltoall, CollArgs, args) { directAlltoAll(args); }
+COMMREF_KERNEL(commref_direct_allgather, CollArgs, args) {
+  if (args.gin.peerMask) pushAllGather(args);
+  else directAllGather(args);
+}
+COMMREF_KERNEL(commref_direct_alltoall, CollArgs, args) {
+  if (args.gin.peerMask) pushAlltoAll(args);
+  else directAlltoAll(args);
+}

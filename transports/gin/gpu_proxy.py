@@ -414,7 +414,10 @@ class GpuProxy:
         return n
 
     def _execute(self, d) -> None:
-        _, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, _ = d
+        _, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, windows = d
+        if windows:
+            raise ProxyError(f"rank {self.rank}: GIN operation {op} names windows {windows:#x}: registered "
+                             f"windows (gin.h) are carried by the native engine only")
         if op == abi.GIN_FLUSH:
             self._wait(self._quiet, f"flushing context {ctx} (every copy, send and counter before it)")
             for link in [k for k in self._links if k[1] == ctx]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from commref.device_kernels import loader
+from commref.device_kernels import abi, loader
 from commref.transports.gin import semantics
 from commref.transports.gin.backends import Backend
 from commref.transports.gin.wires import ProxyError, wait_drained
@@ -123,7 +123,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                             ("stop", [vp, ctypes.c_double], ctypes.c_int), ("destroy", [vp], None),
                             ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
                             ("error", [vp, ctypes.c_char_p, u64], u64), ("failed", [vp], ctypes.c_int),
-                            ("set_trace", [vp, ctypes.c_int], None), ("take_trace", [vp, vp, u64, p64], u64)):
+                            ("set_trace", [vp, ctypes.c_int], None), ("take_trace", [vp, vp, u64, p64], u64),
+                            ("add_window", [vp, ctypes.c_uint32, u64, u64, vp], ctypes.c_int),
+                            ("remove_window", [vp, ctypes.c_uint32], None)):
         f = getattr(lib, f"commref_gin_engine_{name}")
         f.argtypes, f.restype = args, res
     assert lib.commref_gin_engine_config_size() == ctypes.sizeof(EngineConfig), "EngineConfig != the C++ struct"
@@ -311,6 +313,25 @@ class NativeProxy:
             decode_trace(self._recs[:n], self._trace)
             if n < len(self._recs):
                 return
+
+    # ---- windows (gin.h, "Windows") ----
+
+    carries_windows = True  # descriptors may name windows given by add_window
+
+    def add_window(self, window_id: int, window) -> None:
+        """Window `window_id` (1 ..< abi.GIN_MAX_WINDOWS) for descriptors' window ids: a
+        transports.windows.SymmetricWindow of this rank (its peers' copies where mapped
+        here). Call it between launches, before any kernel names the id."""
+        peers = np.ascontiguousarray(window.peer_addresses, dtype=np.uint64)
+        if self._lib.commref_gin_engine_add_window(self._h, int(window_id), int(window.address),
+                                                   int(window.nbytes), peers.ctypes.data) != 0:
+            raise ValueError(f"rank {self.rank}: the native GIN engine refused window {window_id} of "
+                             f"{window.nbytes} bytes (ids run from 1 to {abi.GIN_MAX_WINDOWS - 1})")
+
+    def remove_window(self, window_id: int) -> None:
+        """Forgets window `window_id` (no kernel may name it any more)."""
+        if self._h:
+            self._lib.commref_gin_engine_remove_window(self._h, int(window_id))
 
     def pending(self, peer: int | None = None) -> bool:
         """Always False: on this wire an operation lands before the engine marks it taken."""

@@ -21,6 +21,10 @@
 //   get:      memcpy peer window src -> this window dst before the slot is consumed, so a
 //             flush (which waits for consumed) covers it;
 //   flush, doorbell: nothing more on this wire (everything lands when taken).
+// Offsets address the windows a descriptor names (GinDescriptor.windows, gin.h): 0 the
+// connection window, others those given by commref_gin_engine_add_window (this rank's
+// base and size, and each peer's base where it is mapped here). Every access is checked
+// against its window's size first.
 // On the MPI network (class MpiNet below) the same descriptors become messages to the
 // peer's engine, which lands them in its own window; see MpiNet for the protocol.
 // Refusals follow proxy.py's _remote_action (strong signal on a weak-only backend, VA
@@ -69,6 +73,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -153,10 +158,12 @@ using Clock = std::chrono::steady_clock;
 //     straight into its window. Such a put's source is reusable, and its counter
 //     bumped, when those sends complete; a flush waits for every send to complete.
 //   get (kMsgGetRequest): offset = src offset at the target, size, signal = dst offset
-//     here; the target answers kMsgGetReply (offset = dst, data as for a put), which
-//     the requester lands before its get's slot is consumed.
+//     here, windows as the descriptor's; the target answers kMsgGetReply (offset = dst,
+//     data as for a put), which the requester lands before its get's slot is consumed.
+//   Offsets at the target are in the window that `windows` names there.
 struct MpiHeader {
   uint64_t kind, offset, size, flags, signal, value;
+  uint64_t windows;  // put, get reply: ginWindows(0, the target's window); get request: the descriptor's
 };
 enum : uint64_t { kMsgPut = 1, kMsgGetRequest = 2, kMsgGetReply = 3 };
 enum : uint64_t { kMsgHasSignal = 1, kMsgVa = 2, kMsgDataFollows = 4 };
@@ -412,16 +419,67 @@ class Engine {
 
   std::string who() const { return "rank " + std::to_string(cfg_.rank) + ": "; }
 
-  // [offset, offset + bytes) lies in a window of windowBytes.
+  // [offset, offset + bytes) lies in the connection window (windowBytes).
   bool inWindow(uint64_t offset, uint64_t bytes) const {
     return offset <= cfg_.windowBytes && bytes <= cfg_.windowBytes - offset;
   }
 
-  bool outside(const char* what, int32_t peer, uint64_t offset, uint64_t bytes) {
+  bool outside(const char* what, int32_t peer, uint64_t offset, uint64_t bytes, uint32_t window = 0,
+               uint64_t windowBytes = 0) {
     return fail(who() + "GIN " + what + " (peer " + std::to_string(peer) + ") reaches [" + std::to_string(offset) +
-                ", " + std::to_string(offset + bytes) + "), outside the " + std::to_string(cfg_.windowBytes) +
-                "-byte window");
+                ", " + std::to_string(offset + bytes) + "), outside the " +
+                std::to_string(window ? windowBytes : cfg_.windowBytes) + "-byte " +
+                (window ? "window " + std::to_string(window) : std::string("connection window")));
   }
+
+  // The bytes of window `id` (every rank's copy has them), 0 where the id names none.
+  uint64_t windowBytes(uint32_t id) const {
+    if (id == 0) return cfg_.windowBytes;
+    return id < COMMREF_GIN_MAX_WINDOWS ? windows_[id].bytes.load(std::memory_order_acquire) : 0;
+  }
+
+  // Whether [offset, offset + bytes) lies in window `id` (fails, naming `what`, if not).
+  bool known(uint32_t id, uint64_t offset, uint64_t bytes, const char* what, int32_t peer) {
+    const uint64_t size = windowBytes(id);
+    if (size == 0)
+      return fail(who() + "GIN " + what + " (peer " + std::to_string(peer) + ") names window " + std::to_string(id) +
+                  ", which this engine was not given");
+    if (offset > size || bytes > size - offset) return outside(what, peer, offset, bytes, id, size);
+    return true;
+  }
+
+  // Where [offset, offset + bytes) of rank `rank`'s copy of window `id` is mapped here;
+  // nullptr (failed, naming `what`) outside it, or where it is not mapped.
+  char* at(uint32_t id, int32_t rank, uint64_t offset, uint64_t bytes, const char* what, int32_t peer) {
+    if (!known(id, offset, bytes, what, peer)) return nullptr;
+    const uint64_t base = id == 0 ? (rank == cfg_.rank ? (uint64_t)here_ : peers_[rank])
+                                  : (rank == cfg_.rank ? windows_[id].base : windows_[id].peers[rank]);
+    if (base == 0) {
+      fail(who() + "GIN " + what + ": rank " + std::to_string(rank) + "'s window " + std::to_string(id) +
+           " is not mapped here");
+      return nullptr;
+    }
+    return reinterpret_cast<char*>(base) + offset;
+  }
+
+ public:
+  // Gives the engine window `id` (1 ..< COMMREF_GIN_MAX_WINDOWS): this rank's `bytes` at
+  // `base`, and peers[r], rank r's copy mapped here (0 where it is not). Called by the
+  // host between launches: no descriptor names `id` before it returns, nor after
+  // removeWindow(id) until it is given again. 0, or 1 for a bad id.
+  int addWindow(uint32_t id, uint64_t base, uint64_t bytes, const uint64_t* peers) {
+    if (id == 0 || id >= COMMREF_GIN_MAX_WINDOWS || bytes == 0 || base == 0) return 1;
+    Window& w = windows_[id];
+    w.base = base;
+    w.peers.assign(peers, peers + cfg_.nranks);
+    w.bytes.store(bytes, std::memory_order_release);
+    return 0;
+  }
+  void removeWindow(uint32_t id) {
+    if (id != 0 && id < COMMREF_GIN_MAX_WINDOWS) windows_[id].bytes.store(0, std::memory_order_release);
+  }
+
+ private:
 
   struct Link {
     uint64_t seq = 0, doorbells = 0;  // operations posted, doorbells rung (the trace's numbers)
@@ -481,13 +539,16 @@ class Engine {
     char* peer = reinterpret_cast<char*>(peers_[d.peer]);
     if (!mpi() && peer == nullptr)
       return fail(who() + "GIN peer " + std::to_string(d.peer) + "'s window is not mapped here (network shm)");
+    const uint32_t srcWin = ginSrcWindow(d.windows), dstWin = ginDstWindow(d.windows);
     if (d.op == kGinGet) {
-      if (!inWindow(d.srcOffset, d.bytes)) return outside("get source", d.peer, d.srcOffset, d.bytes);
-      if (!inWindow(d.dstOffset, d.bytes)) return outside("get destination", d.peer, d.dstOffset, d.bytes);
+      char* dst = at(dstWin, cfg_.rank, d.dstOffset, d.bytes, "get destination", d.peer);
+      if (dst == nullptr) return false;
       if (mpi()) {
         if (!mpiGet(d)) return false;
       } else {
-        std::memcpy(here_ + d.dstOffset, peer + d.srcOffset, d.bytes);
+        const char* from = at(srcWin, d.peer, d.srcOffset, d.bytes, "get source", d.peer);
+        if (from == nullptr) return false;
+        std::memcpy(dst, from, d.bytes);
       }
       if (tracing()) {
         const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceGet, 0, 0, d.srcOffset, d.dstOffset, d.bytes, 0};
@@ -514,23 +575,29 @@ class Engine {
       if (!inWindow(where, 8)) return outside("signal", d.peer, where, 8);
     }
     uint64_t nbytes = 0;
+    const char* src = reinterpret_cast<const char*>(&d.bytes);  // a putValue's value
     if (d.op == kGinPut) {
-      if (!inWindow(d.srcOffset, d.bytes)) return outside("put source", d.peer, d.srcOffset, d.bytes);
       nbytes = d.bytes;
+      src = at(srcWin, cfg_.rank, d.srcOffset, nbytes, "put source", d.peer);
+      if (src == nullptr) return false;
     } else if (d.op == kGinPutValue) {
       nbytes = 8;
     } else if (d.op != kGinSignal) {
       return fail(who() + "unknown GIN operation " + std::to_string(d.op));
     }
-    if (nbytes && !inWindow(d.dstOffset, nbytes)) return outside("put destination", d.peer, d.dstOffset, nbytes);
-    const char* src = d.op == kGinPutValue ? reinterpret_cast<const char*>(&d.bytes) : here_ + d.srcOffset;
+    char* dst = nullptr;  // network shm: where the data lands
+    if (nbytes) {
+      if (mpi() ? !known(dstWin, d.dstOffset, nbytes, "put destination", d.peer)
+                : (dst = at(dstWin, d.peer, d.dstOffset, nbytes, "put destination", d.peer)) == nullptr)
+        return false;
+    }
     const bool counter = d.op == kGinPut && (d.flags & kGinHasCounter);
     const uint64_t seq = link(d.peer, d.ctx).seq++;
     bool counted = counter;  // the counter bumped before this returns (else when the sends complete)
     if (mpi()) {
       if (!mpiPut(d, src, nbytes, value, counter, seq, &counted)) return false;
     } else {
-      if (nbytes) landLines(peer + d.dstOffset, src, nbytes);  // kernels may poll LL lines there
+      if (nbytes) landLines(dst, src, nbytes);  // kernels may poll LL lines there
       if (counter) bumpCounter(d.counter);
       if (hasSignal)  // after the data: release
         __atomic_fetch_add(reinterpret_cast<uint64_t*>(peer + (va ? d.signal : cfg_.signalsOff + 8 * d.signal)), value,
@@ -613,7 +680,7 @@ class Engine {
 
   bool mpiPut(const GinDescriptor& d, const char* src, uint64_t nbytes, uint64_t value, bool counter, uint64_t seq,
               bool* counted) {
-    MpiHeader h{kMsgPut, d.dstOffset, nbytes, 0, d.signal, value};
+    MpiHeader h{kMsgPut, d.dstOffset, nbytes, 0, d.signal, value, ginWindows(0, ginDstWindow(d.windows))};
     if (d.flags & kGinHasSignal) h.flags |= kMsgHasSignal | (d.flags & kGinVaSignal ? kMsgVa : 0);
     // (a putValue's 8 bytes, which live in the descriptor, always go inline)
     return sendWithData(d.peer, h, src, nbytes, counter, &d, seq, counted);
@@ -686,13 +753,14 @@ class Engine {
     MpiHeader h;
     std::vector<MPI_Request> reqs;  // receives of the data that follows the header
     std::vector<char> held;         // inline data kept until the landings before it finish
+    char* at = nullptr;             // where its data lands (put, get reply) or is read (get request) here
     Clock::time_point since;        // when the header came (the deadline of its data)
   };
 
   // Does what `l`, whose data is in the window, leaves to do. False on failure.
   bool finish(int32_t src, Landing& l) {
     const MpiHeader& h = l.h;
-    if (!l.held.empty()) landLines(here_ + h.offset, l.held.data(), l.held.size());
+    if (!l.held.empty()) landLines(l.at, l.held.data(), l.held.size());
     if (h.kind == kMsgPut && (h.flags & kMsgHasSignal)) {  // after its data: release
       const uint64_t where = h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal;
       __atomic_fetch_add(reinterpret_cast<uint64_t*>(here_ + where), h.value, __ATOMIC_RELEASE);
@@ -700,8 +768,8 @@ class Engine {
       getPeer_ = -1;
     } else if (h.kind == kMsgGetRequest) {
       bool counted = false;
-      return sendWithData(src, MpiHeader{kMsgGetReply, h.signal, h.size, 0, 0, 0}, here_ + h.offset, h.size, false,
-                          nullptr, 0, &counted);
+      return sendWithData(src, MpiHeader{kMsgGetReply, h.signal, h.size, 0, 0, 0, ginWindows(0, ginDstWindow(h.windows))},
+                          l.at, h.size, false, nullptr, 0, &counted);
     }
     return true;
   }
@@ -756,8 +824,10 @@ class Engine {
     if (h.kind != kMsgPut && h.kind != kMsgGetRequest && h.kind != kMsgGetReply)
       return fail(who() + "GIN MPI network: a message of unknown kind " + std::to_string(h.kind) + " from peer " +
                   std::to_string(src));
-    if (!inWindow(h.offset, h.size))
-      return outside(h.kind == kMsgGetRequest ? "get request" : "landing", src, h.offset, h.size);
+    const bool request = h.kind == kMsgGetRequest;
+    l.at = at(request ? ginSrcWindow(h.windows) : ginDstWindow(h.windows), cfg_.rank, h.offset, h.size,
+              request ? "get request" : "landing", src);
+    if (l.at == nullptr) return false;
     if (h.kind == kMsgPut && (h.flags & kMsgHasSignal) &&
         !inWindow(h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal, 8))
       return outside("signal", src, h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal, 8);
@@ -769,7 +839,7 @@ class Engine {
       for (uint64_t off = 0; off < h.size; off += kMpiChunkBytes) {
         const uint64_t n = h.size - off < kMpiChunkBytes ? h.size - off : kMpiChunkBytes;
         l.reqs.push_back(MPI_REQUEST_NULL);
-        rc = MPI_Irecv(here_ + h.offset + off, (int)n, MPI_BYTE, src, cfg_.mpiTag, comm_, &l.reqs.back());
+        rc = MPI_Irecv(l.at + off, (int)n, MPI_BYTE, src, cfg_.mpiTag, comm_, &l.reqs.back());
         if (rc != MPI_SUCCESS) return mpiError("MPI_Irecv", rc, src);
       }
     } else if (h.kind != kMsgGetRequest) {
@@ -777,7 +847,7 @@ class Engine {
         return fail(who() + "GIN MPI network: a message from peer " + std::to_string(src) + " carries " +
                     std::to_string(bodyBytes) + " bytes of data, its header says " + std::to_string(h.size));
       if (q.empty()) {  // nothing of this source before it is unfinished: land it now
-        if (h.size) landLines(here_ + h.offset, rbuf_.data() + sizeof h, h.size);
+        if (h.size) landLines(l.at, rbuf_.data() + sizeof h, h.size);
         return finish(src, l);
       }
       l.held.assign(rbuf_.data() + sizeof h, rbuf_.data() + count);
@@ -820,8 +890,8 @@ class Engine {
   bool mpiGet(const GinDescriptor& d) {
     getPeer_ = d.peer;
     bool counted = false;
-    if (!sendWithData(d.peer, MpiHeader{kMsgGetRequest, d.srcOffset, d.bytes, 0, d.dstOffset, 0}, nullptr, 0, false,
-                      nullptr, 0, &counted))
+    if (!sendWithData(d.peer, MpiHeader{kMsgGetRequest, d.srcOffset, d.bytes, 0, d.dstOffset, 0, d.windows}, nullptr, 0,
+                      false, nullptr, 0, &counted))
       return false;
     return progressUntil([&] { return getPeer_ < 0; }, [&] {
       return "getting " + std::to_string(d.bytes) + " bytes from peer " + std::to_string(d.peer) +
@@ -861,6 +931,14 @@ class Engine {
 
   CommrefGinEngineConfig cfg_;
   std::vector<uint64_t> peers_;
+  // The windows given by addWindow, by id (entry 0 unused: the connection window is
+  // here_ and peers_); bytes 0 where none.
+  struct Window {
+    std::atomic<uint64_t> bytes{0};
+    uint64_t base = 0;
+    std::vector<uint64_t> peers;
+  };
+  std::unique_ptr<Window[]> windows_{new Window[COMMREF_GIN_MAX_WINDOWS]};
   GinDescriptor* ring_;
   uint64_t* consumed_;
   const uint64_t* claimed_;
@@ -939,6 +1017,16 @@ COMMREF_GIN_API uint64_t commref_gin_engine_error(void* h, char* buf, uint64_t n
   return static_cast<Engine*>(h)->error(buf, n);
 }
 COMMREF_GIN_API void commref_gin_engine_set_trace(void* h, int on) { static_cast<Engine*>(h)->setTrace(on != 0); }
+// Window `id` for descriptors' window ids (gin.h, "Windows"): this rank's `bytes` at
+// `base`, and `peers`: uint64[nranks], each rank's copy mapped here (0: not mapped). 0, or
+// 1 for a bad id, size or base.
+COMMREF_GIN_API int commref_gin_engine_add_window(void* h, uint32_t id, uint64_t base, uint64_t bytes,
+                                                  const uint64_t* peers) {
+  return static_cast<Engine*>(h)->addWindow(id, base, bytes, peers);
+}
+COMMREF_GIN_API void commref_gin_engine_remove_window(void* h, uint32_t id) {
+  static_cast<Engine*>(h)->removeWindow(id);
+}
 // Moves up to `max` records (oldest first) to `out`; *lost: records not kept (buffer full).
 COMMREF_GIN_API uint64_t commref_gin_engine_take_trace(void* h, CommrefGinTraceRecord* out, uint64_t max,
                                                        uint64_t* lost) {

@@ -53,6 +53,20 @@ class GinPlan:
         gin_args["creditSignalBase"] = abi.gin_signals(max_channels, nsteps)[0]
         gin_args["doorbells"] = int(self.used and not self.transport.ordered)
 
+    def direct_refusal(self, engine) -> str | None:
+        """Why the direct kernels cannot push over this plan's GIN connections with the
+        started `engine` (direct.cu, "Direct collectives over GIN"), or None when they can:
+        their arrival counts need strong VA signals, and their puts windows the engine
+        is given (the native engine's window ids)."""
+        if not self.used:
+            return None
+        caps = self.backend.caps
+        if not (caps.strong_signals and caps.va_signals):
+            return f"backend {self.backend.name} lacks strong VA signals"
+        if not getattr(engine, "carries_windows", False):
+            return "this GIN engine does not carry symmetric windows (the native engine does: ordered wire, no fault)"
+        return None
+
     def protocol_refusal(self, protocol: str, device: str, cpu_support: int) -> str | None:
         """Why this plan's GIN connections cannot carry `protocol` ("simple", "ll",
         "ll128"; include/commref/proto.h), or None when they can (always for simple, and

@@ -152,7 +152,10 @@ class GinProxy:
 
     def _execute(self, d) -> None:
         """Carries one queue.Descriptor."""
-        _, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, _ = d
+        _, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, windows = d
+        if windows:
+            raise ProxyError(f"rank {self.rank}: GIN operation {op} names windows {windows:#x}: registered "
+                             f"windows (gin.h) are carried by the native engine only")
         if op == abi.GIN_FLUSH:
             self.scheduler.flush(ctx)
             return

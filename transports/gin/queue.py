@@ -41,7 +41,7 @@ class Descriptor(NamedTuple):
     signal: int  # slot index, or window offset of a VA signal
     signalValue: int
     counter: int
-    pad: int
+    windows: int  # source and destination window ids (abi.gin_windows); 0, 0: the connection window
 
 
 assert Descriptor._fields == abi.GIN_DESCRIPTOR.names, "Descriptor must follow abi.GIN_DESCRIPTOR"
@@ -114,14 +114,14 @@ class QueueWriter(_Queue):
         self.slot = 0
 
     def fill(self, op: int, flags: int = 0, peer: int = -1, ctx: int = 0, dst: int = 0, src: int = 0,
-             nbytes: int = 0, signal: int = 0, value: int = 0, counter: int = 0) -> int:
+             nbytes: int = 0, signal: int = 0, value: int = 0, counter: int = 0, windows: int = 0) -> int:
         """Claims the next slot and writes the descriptor's fields (not seq); returns the slot."""
         slot = self.slot
         if slot >= self.capacity and self.consumed() < slot + 1 - self.capacity:
             raise RuntimeError(f"GIN queue full: slot {slot} of {self.capacity} while {self.consumed()} consumed")
         self.slot += 1
         self.words[abi.GIN_QUEUE_CLAIMED // 8] = self.slot
-        self.fields[slot % self.capacity] = (op, flags, peer, ctx, dst, src, nbytes, signal, value, counter, 0)
+        self.fields[slot % self.capacity] = (op, flags, peer, ctx, dst, src, nbytes, signal, value, counter, windows)
         return slot
 
     def publish(self, slots: list[int]) -> None:

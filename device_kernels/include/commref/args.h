@@ -129,10 +129,14 @@ struct GinArgs {
 // A user buffer inside a symmetric window (direct kernels): rank j's copy of it is at
 // ((const uint64_t*)peerTable)[j] + offset in this address space. The offset is the
 // same on every rank when the ranks allocated their windows symmetrically; the direct
-// kernels check that at their first barrier.
+// kernels check that at their first barrier. Over GIN a put names the window by
+// ginWindow (GinDescriptor.windows, gin.h): the same on every rank, since ranks
+// allocate and free their windows in the same order.
 struct SymBuffer {
   uint64_t peerTable;  // -> uint64_t[nranks]: each rank's window, mapped here; 0 if none
   uint64_t offset;
+  uint32_t ginWindow;  // the window's GIN id (1 ..< COMMREF_GIN_MAX_WINDOWS), 0 where GIN does not know it
+  uint32_t pad;
 };
 
 // The call descriptor (CollArgs.callDesc): what every rank of a call must agree on,

@@ -86,8 +86,21 @@ struct GinDescriptor {
   uint64_t bytes;                 // bytes, or the value of a putValue
   uint64_t signal;                // signal index, or VA offset in the peer's window
   uint64_t signalValue;           // for add
-  uint32_t counter, pad;
+  uint32_t counter;
+  uint32_t windows;               // which windows the offsets address: ginWindows(src, dst)
 };
+
+// Windows (GinDescriptor.windows): a put or get addresses its source and its
+// destination each in a window, by id: 0 is the connection window (the default), ids
+// from 1 are the symmetric windows the engine was given (NCCL's registered windows;
+// collectives/symmetric.py assigns the ids, the same on every rank). A put's source is
+// here and its destination at the peer; a get's source at the peer and its destination
+// here. Signals always live in the connection window. Only the native engine carries
+// ids other than 0 (transports/gin/native_engine.cpp); the other proxies refuse them.
+#define COMMREF_GIN_MAX_WINDOWS 1024
+static __host__ __device__ __forceinline__ uint32_t ginWindows(uint32_t src, uint32_t dst) { return src | dst << 16; }
+static __host__ __device__ __forceinline__ uint32_t ginSrcWindow(uint32_t windows) { return windows & 0xffffu; }
+static __host__ __device__ __forceinline__ uint32_t ginDstWindow(uint32_t windows) { return windows >> 16; }
 
 // A remote action, as the device API names them.
 struct GinRemoteAction {
@@ -121,7 +134,7 @@ struct Gin {
 
   // Posts one descriptor; returns its slot.
   __device__ uint64_t post(uint32_t op, uint32_t flags, int peer, int ctx, uint64_t dst, uint64_t src, uint64_t bytes,
-                           uint64_t signal, uint64_t value, uint32_t counter) const {
+                           uint64_t signal, uint64_t value, uint32_t counter, uint32_t windows = 0) const {
     if (env.failed) return 0;
     const uint64_t slot = fetch_add_relaxed(claimed(), 1);
     if (slot >= a.gin.capacity) {
@@ -139,15 +152,16 @@ struct Gin {
     d->signal = signal;
     d->signalValue = value;
     d->counter = counter;
+    d->windows = windows;
     store_release(&d->seq, slot + 1);
     wakeEngine();
     return slot;
   }
 
   __device__ uint64_t put(int ctx, int peer, uint64_t dst, uint64_t src, uint64_t bytes, GinRemoteAction r,
-                          int counter = -1) const {
+                          int counter = -1, uint32_t windows = 0) const {
     return post(kGinPut, r.flags | (counter >= 0 ? kGinHasCounter : 0), peer, ctx, dst, src, bytes, r.signal, r.value,
-                (uint32_t)counter);
+                (uint32_t)counter, windows);
   }
   __device__ uint64_t putValue(int ctx, int peer, uint64_t dst, uint64_t value, GinRemoteAction r) const {
     return post(kGinPutValue, r.flags, peer, ctx, dst, 0, value, r.signal, r.value, 0);

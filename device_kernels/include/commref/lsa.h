@@ -61,13 +61,21 @@ static __device__ __forceinline__ uint64_t* creditWord(const CollArgs& a, int ra
 // rank's own call. That is safe only there: a peer may already be one barrier ahead
 // and rewriting its slot, which after a first barrier is a later barrier of the same
 // call (the same values), but after a call's last barrier is the next call's first.
+// `ginWindows` and `arrivals` serve the direct kernels over GIN (direct.cu): the GIN
+// window ids of symSend and symRecv, and what rank `from` has sent this rank on channel c
+// (a count; in this rank's own slot sync[c][nranks], its count before the running call).
 struct SyncSlot {
-  uint64_t epoch, callDesc, count, sendOffset, recvOffset, pad[3];
+  uint64_t epoch, callDesc, count, sendOffset, recvOffset, ginWindows, arrivals, pad;
 };
+// Byte offsets in a SyncSlot: the call's fields (callDesc .. ginWindows) and arrivals.
+enum : uint64_t { kSyncCallFields = 8, kSyncCallBytes = 40, kSyncArrivals = 48 };
+static_assert(sizeof(SyncSlot) == 64 && sizeof(SyncSlot) <= COMMREF_FLAG_STRIDE, "a SyncSlot fills one flag stride");
 
+static __device__ __forceinline__ uint64_t syncSlotOffset(const CollArgs& a, int c, int from) {
+  return a.layout.syncOff + ((uint64_t)c * (a.nranks + 1) + from) * a.layout.flagStride;
+}
 static __device__ __forceinline__ SyncSlot* syncSlot(const CollArgs& a, int rank, int c, int from) {
-  return (SyncSlot*)(windowOf(a, rank) + a.layout.syncOff +
-                     ((uint64_t)c * (a.nranks + 1) + from) * a.layout.flagStride);
+  return (SyncSlot*)(windowOf(a, rank) + syncSlotOffset(a, c, from));
 }
 
 // All threads of the block call it; thread 0 signals and waits. On return every peer's
