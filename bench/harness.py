@@ -15,9 +15,12 @@ carries its bytes. A combination the machine cannot set up (a backend without th
 asked-for wire) is skipped with its reason; options this build's Communicator does
 not take are refused before any rank starts.
 
-Timing. Per size and per variant (out-of-place, in-place, baseline): `-w` untimed
-calls, one world barrier, then `-n` calls timed one by one on every rank (GPU: each
-call is followed by a stream synchronize inside the timed region). Ranks are not
+Timing. Per size and placement (out-of-place, with the baseline; then in-place), every
+series: `-w` untimed calls of each, one world barrier, then `-n` rounds in which each
+series (and the baseline) makes one call, timed on every rank (GPU: each call is
+followed by a stream synchronize inside the timed region). The series take turns call
+by call, so that drift on a shared host (a neighbour's load, the vCPUs changing
+placement) hits them alike and their medians compare side by side. Ranks are not
 re-synchronized between calls: a collective synchronizes them itself, as in
 nccl-tests. At the end of the size one allgather brings every rank's times together;
 an iteration's time is the slowest rank's, and the time column is the median over
@@ -460,43 +463,81 @@ class Ctx:
         return a if self.xp is np else self.xp.asnumpy(a)
 
 
-def time_calls(world, call: Callable[[], None], sync: Callable[[], None], iters: int, warmup: int,
-               before_last: Callable[[], None] | None = None) -> list[float]:
-    """Seconds of each of `iters` calls on this rank, after `warmup` untimed calls and a
-    barrier. `before_last` (untimed, then a barrier) runs before the last call."""
-    for _ in range(warmup):
-        call()
-        sync()
+@dataclass
+class Timed:
+    """One variant of a size that time_interleaved times: `call` then `sync` per
+    iteration; `before_last` (untimed, then a barrier) runs before the last call."""
+
+    call: Callable[[], None]
+    sync: Callable[[], None]
+    before_last: Callable[[], None] | None = None
+
+
+def time_interleaved(world, variants: list[Timed], iters: int, warmup: int) -> list[list[float]]:
+    """Seconds of each of `iters` calls of every variant on this rank, the variants taking
+    turns call by call (iteration i of each, then i + 1 of each), so that drift on a
+    shared host (a neighbour's load, the vCPUs changing placement) hits all of them alike
+    and their medians compare side by side. First `warmup` untimed calls of each, then a
+    barrier."""
+    for v in variants:
+        for _ in range(warmup):
+            v.call()
+            v.sync()
     world.barrier(what="bench: timed calls")
-    times = []
+    times: list[list[float]] = [[] for _ in variants]
     for i in range(iters):
-        if before_last is not None and i == iters - 1:
-            before_last()
-            sync()
-            world.barrier(what="bench: checked call")
-        t0 = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - t0)
+        last = i == iters - 1
+        if last and any(v.before_last is not None for v in variants):
+            for v in variants:
+                if v.before_last is not None:
+                    v.before_last()
+                    v.sync()
+            world.barrier(what="bench: checked calls")
+        for v, out in zip(variants, times):
+            t0 = time.perf_counter()
+            v.call()
+            v.sync()
+            out.append(time.perf_counter() - t0)
     return times
 
 
-def measure(ctx: Ctx, runner, label: str, x, expected, counts, in_place: bool) -> dict:
-    """One rank's times and wrong elements for one variant of one size (on the
-    runner's ranks: the job's, or a team's)."""
+def time_calls(world, call: Callable[[], None], sync: Callable[[], None], iters: int, warmup: int,
+               before_last: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each of `iters` calls on this rank (time_interleaved of one variant)."""
+    return time_interleaved(world, [Timed(call, sync, before_last)], iters, warmup)[0]
+
+
+def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, baseline: tuple | None = None) -> dict:
+    """One rank's times and wrong elements for one placement of one size, every runner
+    (label, runner, (input, expected, counts) of its ranks: the job's or a team's) timed
+    interleaved with the others and with `baseline` ((runner, input, counts), out of
+    place; its times under "baseline"). Other keys: the runners' labels."""
     args, plugin, w = ctx.args, ctx.plugin, ctx.world
-    rank, n = _team(runner, w)
-    b = plugin.buffers(ctx.memory_of(label), x, counts, rank, n, args.root, in_place)
     op = args.op if plugin.reducing else None
     check = bool(args.check)
-    times = time_calls(w, lambda: plugin.run(runner, b, op, args.root), runner.synchronize, args.iters,
-                       args.warmup_iters, b.restore if (check and b.restore) else None)
-    wrong = None
-    if check:
-        if ctx.corrupt is not None:
-            ctx.corrupt(label, in_place, w.rank, b.out)
-        wrong = 0 if expected is None else verify.count_wrong(ctx.to_host(b.out), expected)
-    return {"times": times, "wrong": wrong}
+    variants, checks = [], []
+    for label, runner, (x, expected, counts) in runners:
+        rank, n = _team(runner, w)
+        b = plugin.buffers(ctx.memory_of(label), x, counts, rank, n, args.root, in_place)
+        variants.append(Timed(lambda b=b, runner=runner: plugin.run(runner, b, op, args.root), runner.synchronize,
+                              b.restore if (check and b.restore) else None))
+        checks.append((label, b, expected))
+    if baseline is not None:
+        base, x, counts = baseline
+        bb = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, w.size, args.root, False)
+        variants.append(Timed(lambda: plugin.run(base, bb, op, args.root), base.synchronize))
+    times = time_interleaved(w, variants, args.iters, args.warmup_iters)
+    out = {}
+    for (label, b, expected), t in zip(checks, times):
+        wrong = None
+        if check:
+            if ctx.corrupt is not None:
+                ctx.corrupt(label, in_place, w.rank, b.out)
+            wrong = 0 if expected is None else verify.count_wrong(ctx.to_host(b.out), expected)
+        out[label] = {"times": t, "wrong": wrong}
+    if baseline is not None:
+        out["baseline"] = times[-1]
+    return out
 
 
 def _result(times_per_rank: list[list[float]], nbytes: int, factor: float, wrong_per_rank=None) -> dict:
@@ -564,6 +605,7 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: StreamMe
         if meter is not None:
             stream = {ip: [meter.measure(plugin.traffic(n, ip), size_col, args.iters)] for ip in plugin.placements}
         data = {(w.rank, n): (counts, x, expected)}  # a team's own counts, input and expected output
+        timed = []
         for s, comm in runners:
             team = _team(comm, w)
             if team not in data:
@@ -571,9 +613,15 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: StreamMe
                 data[team] = (tc, plugin.input(tc, ctx.dtype, op, args.seed, *team),
                               plugin.expected(tc, ctx.dtype, op, args.seed, *team, args.root) if args.check else None)
             tc, tx, texp = data[team]
-            for in_place in plugin.placements:
-                mine[f"{s.label}|{int(in_place)}"] = measure(ctx, comm, s.label, tx, texp, tc, in_place)
-        if baseline is not None:
+            timed.append((s.label, comm, (tx, texp, tc)))
+        for in_place in plugin.placements:  # every series (and the baseline, out of place) side by side
+            got = measure(ctx, timed, in_place, (baseline, x, counts) if baseline is not None and not in_place
+                          else None)
+            if "baseline" in got:
+                mine["baseline"] = got.pop("baseline")
+            for label, result in got.items():
+                mine[f"{label}|{int(in_place)}"] = result
+        if baseline is not None and "baseline" not in mine:  # a collective without an out-of-place form
             b = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, n, args.root, False)
             mine["baseline"] = time_calls(w, lambda: plugin.run(baseline, b, op, args.root), baseline.synchronize,
                                           args.iters, args.warmup_iters)
