@@ -198,24 +198,19 @@ struct Pushes {
     }
   }
 
-  // All threads: until `peer`'s arrivals here reach base + k (thread 0 waits).
+  // Thread 0: until `peer`'s arrivals here reach base + k.
+  __device__ void waitFor(int peer, uint64_t k) const {
+    if (a.gin.peerMask) gin().wakeEngine();
+    waitAtLeast(&syncSlot(a, a.rank, c, peer)->arrivals, base + k, env, kWaitRecvReady, peer, c, gin().helpHook());
+  }
+  // All threads: until `peer`'s arrivals (awaitAll: every peer's) reach base + k.
   __device__ void await(int peer, uint64_t k) const {
-    if (threadIdx.x == 0) {
-      if (a.gin.peerMask) gin().wakeEngine();
-      waitAtLeast(&syncSlot(a, a.rank, c, peer)->arrivals, base + k, env, kWaitRecvReady, peer, c,
-                  gin().helpHook());
-    }
+    if (threadIdx.x == 0) waitFor(peer, k);
     leaveIfFailed(env.failed);
   }
   __device__ void awaitAll(uint64_t k) const {
-    for (int i = 1; i < a.nranks; i++) {
-      if (threadIdx.x == 0) {
-        const int peer = (a.rank + a.nranks - i) % a.nranks;
-        if (a.gin.peerMask) gin().wakeEngine();
-        waitAtLeast(&syncSlot(a, a.rank, c, peer)->arrivals, base + k, env, kWaitRecvReady, peer, c,
-                    gin().helpHook());
-      }
-    }
+    if (threadIdx.x == 0)
+      for (int i = 1; i < a.nranks; i++) waitFor((a.rank + a.nranks - i) % a.nranks, k);
     leaveIfFailed(env.failed);
   }
 };
@@ -282,31 +277,23 @@ static __device__ void pushLeave(const Pushes& p, uint64_t arrivals) {
   leaveIfFailed(p.env.failed);
 }
 
-static __device__ void pushAllGather(const CollArgs& a) {
+// AllGather and AlltoAll (count = bytes per block): this rank's own block into its slot
+// r of its recvbuf, and block j (AlltoAll: of the sendbuf; AllGather: this rank's one,
+// from that slot) into slot r of every peer j's recvbuf.
+static __device__ void pushExchange(const CollArgs& a, bool alltoall) {
   KernelEnv env = kernelEnv(a);
   const int n = a.nranks, r = a.rank;
   const uint64_t B = a.count;
   const Share s = channelShare(B, blockIdx.x, a.nchannels);
   const Pushes p = pushEnter<uint8_t, OpSum>(a, env);
-  uint8_t* mine[1] = {(uint8_t*)a.recvbuf + r * B + s.begin};  // GIN puts read it from there
-  copyToAll((const uint8_t*)a.sendbuf + s.begin, mine, 1, s.end - s.begin, 0, userStreamMin(a.streamStores));
+  uint8_t* mine[1] = {(uint8_t*)a.recvbuf + r * B + s.begin};  // AllGather's puts read it from there
+  copyToAll((const uint8_t*)a.sendbuf + (alltoall ? r * B : 0) + s.begin, mine, 1, s.end - s.begin, 0,
+            userStreamMin(a.streamStores));
   __syncthreads();
-  for (int k = 1; k < n; k++) p.push((r + k) % n, a.symRecv, r * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
-  p.awaitAll(2);
-  pushLeave(p, 2);
-}
-
-static __device__ void pushAlltoAll(const CollArgs& a) {
-  KernelEnv env = kernelEnv(a);
-  const int n = a.nranks, r = a.rank;
-  const uint64_t B = a.count;
-  const Share s = channelShare(B, blockIdx.x, a.nchannels);
-  const Pushes p = pushEnter<uint8_t, OpSum>(a, env);
-  uint8_t* mine[1] = {(uint8_t*)a.recvbuf + r * B + s.begin};
-  copyToAll((const uint8_t*)a.sendbuf + r * B + s.begin, mine, 1, s.end - s.begin, 0, userStreamMin(a.streamStores));
   for (int k = 1; k < n; k++) {
     const int j = (r + k) % n;
-    p.push(j, a.symSend, j * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
+    if (alltoall) p.push(j, a.symSend, j * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
+    else p.push(j, a.symRecv, r * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
   }
   p.awaitAll(2);
   pushLeave(p, 2);
@@ -356,10 +343,10 @@ COMMREF_KERNEL(commref_direct_allreduce, CollArgs, args) {
 }
 COMMREF_KERNEL(commref_direct_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_REDUCE_SCATTER) }
 COMMREF_KERNEL(commref_direct_allgather, CollArgs, args) {
-  if (args.gin.peerMask) pushAllGather(args);
+  if (args.gin.peerMask) pushExchange(args, false);
   else directAllGather(args);
 }
 COMMREF_KERNEL(commref_direct_alltoall, CollArgs, args) {
-  if (args.gin.peerMask) pushAlltoAll(args);
+  if (args.gin.peerMask) pushExchange(args, true);
   else directAlltoAll(args);
 }
