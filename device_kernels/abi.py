@@ -88,7 +88,7 @@ ENGINE_KERNEL_NAMES = tuple(ENGINE_KERNELS)
 GIN_PROTOCOLS = {"strong": 0, "weak-last": 1, "signal-per-put": 2, "flush-signal": 3}
 # GinOp and GinFlags (gin.h).
 GIN_PUT, GIN_PUT_VALUE, GIN_SIGNAL, GIN_GET, GIN_FLUSH, GIN_DOORBELL = 1, 2, 3, 4, 5, 6
-GIN_HAS_SIGNAL, GIN_STRONG, GIN_VA, GIN_ADD, GIN_HAS_COUNTER = 1, 2, 4, 8, 16
+GIN_HAS_SIGNAL, GIN_STRONG, GIN_VA, GIN_ADD, GIN_HAS_COUNTER, GIN_BULK = 1, 2, 4, 8, 16, 32
 
 SLOT_HEADER = 64  # bytes before each FIFO slot's data: call descriptor and count
 FLAG_STRIDE = 64  # bytes between flag words: two writers never share a cache line

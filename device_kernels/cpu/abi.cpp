@@ -144,7 +144,7 @@ struct Table {
   C(GIN_PUT, kGinPut) C(GIN_PUT_VALUE, kGinPutValue) C(GIN_SIGNAL, kGinSignal) C(GIN_GET, kGinGet)             \
   C(GIN_FLUSH, kGinFlush) C(GIN_DOORBELL, kGinDoorbell)                                                        \
   C(GIN_HAS_SIGNAL, kGinHasSignal) C(GIN_STRONG, kGinStrongSignal) C(GIN_VA, kGinVaSignal)                     \
-  C(GIN_ADD, kGinSignalAdd) C(GIN_HAS_COUNTER, kGinHasCounter)                                                 \
+  C(GIN_ADD, kGinSignalAdd) C(GIN_HAS_COUNTER, kGinHasCounter) C(GIN_BULK, kGinBulk)                                                 \
   C(SLOT_HEADER, COMMREF_SLOT_HEADER) C(FLAG_STRIDE, COMMREF_FLAG_STRIDE)                                      \
   C(LL_LINE, COMMREF_LL_LINE) C(LL_HEADER, COMMREF_LL_HEADER) C(LL128_LINE, COMMREF_LL128_LINE)                \
   C(LL128_LINE_DATA, COMMREF_LL128_LINE_DATA) C(CPU_ATOMIC_16, kCpuAtomic16) C(CPU_STORE_ORDER, kCpuStoreOrder)   \

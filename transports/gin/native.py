@@ -54,10 +54,16 @@ class EngineConfig(ctypes.Structure):
                 ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
                 ("yieldPolls", ctypes.c_int32), ("kernelsHelp", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
                 ("traceCapacity", ctypes.c_uint64), ("windowBytes", ctypes.c_uint64), ("timeoutS", ctypes.c_double),
-                ("wireBytesPerS", ctypes.c_double), ("wireLatencyNs", ctypes.c_uint64), ("backend", ctypes.c_char * 32)]
+                ("wireBytesPerS", ctypes.c_double), ("wireLatencyNs", ctypes.c_uint64), ("streamMinBytes", ctypes.c_uint64),
+                ("backend", ctypes.c_char * 32)]
 
 
 NETWORKS = {"shm": 0, "mpi": 1}  # native_engine.cpp's kNetworkShm, kNetworkMpi
+
+# Network shm: bulk puts (gin.h kGinBulk) of at least this many bytes land with
+# non-temporal stores (native_engine.cpp, land()); move.h streams what another agent
+# reads next from the same size (COMMREF_HANDOFF_STREAM_MIN_BYTES). 0: never.
+STREAM_MIN_BYTES = 16 << 10
 
 # On network shm the CPU engine's kernels take descriptors themselves between their
 # posts and waits (gin.h, "Help"); 0 leaves every descriptor to the engine's thread (to
@@ -211,7 +217,8 @@ class NativeProxy:
     def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
                  transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
                  mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY,
-                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0):
+                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0,
+                 stream_min_bytes: int | None = None):
         why = supports(transport, network, observer)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
@@ -241,7 +248,9 @@ class NativeProxy:
             kernelsHelp=int(kernels_help_enabled()),
             sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity),
             windowBytes=int(window.local.nbytes), timeoutS=float(world.timeout), wireBytesPerS=float(wire_rate),
-            wireLatencyNs=round(wire_latency * 1e9), backend=backend.name.encode()[:31])
+            wireLatencyNs=round(wire_latency * 1e9),
+            streamMinBytes=STREAM_MIN_BYTES if stream_min_bytes is None else int(stream_min_bytes),
+            backend=backend.name.encode()[:31])
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
         if not self._h:
             raise ProxyError(f"rank {self.rank}: the native GIN engine refused its configuration")

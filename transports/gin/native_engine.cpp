@@ -113,6 +113,7 @@ struct CommrefGinEngineConfig {
   double timeoutS;         // stop() and the MPI network's waits: how long to wait
   double wireBytesPerS;    // the wire model (below): this rank's wire sends this many bytes/s; 0: unlimited
   uint64_t wireLatencyNs;  // ... and an operation takes effect this long after it is sent
+  uint64_t streamMinBytes; // network shm: bulk puts (kGinBulk) from this size land with non-temporal stores; 0: never
   char backend[32];        // the backend's name, for messages
 };
 
@@ -419,6 +420,23 @@ class Engine {
 
   std::string who() const { return "rank " + std::to_string(cfg_.rank) + ": "; }
 
+  // A put's bytes into the peer's window (network shm). Bulk data (kGinBulk: read only
+  // after a signal) from streamMinBytes goes past this core's cache with non-temporal
+  // stores, fenced (streamBytes), so the peer's core reads it from memory instead of
+  // fetching each line from this one (on a host whose cores do not share a cache that
+  // is several times faster: docs/performance.md, "Two placements"). Anything else line
+  // by line, for kernels that poll LL lines there.
+  void land(char* dst, const char* src, uint64_t nbytes, bool bulk) const {
+#ifdef COMMREF_HAVE_STREAM
+    if (bulk && cfg_.streamMinBytes && nbytes >= cfg_.streamMinBytes) {
+      streamBytes(dst, src, nbytes);
+      return;
+    }
+#endif
+    (void)bulk;
+    landLines(dst, src, nbytes);
+  }
+
   // [offset, offset + bytes) lies in the connection window (windowBytes).
   bool inWindow(uint64_t offset, uint64_t bytes) const {
     return offset <= cfg_.windowBytes && bytes <= cfg_.windowBytes - offset;
@@ -597,7 +615,7 @@ class Engine {
     if (mpi()) {
       if (!mpiPut(d, src, nbytes, value, counter, seq, &counted)) return false;
     } else {
-      if (nbytes) landLines(dst, src, nbytes);  // kernels may poll LL lines there
+      if (nbytes) land(dst, src, nbytes, d.flags & kGinBulk);
       if (counter) bumpCounter(d.counter);
       if (hasSignal)  // after the data: release
         __atomic_fetch_add(reinterpret_cast<uint64_t*>(peer + (va ? d.signal : cfg_.signalsOff + 8 * d.signal)), value,

@@ -32,7 +32,7 @@ class Descriptor(NamedTuple):
 
     seq: int
     op: int  # abi.GIN_PUT, GIN_PUT_VALUE, GIN_SIGNAL, GIN_GET, GIN_FLUSH, GIN_DOORBELL
-    flags: int  # abi.GIN_HAS_SIGNAL | GIN_STRONG | GIN_VA | GIN_ADD | GIN_HAS_COUNTER
+    flags: int  # abi.GIN_HAS_SIGNAL | GIN_STRONG | GIN_VA | GIN_ADD | GIN_HAS_COUNTER | GIN_BULK
     peer: int
     ctx: int
     dstOffset: int

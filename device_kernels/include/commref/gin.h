@@ -75,7 +75,12 @@ enum GinFlags : uint32_t {
   kGinStrongSignal = 1u << 1,  // else weak
   kGinVaSignal = 1u << 2,      // else indexed
   kGinSignalAdd = 1u << 3,     // else inc (value 1)
-  kGinHasCounter = 1u << 4
+  kGinHasCounter = 1u << 4,
+  // Bulk data: nothing reads the destination's bytes before this put's signal or a later
+  // one lands (FIFO slots of the Simple protocol, the direct kernels' pushes; not LL or
+  // LL128 lines, which kernels poll). An engine may land them with non-temporal stores,
+  // fenced before any later signal (the native engine does, from its streamMinBytes).
+  kGinBulk = 1u << 5
 };
 
 struct GinDescriptor {

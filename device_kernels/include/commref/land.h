@@ -1,6 +1,8 @@
-// commref/land.h — how a GIN proxy of the CPU engine lands a put's bytes in a window that
-// kernels poll (transports/gin: host_atomics.cpp for the Python proxy, native_engine.cpp).
-// Host code only; the line protocols it serves are described in proto.h.
+// commref/land.h — how host code lands bytes that another agent reads next: landLines, a
+// GIN proxy's put into a window that kernels poll (transports/gin: host_atomics.cpp for the
+// Python proxy, native_engine.cpp; the line protocols it serves are described in proto.h),
+// and streamBytes, a copy with non-temporal stores (the CPU kernels' streamed stores,
+// move.h, and the native engine's bulk puts, gin.h kGinBulk). Host code only.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -29,4 +31,29 @@ static inline void landLines(void* to, const void* from, uint64_t n) {
 #else
 // Not x86-64: a plain copy (transports/gin/plan.py refuses LL and LL128 over GIN there).
 static inline void landLines(void* to, const void* from, uint64_t n) { memcpy(to, from, n); }
+#endif
+
+// ThreadSanitizer does not see non-temporal stores: its builds copy with memcpy.
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+#include <emmintrin.h>
+#define COMMREF_HAVE_STREAM 1
+// memcpy with non-temporal stores; ends with a store fence, so that the flag that
+// publishes the bytes is ordered after them.
+static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
+  uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+  if (head > bytes) head = bytes;
+  memcpy(dst, src, head);
+  dst += head, src += head, bytes -= head;
+  uint64_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128((const __m128i*)(src + i)), b = _mm_loadu_si128((const __m128i*)(src + i + 16));
+    const __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32)), d = _mm_loadu_si128((const __m128i*)(src + i + 48));
+    _mm_stream_si128((__m128i*)(dst + i), a);
+    _mm_stream_si128((__m128i*)(dst + i + 16), b);
+    _mm_stream_si128((__m128i*)(dst + i + 32), c);
+    _mm_stream_si128((__m128i*)(dst + i + 48), d);
+  }
+  memcpy(dst + i, src + i, bytes - i);
+  _mm_sfence();
+}
 #endif

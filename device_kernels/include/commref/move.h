@@ -29,29 +29,9 @@
 #define COMMREF_HANDOFF_STREAM_MIN_BYTES (16u << 10)  // outputs another agent reads next
 #define COMMREF_RECEIVED_STREAM_MIN_BYTES (4u << 20)  // a ring's received bytes (flow.h)
 
-// ThreadSanitizer does not see non-temporal stores: its builds copy with memcpy.
-#if defined(COMMREF_CPU) && defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
-#include <emmintrin.h>
-#define COMMREF_HAVE_STREAM 1
-// memcpy with non-temporal stores; ends with a store fence, so that the flag that
-// publishes the bytes is ordered after them.
-static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
-  uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-  if (head > bytes) head = bytes;
-  memcpy(dst, src, head);
-  dst += head, src += head, bytes -= head;
-  uint64_t i = 0;
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128((const __m128i*)(src + i)), b = _mm_loadu_si128((const __m128i*)(src + i + 16));
-    const __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32)), d = _mm_loadu_si128((const __m128i*)(src + i + 48));
-    _mm_stream_si128((__m128i*)(dst + i), a);
-    _mm_stream_si128((__m128i*)(dst + i + 16), b);
-    _mm_stream_si128((__m128i*)(dst + i + 32), c);
-    _mm_stream_si128((__m128i*)(dst + i + 48), d);
-  }
-  memcpy(dst + i, src + i, bytes - i);
-  _mm_sfence();
-}
+// streamBytes (CPU): land.h, shared with the GIN engine's landings.
+#if defined(COMMREF_CPU)
+#include "land.h"
 #endif
 
 #ifdef COMMREF_GPU
