@@ -193,7 +193,7 @@ struct Pushes {
     if (threadIdx.x == 0) {
       const uint64_t word = syncSlotOffset(a, c, a.rank) + kSyncArrivals;
       GinRemoteAction arrival = VaSignal(StrongSignalAdd(word, 1));
-      arrival.flags |= kGinBulk;  // read after the arrival
+      if (a.streamStores) arrival.flags |= kGinBulk;  // read after the arrival
       gin().put(c, peer, dst.offset + to, src.offset + from, bytes, arrival, -1, ginWindows(src.ginWindow, dst.ginWindow));
       if (a.gin.doorbells) gin().doorbell(c, peer);
     }

@@ -181,7 +181,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
       r = StrongSignalInc(readySignal);
     else if (a.gin.protocol == kGinSignalPerPut || (a.gin.protocol == kGinWeakLast && i == n - 1))
       r = WeakSignalInc(readySignal);
-    r.flags |= kGinBulk;  // the receiver reads the slot after its ready signal
+    if (a.streamStores) r.flags |= kGinBulk;  // the receiver reads the slot after its ready signal
     g.put(s.channel, s.peer, dst + b, src + b, e - b, r);
   }
   if (a.gin.protocol == kGinFlushSignal) {

@@ -78,8 +78,11 @@ enum GinFlags : uint32_t {
   kGinHasCounter = 1u << 4,
   // Bulk data: nothing reads the destination's bytes before this put's signal or a later
   // one lands (FIFO slots of the Simple protocol, the direct kernels' pushes; not LL or
-  // LL128 lines, which kernels poll). An engine may land them with non-temporal stores,
-  // fenced before any later signal (the native engine does, from its streamMinBytes).
+  // LL128 lines, which kernels poll), so an engine may land them with non-temporal
+  // stores, fenced before any later signal (the native engine does, from its
+  // streamMinBytes). The collectives set it where the call streams what another agent
+  // reads next (CollArgs.streamStores: tuner.StoreChooser times whole calls both ways),
+  // since whether streaming pays depends on where the cores sit (move.h).
   kGinBulk = 1u << 5
 };
 
