@@ -627,3 +627,63 @@ def test_kernels_take_descriptors_through_the_help_hook(monkeypatch):
     monkeypatch.setenv(nat.KERNELS_HELP_ENV, "yes")
     with pytest.raises(ValueError, match=r"^COMMREF_GIN_KERNELS_HELP must be 0 or 1, not 'yes'$"):
         nat.kernels_help_enabled()
+
+
+def test_an_unknown_window_fails_the_native_engine_and_the_other_proxies_refuse_windows():
+    """A descriptor may name only windows its engine was given (gin.h, "Windows"); the
+    Python proxy carries the connection window alone and says so."""
+    posts = [dict(op=abi.GIN_PUT, peer=1, ctx=0, dst=1024, src=0, nbytes=16),
+             dict(op=abi.GIN_PUT, peer=1, ctx=0, dst=0, src=0, nbytes=8, windows=abi.gin_windows(3, 0)),
+             dict(op=abi.GIN_PUT, peer=1, ctx=0, dst=1040, src=16, nbytes=16)]
+    for engine, message in (
+            ("native", "rank 0: GIN put source (peer 1) names window 3, which this engine was not given"),
+            ("python", "rank 0: GIN operation 1 names windows 0x3: registered windows (gin.h) are carried by the "
+                       "native engine only")):
+        (res, _), (_, window1) = ThreadWorld.run(2, _posted, engine, "proxy", posts, timeout=WORLD_TIMEOUT)
+        assert res["error"] == message, (engine, res["error"])
+        assert res["abort"] == 1, engine
+        mine = ((np.arange(2048) * 4) % 251 + 1).astype(np.uint8)
+        np.testing.assert_array_equal(window1[1040:1056], mine[1040:1056])  # nothing after it landed
+
+
+def _window_puts(world):
+    """Rank 0's native engine is given a symmetric window as id 1: a put from its copy
+    into rank 1's lands there; one past its end fails naming the window."""
+    from commref.transports.gin.atomics import host_atomics
+    from commref.transports.gin.native import NativeProxy
+    from commref.transports.gin.queue import QueueWriter
+    from commref.transports.windows import register_window
+
+    lay, nbytes = _layout()
+    window = register_window(world, nbytes, "cpu")
+    sym = register_window(world, 4096, "cpu")
+    try:
+        sym.local[:] = world.rank + 1
+        world.barrier(what="filled")
+        out = None
+        if world.rank == 0:
+            proxy = NativeProxy(world, window, lay, CAP, BACKENDS["proxy"], semantics.ORDERED, "shm")
+            proxy.add_window(1, sym)
+            proxy.start()
+            q = QueueWriter(window.local, lay, CAP, host_atomics())
+            q.publish([q.fill(abi.GIN_PUT, peer=1, ctx=0, dst=100, src=0, nbytes=64, windows=abi.gin_windows(1, 1))])
+            proxy.quiesce(WORLD_TIMEOUT)
+            q.publish([q.fill(abi.GIN_PUT, peer=1, ctx=0, dst=4090, src=0, nbytes=8, windows=abi.gin_windows(1, 1))])
+            deadline = time.monotonic() + WORLD_TIMEOUT
+            while proxy.error is None:
+                assert time.monotonic() < deadline, "the engine took a put past the window's end"
+                time.sleep(1e-4)
+            proxy.stop()
+            out = str(proxy.error)
+            world.abort_word[0] = 0
+        world.barrier(what="landed")
+        return out, sym.local.copy()
+    finally:
+        sym.close()
+        window.close()
+
+
+def test_puts_between_symmetric_windows_land_in_the_peers_copy_and_stay_inside_it():
+    (error, _), (_, peer) = ThreadWorld.run(2, _window_puts, timeout=WORLD_TIMEOUT)
+    assert (peer[100:164] == 1).all() and (peer[:100] == 2).all() and (peer[164:] == 2).all()
+    assert error == "rank 0: GIN put destination (peer 1) reaches [4090, 4098), outside the 4096-byte window 1"
