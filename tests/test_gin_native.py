@@ -657,10 +657,10 @@ def _window_puts(world):
     lay, nbytes = _layout()
     window = register_window(world, nbytes, "cpu")
     sym = register_window(world, 4096, "cpu")
+    proxy = None
     try:
         sym.local[:] = world.rank + 1
         world.barrier(what="filled")
-        out = None
         if world.rank == 0:
             proxy = NativeProxy(world, window, lay, CAP, BACKENDS["proxy"], semantics.ORDERED, "shm")
             proxy.add_window(1, sym)
@@ -668,17 +668,21 @@ def _window_puts(world):
             q = QueueWriter(window.local, lay, CAP, host_atomics())
             q.publish([q.fill(abi.GIN_PUT, peer=1, ctx=0, dst=100, src=0, nbytes=64, windows=abi.gin_windows(1, 1))])
             proxy.quiesce(WORLD_TIMEOUT)
-            q.publish([q.fill(abi.GIN_PUT, peer=1, ctx=0, dst=4090, src=0, nbytes=8, windows=abi.gin_windows(1, 1))])
-            deadline = time.monotonic() + WORLD_TIMEOUT
-            while proxy.error is None:
-                assert time.monotonic() < deadline, "the engine took a put past the window's end"
-                time.sleep(1e-4)
-            proxy.stop()
-            out = str(proxy.error)
-            world.abort_word[0] = 0
         world.barrier(what="landed")
-        return out, sym.local.copy()
+        landed = sym.local.copy()
+        if proxy is None:
+            return None, landed  # rank 1 meets no barrier while rank 0's engine fails (it raises the abort word)
+        q.publish([q.fill(abi.GIN_PUT, peer=1, ctx=0, dst=4090, src=0, nbytes=8, windows=abi.gin_windows(1, 1))])
+        deadline = time.monotonic() + WORLD_TIMEOUT
+        while proxy.error is None:
+            assert time.monotonic() < deadline, "the engine took a put past the window's end"
+            time.sleep(1e-4)
+        proxy.stop()
+        world.abort_word[0] = 0
+        return str(proxy.error), landed
     finally:
+        if proxy is not None:
+            proxy.stop()
         sym.close()
         window.close()
 
