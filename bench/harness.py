@@ -621,10 +621,6 @@ def sweep(ctx: Ctx, runners: list[tuple[Series, Any]], baseline, meter: StreamMe
                 mine["baseline"] = got.pop("baseline")
             for label, result in got.items():
                 mine[f"{label}|{int(in_place)}"] = result
-        if baseline is not None and "baseline" not in mine:  # a collective without an out-of-place form
-            b = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, n, args.root, False)
-            mine["baseline"] = time_calls(w, lambda: plugin.run(baseline, b, op, args.root), baseline.synchronize,
-                                          args.iters, args.warmup_iters)
         for in_place, rounds in stream.items():  # every rank streams at once, at each placement's footprint
             rounds.append(meter.measure(plugin.traffic(n, in_place), size_col, args.iters))
             mine[f"stream|{int(in_place)}"] = rounds

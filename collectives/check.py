@@ -59,12 +59,12 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
     algorithms' once, with none); empty: once, in the communicator's protocol."""
     out = []
     for coll in collectives:
-        placements = [ip for ip in in_place if not ip or catalogue.get(coll).in_place_ok]
+        spec = catalogue.get(coll)
+        placements = [ip for ip in in_place if not ip or spec.in_place_ok]
         for algo, protocol in [(a, p) for a in algorithms_for(coll, direct, hierarchical)
                                for p in (protocols if protocols and a in tuner.PROTOCOL_ALGORITHMS else [None])]:
             if algorithms and algo not in algorithms:
                 continue
-            spec = catalogue.get(coll)
             pushing = pushed and algo == "direct"
             if pushing and spec.gin_windows is None:
                 continue
