@@ -381,9 +381,7 @@ class Communicator:
         an AllReduce in place or whose count does not split evenly over the ranks."""
         if not self.peer_mask:
             return self._symmetric.direct(spec, s, r)
-        if spec.gin_windows is None:
-            return None
-        if spec.gin_direct_even_out_of_place and (count % self.nranks or s.overlaps(r)):
+        if self._push_refusal(spec, s, r, count) is not None:
             return None
         return self._symmetric.direct(spec, s, r, spec.gin_windows)
 
@@ -394,8 +392,9 @@ class Communicator:
         h = self._hierarchy
         return h is not None and bool(h.intra._symmetric.windows) and h.intra._symmetric.direct(spec, s, r) is not None
 
-    def _why_not_pushed(self, spec, s, r, count: int) -> str:
-        """Why _direct_buffers found no direct kernel for this call with GIN peers."""
+    def _push_refusal(self, spec, s, r, count: int) -> str | None:
+        """Why the direct kernel of `spec` cannot push this call over GIN whatever its
+        buffers (None: it can where they lie in windows the engine carries)."""
         if self.gin_direct_refusal is not None:
             return self.gin_direct_refusal
         if self.nranks > abi.DIRECT_MAX_RANKS:
@@ -406,8 +405,13 @@ class Communicator:
             return f"{spec.name} pushes equal blocks: count {count} is not a multiple of {self.nranks} ranks"
         if spec.gin_direct_even_out_of_place and s.overlaps(r):
             return f"{spec.name} stages peers' blocks in its recvbuf: not in place"
-        return (f"{' and '.join(spec.gin_windows)} must come from Communicator.alloc_symmetric (the GIN engine "
-                f"puts from and into those windows)")
+        return None
+
+    def _why_not_pushed(self, spec, s, r, count: int) -> str:
+        """Why _direct_buffers found no direct kernel for this call with GIN peers."""
+        return self._push_refusal(spec, s, r, count) or (
+            f"{' and '.join(spec.gin_windows)} must come from Communicator.alloc_symmetric (the GIN engine puts "
+            f"from and into those windows)")
 
     def _launch_cpu(self, call: RepeatedCall) -> None:
         """Runs a CPU call (its record fields written unless the record holds them)."""
