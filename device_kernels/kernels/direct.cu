@@ -168,15 +168,33 @@ struct Pushes {
   __device__ Gin gin() const { return Gin{a, env}; }
   __device__ bool lsa(int peer) const { return !overGin(a, peer); }
 
+  // Over GIN one arrival is the strong VA signal that adds 1 to the peer's word for
+  // (channel c, this rank); what was posted to the peer is rung after it (doorbells).
+  __device__ GinRemoteAction arrival() const {
+    return VaSignal(StrongSignalAdd(syncSlotOffset(a, c, a.rank) + kSyncArrivals, 1));
+  }
+  __device__ void ring(int peer) const {
+    if (a.gin.doorbells) gin().doorbell(c, peer);
+  }
+
+  // Thread 0, a GIN peer: a put of `bytes` (src here, dst at the peer, in `windows`) that
+  // lands as one arrival; `bulk`: nothing reads it before (kGinBulk).
+  __device__ void putArrival(int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t windows,
+                             bool bulk) const {
+    GinRemoteAction r = arrival();
+    if (bulk) r.flags |= kGinBulk;
+    gin().put(c, peer, dst, src, bytes, r, -1, windows);
+    ring(peer);
+  }
+
   // Thread 0: one arrival at `peer` (after what this rank pushed there before it).
   __device__ void signal(int peer) const {
     if (lsa(peer)) {
       fetch_add_release(&syncSlot(a, peer, c, a.rank)->arrivals, 1);
       return;
     }
-    const uint64_t word = syncSlotOffset(a, c, a.rank) + kSyncArrivals;
-    gin().signal(c, peer, VaSignal(StrongSignalAdd(word, 1)));
-    if (a.gin.doorbells) gin().doorbell(c, peer);
+    gin().signal(c, peer, arrival());
+    ring(peer);
   }
 
   // All threads: `bytes` at byte `from` of this rank's `src` to byte `to` of the peer's
@@ -190,13 +208,10 @@ struct Pushes {
       if (threadIdx.x == 0) signal(peer);
       return;
     }
-    if (threadIdx.x == 0) {
-      const uint64_t word = syncSlotOffset(a, c, a.rank) + kSyncArrivals;
-      GinRemoteAction arrival = VaSignal(StrongSignalAdd(word, 1));
-      if (a.streamStores) arrival.flags |= kGinBulk;  // read after the arrival
-      gin().put(c, peer, dst.offset + to, src.offset + from, bytes, arrival, -1, ginWindows(src.ginWindow, dst.ginWindow));
-      if (a.gin.doorbells) gin().doorbell(c, peer);
-    }
+    // Read after the arrival: bulk where the call streams its handoffs (gin.h, kGinBulk).
+    if (threadIdx.x == 0)
+      putArrival(peer, dst.offset + to, src.offset + from, bytes, ginWindows(src.ginWindow, dst.ginWindow),
+                 a.streamStores);
   }
 
   // Thread 0: until `peer`'s arrivals here reach base + k.
@@ -223,47 +238,22 @@ static __device__ Pushes pushEnter(const CollArgs& a, KernelEnv& env) {
   const int c = blockIdx.x, n = a.nranks, r = a.rank;
   ringHandshake<T, Op>(a, c);
   Pushes p{a, env, c, load_relaxed(&syncSlot(a, r, c, n)->arrivals)};
-  const uint64_t windows = a.symSend.ginWindow | (uint64_t)a.symRecv.ginWindow << 32;
   if (threadIdx.x == 0) {
-    SyncSlot* mine = syncSlot(a, r, c, r);  // this rank's call, the source of its GIN puts
-    store_relaxed(&mine->callDesc, a.callDesc);
-    store_relaxed(&mine->count, a.count);
-    store_relaxed(&mine->sendOffset, a.symSend.offset);
-    store_relaxed(&mine->recvOffset, a.symRecv.offset);
-    store_relaxed(&mine->ginWindows, windows);
+    storeCall(syncSlot(a, r, c, r), a);  // this rank's call, the source of its GIN puts
     const uint64_t from = syncSlotOffset(a, c, r) + kSyncCallFields;
     for (int k = 1; k < n; k++) {
       const int peer = (r + k) % n;
       if (p.lsa(peer)) {
-        SyncSlot* there = syncSlot(a, peer, c, r);
-        store_relaxed(&there->callDesc, a.callDesc);
-        store_relaxed(&there->count, a.count);
-        store_relaxed(&there->sendOffset, a.symSend.offset);
-        store_relaxed(&there->recvOffset, a.symRecv.offset);
-        store_relaxed(&there->ginWindows, windows);
+        storeCall(syncSlot(a, peer, c, r), a);
         p.signal(peer);  // release: the fields before the arrival
       } else {
-        const uint64_t word = syncSlotOffset(a, c, r) + kSyncArrivals;
-        p.gin().put(c, peer, from, from, kSyncCallBytes, VaSignal(StrongSignalAdd(word, 1)));
-        if (a.gin.doorbells) p.gin().doorbell(c, peer);
+        p.putArrival(peer, from, from, kSyncCallBytes, 0, false);
       }
     }
   }
   p.awaitAll(1);
-  if (threadIdx.x == 0) {
-    for (int k = 1; k < n; k++) {
-      const int peer = (r + k) % n;
-      const SyncSlot* s = syncSlot(a, r, c, peer);
-      const uint64_t desc = load_relaxed(&s->callDesc), count = load_relaxed(&s->count);
-      if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, peer, c, a.callDesc, desc);
-      if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, peer, c, a.count, count);
-      const uint64_t so = load_relaxed(&s->sendOffset), ro = load_relaxed(&s->recvOffset);
-      const uint64_t w = load_relaxed(&s->ginWindows);
-      if (so != a.symSend.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symSend.offset, so);
-      if (ro != a.symRecv.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symRecv.offset, ro);
-      if (w != windows) commref_fail(env, kMismatch, kBufferMismatch, peer, c, windows, w);
-    }
-  }
+  if (threadIdx.x == 0)
+    for (int k = 1; k < n; k++) checkCall(syncSlot(a, r, c, (r + k) % n), a, env, (r + k) % n, c);
   leaveIfFailed(env.failed);
   return p;
 }

@@ -78,6 +78,30 @@ static __device__ __forceinline__ SyncSlot* syncSlot(const CollArgs& a, int rank
   return (SyncSlot*)(windowOf(a, rank) + syncSlotOffset(a, c, from));
 }
 
+// The call a rank states in its SyncSlot at each peer (lsaBarrier's, and the direct
+// kernels' over GIN, direct.cu: pushEnter): callDesc, count, the symmetric buffers'
+// offsets and GIN window ids; checkCall compares a peer's with this rank's own.
+static __device__ __forceinline__ uint64_t syncWindows(const CollArgs& a) {
+  return a.symSend.ginWindow | (uint64_t)a.symRecv.ginWindow << 32;
+}
+static __device__ __forceinline__ void storeCall(SyncSlot* s, const CollArgs& a) {
+  store_relaxed(&s->callDesc, a.callDesc);
+  store_relaxed(&s->count, a.count);
+  store_relaxed(&s->sendOffset, a.symSend.offset);
+  store_relaxed(&s->recvOffset, a.symRecv.offset);
+  store_relaxed(&s->ginWindows, syncWindows(a));
+}
+static __device__ void checkCall(const SyncSlot* s, const CollArgs& a, KernelEnv& env, int peer, int c) {
+  const uint64_t desc = load_relaxed(&s->callDesc), count = load_relaxed(&s->count);
+  if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, peer, c, a.callDesc, desc);
+  if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, peer, c, a.count, count);
+  const uint64_t so = load_relaxed(&s->sendOffset), ro = load_relaxed(&s->recvOffset);
+  const uint64_t w = load_relaxed(&s->ginWindows);
+  if (so != a.symSend.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symSend.offset, so);
+  if (ro != a.symRecv.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symRecv.offset, ro);
+  if (w != syncWindows(a)) commref_fail(env, kMismatch, kBufferMismatch, peer, c, syncWindows(a), w);
+}
+
 // All threads of the block call it; thread 0 signals and waits. On return every peer's
 // channel c has reached this barrier, and every write the block made before it is
 // visible to the peers' blocks after theirs. If thread 0's waits or checks failed, the
@@ -90,23 +114,14 @@ static __device__ void lsaBarrier(const CollArgs& a, int c, KernelEnv& env, bool
     store_relaxed(state, epoch);
     for (int k = 1; k < a.nranks; k++) {
       SyncSlot* s = syncSlot(a, (a.rank + k) % a.nranks, c, a.rank);
-      store_relaxed(&s->callDesc, a.callDesc);
-      store_relaxed(&s->count, a.count);
-      store_relaxed(&s->sendOffset, a.symSend.offset);
-      store_relaxed(&s->recvOffset, a.symRecv.offset);
+      storeCall(s, a);
       store_release(&s->epoch, epoch);
     }
     for (int k = 1; k < a.nranks; k++) {
       const int peer = (a.rank + a.nranks - k) % a.nranks;
       SyncSlot* s = syncSlot(a, a.rank, c, peer);
       waitAtLeast(&s->epoch, epoch, env, kWaitLsaBarrier, peer, c);
-      if (!check || env.failed) continue;
-      const uint64_t desc = load_relaxed(&s->callDesc), count = load_relaxed(&s->count);
-      if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, peer, c, a.callDesc, desc);
-      if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, peer, c, a.count, count);
-      const uint64_t so = load_relaxed(&s->sendOffset), ro = load_relaxed(&s->recvOffset);
-      if (so != a.symSend.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symSend.offset, so);
-      if (ro != a.symRecv.offset) commref_fail(env, kMismatch, kBufferMismatch, peer, c, a.symRecv.offset, ro);
+      if (check && !env.failed) checkCall(s, a, env, peer, c);
     }
   }
   leaveIfFailed(env.failed);
