@@ -437,11 +437,6 @@ class Engine {
     landLines(dst, src, nbytes);
   }
 
-  // [offset, offset + bytes) lies in the connection window (windowBytes).
-  bool inWindow(uint64_t offset, uint64_t bytes) const {
-    return offset <= cfg_.windowBytes && bytes <= cfg_.windowBytes - offset;
-  }
-
   bool outside(const char* what, int32_t peer, uint64_t offset, uint64_t bytes, uint32_t window = 0,
                uint64_t windowBytes = 0) {
     return fail(who() + "GIN " + what + " (peer " + std::to_string(peer) + ") reaches [" + std::to_string(offset) +
@@ -590,7 +585,7 @@ class Engine {
         value = 1;
       }
       const uint64_t where = va ? d.signal : cfg_.signalsOff + 8 * d.signal;
-      if (!inWindow(where, 8)) return outside("signal", d.peer, where, 8);
+      if (!known(0, where, 8, "signal", d.peer)) return false;
     }
     uint64_t nbytes = 0;
     const char* src = reinterpret_cast<const char*>(&d.bytes);  // a putValue's value
@@ -847,8 +842,8 @@ class Engine {
               request ? "get request" : "landing", src);
     if (l.at == nullptr) return false;
     if (h.kind == kMsgPut && (h.flags & kMsgHasSignal) &&
-        !inWindow(h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal, 8))
-      return outside("signal", src, h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal, 8);
+        !known(0, h.flags & kMsgVa ? h.signal : cfg_.signalsOff + 8 * h.signal, 8, "signal", src))
+      return false;
     if (h.kind == kMsgGetReply && src != getPeer_)
       return fail(who() + "GIN MPI network: a get reply from peer " + std::to_string(src) + ", expected " +
                   (getPeer_ < 0 ? std::string("none") : "one from peer " + std::to_string(getPeer_)));
