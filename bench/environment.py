@@ -31,6 +31,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_list(cpus) -> str:
+    """CPU ids as the kernel's list format: "0-3,8"."""
+    ordered, runs = sorted(cpus), []
+    for c in ordered:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def device_name(device: str, device_id: int | None) -> str:
     if device == "cuda":
         try:
@@ -121,7 +132,7 @@ def environment(world, device: str, device_id: int | None, baseline, baseline_er
     """Versions, hosts and devices of the run (one allgather over the ranks of `world`)."""
     w = world
     mine = {"rank": w.rank, "host": socket.gethostname(), "node": w.node,
-            "pid": os.getpid(), "device": device_name(device, device_id)}
+            "pid": os.getpid(), "cpus": cpu_list(os.sched_getaffinity(0)), "device": device_name(device, device_id)}
     if device == "cuda":
         try:
             import cupy

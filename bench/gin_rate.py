@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from commref.bench.environment import cpu_list
 from commref.collectives.communicator import Communicator
 from commref.transports.world import MPIWorld, ThreadWorld
 
@@ -226,11 +228,12 @@ def measure(world, args) -> dict | None:
     lat = _latency(world, args.latency_blocks, args.latency_iters)
     pipe = _pipelined_rate(world, args.pipe_bytes, args.pipe_slot_bytes, args.pipe_steps, args.pipe_iters)
     bw = _busbw(world, args.bytes, args.iters, args.warmup)
-    gathered = world.allgather((rates, bw, pipe, lat), what="gin_rate results")
+    cpus = cpu_list(os.sched_getaffinity(0))
+    gathered = world.allgather((rates, bw, pipe, lat, cpus), what="gin_rate results")
     if world.rank != 0:
         return None
     n = world.size
-    out = {"world": world.kind, "nranks": n, "rate": {}, "busbw": {}}
+    out = {"world": world.kind, "nranks": n, "cpus": [g[4] for g in gathered], "rate": {}, "busbw": {}}
     for wire in ("ordered", "unordered"):
         out["rate"][wire] = _rate_summary([g[0][wire] for g in gathered], args.small_iters)
     out["pipelined"] = {**_rate_summary([g[2] for g in gathered], args.pipe_iters), "bytes": args.pipe_bytes,
@@ -261,7 +264,8 @@ def _ops_line(r: dict) -> str:
 
 
 def report(out: dict) -> str:
-    lines = [f"# commref GIN rate: {out['nranks']} ranks, {out['world']} world, CPU engine, backend proxy"]
+    lines = [f"# commref GIN rate: {out['nranks']} ranks, {out['world']} world, CPU engine, backend proxy; "
+             f"CPUs per rank {out['cpus']}"]
     for wire, r in out["rate"].items():
         per = ", ".join(f"{v:.1f}" for v in r["ops_per_collective_per_proxy"])
         lines.append(f"8-byte AllReduce, shm network, {wire:>9} wire, {r['engine']} engine: "

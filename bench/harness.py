@@ -759,7 +759,7 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
         "# Using devices",
     ]
     for r, d in enumerate(env["ranks"]):
-        lines.append(f"#  Rank {r:2d} Group  0 Pid {d['pid']:6d} on {d['node']:>10} device {d['device']}")
+        lines.append(f"#  Rank {r:2d} Group  0 Pid {d['pid']:6d} on {d['node']:>10} cpus {d['cpus']} device {d['device']}")
     lines.append("#")
     paths = ", ".join(s.label for s, _ in runners)
     lines.append(f"# Path: {paths} over {link} ({LINKS.get(link, link)}); algorithm {','.join(_algorithms(a))}; "

@@ -4,7 +4,7 @@
   commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/harness.py's flags)
   commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--stress [--np 2] [--network shm|mpi]]
 
-Every argument (and COMMREF_TIMEOUT, COMMREF_GIN_ENGINE, COMMREF_PROTO) is parsed and validated here,
+Every argument (and COMMREF_TIMEOUT, COMMREF_CPU_BIND, COMMREF_GIN_ENGINE, COMMREF_PROTO) is parsed and validated here,
 before any rank starts, with the typed options' own checks and messages (collectives/options.py,
 transports/gin/options.py); a bad one ends the command with one line
 `commref <command>: error: ...` on stderr and exit status 2.
@@ -39,7 +39,7 @@ from commref.transports.gin import faults
 from commref.transports.gin.backends import select_backend
 from commref.transports.gin.native import kernels_help_enabled
 from commref.transports.gin.plan import gin_engine, protocol_refusal_before_start, requirements
-from commref.transports.world import NODES_ENV, MPIWorld, check_nodes, default_timeout
+from commref.transports.world import NODES_ENV, MPIWorld, check_nodes, default_cpu_binding, default_timeout
 
 
 def _study():
@@ -286,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args) -> None:
     """Every check that needs no rank; ValueError (OptionError included) with one line."""
     default_timeout()  # COMMREF_TIMEOUT, which every rank's waits use
+    default_cpu_binding()  # COMMREF_CPU_BIND: auto or none (transports/world.py)
     gin_engine()  # COMMREF_GIN_ENGINE: auto, native or python (transports/gin/plan.py)
     kernels_help_enabled()  # COMMREF_GIN_KERNELS_HELP: 0 or 1 (transports/gin/native.py)
     default_protocol()  # COMMREF_PROTO: auto, simple, ll or ll128 (collectives/options.py)

@@ -8,6 +8,8 @@ Modes:
               naming rank 2) and ``python -m mpi4py`` aborts the job.
     abort     rank 1 calls world.abort("injected failure", code=3).
     mismatch  rank 0 calls bcast(root=0), the others bcast(root=1): CommMismatch.
+    cpus      rank 0 prints "OK cpus [...]": per rank its world's cpus and the CPUs of a
+              thread started before the world, of the main thread and of one started after.
 
 Any failed check raises; ``python -m mpi4py`` turns an uncaught exception into
 MPI_Abort, so the job exits non-zero instead of hanging.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,10 +80,23 @@ def mismatch(world: World) -> None:
     raise AssertionError("mismatched bcast returned")
 
 
+def cpus(world: MPIWorld, early: threading.Thread) -> None:
+    late = threading.Thread(target=time.sleep, args=(0.5,), daemon=True)
+    late.start()
+    mine = {"cpus": sorted(world.cpus),
+            **{name: sorted(os.sched_getaffinity(t.native_id or 0)) for name, t in
+               (("early", early), ("main", threading.main_thread()), ("late", late))}}
+    gathered = world.allgather(mine, what="cpus")
+    if world.rank == 0:
+        print("OK cpus " + json.dumps(gathered), flush=True)
+
+
 def main(argv: list[str]) -> None:
     mode = argv[1]
     timeout = float(argv[2]) if len(argv) > 2 else None
     assert MPIWorld.launched_under_mpi()
+    early = threading.Thread(target=time.sleep, args=(5,), daemon=True)
+    early.start()
     world = world_from_env()
     assert isinstance(world, MPIWorld)
     if mode == "basic":
@@ -91,6 +107,8 @@ def main(argv: list[str]) -> None:
         abort(world)
     elif mode == "mismatch":
         mismatch(world)
+    elif mode == "cpus":
+        cpus(world, early)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

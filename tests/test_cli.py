@@ -66,6 +66,7 @@ PROBES = [
     (["bench", "all_reduce", "--np", "2", "-t", "2"], {}, "-t (rank threads) and --np (MPI ranks) do not combine"),
     (["bench", "all_reduce", "--backend", "proxy"], {}, "choose GIN transports; add --path gin"),
     (["bench", "all_reduce", "--np", "2"], {"COMMREF_TIMEOUT": "abc"}, "COMMREF_TIMEOUT='abc' is not a number"),
+    (["check", "--np", "2"], {"COMMREF_CPU_BIND": "cores"}, "COMMREF_CPU_BIND must be one of auto, none, not 'cores'"),
     (["check", "--np", "2"], {"COMMREF_GIN_KERNELS_HELP": "yes"}, "COMMREF_GIN_KERNELS_HELP must be 0 or 1, not 'yes'"),
     (["bench"], {}, "the following arguments are required: collective"),
     (["check", "--np", "2", "--path", "gin", "--backend", "rc", "--wire", "unordered"], {},

@@ -3,6 +3,7 @@ commref.transports.errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -16,7 +17,18 @@ import numpy as np
 import pytest
 
 from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
-from commref.transports.world import TIMEOUT_ENV, MPIWorld, ThreadWorld, World, default_timeout, world_from_env
+from commref.transports.world import (
+    CPU_BIND_ENV,
+    TIMEOUT_ENV,
+    CpuBinding,
+    MPIWorld,
+    ThreadWorld,
+    World,
+    cpu_share,
+    default_cpu_binding,
+    default_timeout,
+    world_from_env,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPI_SCRIPT = os.path.join(REPO, "tests", "mpi_world_script.py")
@@ -325,15 +337,18 @@ def _mpiexec() -> str | None:
     return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
 
 
-def _launch(mode: str, *extra: str, nranks: int = 3) -> tuple[subprocess.CompletedProcess[str], float]:
+def _launch(mode: str, *extra: str, nranks: int = 3, launcher: tuple[str, ...] = (),
+            env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
     env = dict(os.environ)
     env.pop(TIMEOUT_ENV, None)
+    env.pop(CPU_BIND_ENV, None)
+    env.update(env_extra or {})
     start = time.monotonic()
     proc = subprocess.run(
-        [mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", MPI_SCRIPT, mode, *extra],
+        [mpiexec, "-n", str(nranks), *launcher, sys.executable, "-m", "mpi4py", MPI_SCRIPT, mode, *extra],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     return proc, time.monotonic() - start
@@ -344,6 +359,64 @@ def test_mpi_world_basic(shm_leak_check) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK basic" in proc.stdout
     assert '"local_ranks": [0, 1, 2]' in proc.stdout
+
+
+def _cpus(proc: subprocess.CompletedProcess[str]) -> list[dict]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.split("OK cpus ", 1)[1].splitlines()[0])
+
+
+def test_mpi_world_binds_ranks_to_cpu_shares(shm_leak_check) -> None:
+    """auto: each rank's every thread (started before the world, the main one, one
+    started after) on its own share of the CPUs, the shares together all of them."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 CPUs")
+    ranks = _cpus(_launch("cpus", nranks=2)[0])
+    shares = [cpu_share(r, 2, allowed) for r in range(2)]
+    assert [r["cpus"] for r in ranks] == [sorted(s) for s in shares], ranks
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == set(allowed)
+    for r in ranks:
+        assert r["early"] == r["main"] == r["late"] == r["cpus"], ranks
+
+
+@pytest.mark.parametrize("how", ["none", "more ranks than CPUs", "launcher bound"])
+def test_mpi_world_leaves_cpus_alone(how: str, shm_leak_check) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    if how == "none":
+        proc, _ = _launch("cpus", nranks=2, env_extra={CPU_BIND_ENV: "none"})
+        expected = [allowed, allowed]
+    elif how == "more ranks than CPUs":
+        nranks = len(allowed) + 1
+        if nranks > 8:
+            pytest.skip("more CPUs than ranks this test starts")
+        proc, _ = _launch("cpus", nranks=nranks)
+        expected = [allowed] * nranks
+    else:
+        if len(allowed) < 2:
+            pytest.skip("needs 2 CPUs")
+        proc, _ = _launch("cpus", nranks=2, launcher=("-bind-to", "core"), env_extra={CPU_BIND_ENV: "auto"})
+        expected = None
+    ranks = _cpus(proc)
+    if expected is not None:
+        assert [r["cpus"] for r in ranks] == expected, ranks
+    else:  # whatever the launcher gave, as it gave it (each rank one core, which differ)
+        assert ranks[0]["cpus"] != ranks[1]["cpus"], ranks
+    for r in ranks:
+        assert r["early"] == r["main"] == r["late"] == r["cpus"], ranks
+
+
+def test_cpu_share_and_binding_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [sorted(cpu_share(r, 3, range(8))) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert cpu_share(1, 2, {5, 9}) == {9}
+    assert cpu_share(0, 3, {0, 1}) is None
+    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    assert default_cpu_binding() is CpuBinding.AUTO
+    monkeypatch.setenv(CPU_BIND_ENV, "none")
+    assert default_cpu_binding() is CpuBinding.NONE
+    monkeypatch.setenv(CPU_BIND_ENV, "cores")
+    with pytest.raises(ValueError, match=f"{CPU_BIND_ENV} must be one of auto, none, not 'cores'"):
+        default_cpu_binding()
 
 
 def test_mpi_world_deadline_names_missing_rank(shm_leak_check) -> None:

@@ -42,12 +42,15 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, NoReturn, TypeVar
 import numpy as np
 
 from .errors import CommAborted, CommMismatch, CommTimeout
+from .options import Choice, choice
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; never initializes MPI
     from mpi4py import MPI as _MPI
 
 __all__ = [
     "TIMEOUT_ENV",
+    "CPU_BIND_ENV",
+    "CpuBinding",
     "default_timeout",
     "World",
     "MPIWorld",
@@ -98,6 +101,54 @@ def default_timeout() -> float:
     if not seconds > 0 or seconds == float("inf"):
         raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive, finite number of seconds")
     return seconds
+
+
+CPU_BIND_ENV = "COMMREF_CPU_BIND"
+"""Environment variable holding how an MPI rank is placed on its host's CPUs (CpuBinding)."""
+
+
+class CpuBinding(Choice):
+    """How an MPIWorld places its process on the host's CPUs (``$COMMREF_CPU_BIND``).
+
+    auto: when every rank of the host may run on the same CPUs (the launcher bound
+    nothing, as MPICH's mpiexec by default) and there are at least as many CPUs as
+    ranks, each rank takes an equal share of them, in local-rank order, for every
+    thread of its process (and the threads it starts later: the CPU engine's kernel
+    workers, the GIN engine). A rank's kernel and its proxy then share its CPUs and
+    hand them to each other, instead of the scheduler moving four busy threads over
+    two cores (where GIN runs at 2 ranks on 2 cores were 2-5x slower in one of four
+    runs; docs/performance.md). Launcher binding (``mpiexec -bind-to core``,
+    Open MPI's default) is kept as it is.
+    none: placement is left to the launcher and the OS.
+    """
+
+    AUTO = "auto"
+    NONE = "none"
+
+
+def default_cpu_binding() -> CpuBinding:
+    return choice(CpuBinding, os.environ.get(CPU_BIND_ENV, CpuBinding.AUTO.value), CPU_BIND_ENV)
+
+
+def cpu_share(local_rank: int, local_size: int, cpus) -> frozenset[int] | None:
+    """Local rank `local_rank`'s share of `cpus` (shared by `local_size` ranks):
+    consecutive equal parts in CPU order, the remainder to the first ranks; None when
+    there are fewer CPUs than ranks (nothing to share out)."""
+    ordered = sorted(cpus)
+    if local_size < 1 or len(ordered) < local_size:
+        return None
+    base, extra = divmod(len(ordered), local_size)
+    start = local_rank * base + min(local_rank, extra)
+    return frozenset(ordered[start:start + base + (local_rank < extra)])
+
+
+def _bind_process(cpus: frozenset[int]) -> None:
+    """Every thread of this process onto `cpus` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 HOSTID_ENV = "COMMREF_HOSTID"
@@ -330,11 +381,15 @@ class MPIWorld(World):
     kind: ClassVar[str] = "mpi"
 
     def __init__(self, comm: "_MPI.Comm | None" = None, *, timeout: float | None = None,
-                 node: str | None = None, abort_word: np.ndarray | None = None) -> None:
+                 node: str | None = None, abort_word: np.ndarray | None = None,
+                 cpu_binding: "CpuBinding | str | None" = None) -> None:
         """`node` and `abort_word` (default: node_of and a fresh word) are a split's,
-        inherited from its parent."""
+        inherited from its parent. `cpu_binding` (default ``$COMMREF_CPU_BIND``, else
+        auto) applies to the world on MPI.COMM_WORLD, whose ranks are the processes;
+        `cpus` is then the CPUs this process may run on."""
         from mpi4py import MPI
 
+        binding = default_cpu_binding() if cpu_binding is None else choice(CpuBinding, cpu_binding, "cpu_binding")
         self._MPI = MPI
         self._parent: _MPI.Comm = MPI.COMM_WORLD if comm is None else comm
         self._comm: _MPI.Comm = self._parent.Dup()
@@ -342,8 +397,14 @@ class MPIWorld(World):
         shared = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         try:
             local_rank, local_size = shared.Get_rank(), shared.Get_size()
+            if comm is None and binding is CpuBinding.AUTO:
+                masks = shared.allgather(frozenset(os.sched_getaffinity(0)))
+                share = cpu_share(local_rank, local_size, masks[0]) if len(set(masks)) == 1 else None
+                if local_size > 1 and share is not None:
+                    _bind_process(share)
         finally:
             shared.Free()
+        self.cpus: frozenset[int] = frozenset(os.sched_getaffinity(0))
         tag_ub = self._comm.Get_attr(MPI.TAG_UB)
         self._tag_ub: int = int(tag_ub) if tag_ub else 32767
         self._epoch = 0
