@@ -380,18 +380,23 @@ def test_mpi_world_binds_ranks_to_cpu_shares(shm_leak_check) -> None:
         assert r["early"] == r["main"] == r["late"] == r["cpus"], ranks
 
 
-@pytest.mark.parametrize("how", ["none", "more ranks than CPUs", "launcher bound"])
+def test_mpi_world_binds_more_ranks_than_cpus_round_robin(shm_leak_check) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    nranks = len(allowed) + 1
+    if nranks > 8:
+        pytest.skip("more CPUs than ranks this test starts")
+    ranks = _cpus(_launch("cpus", nranks=nranks)[0])
+    assert [r["cpus"] for r in ranks] == [[allowed[r % len(allowed)]] for r in range(nranks)], ranks
+    for r in ranks:
+        assert r["early"] == r["main"] == r["late"] == r["cpus"], ranks
+
+
+@pytest.mark.parametrize("how", ["none", "launcher bound"])
 def test_mpi_world_leaves_cpus_alone(how: str, shm_leak_check) -> None:
     allowed = sorted(os.sched_getaffinity(0))
     if how == "none":
         proc, _ = _launch("cpus", nranks=2, env_extra={CPU_BIND_ENV: "none"})
         expected = [allowed, allowed]
-    elif how == "more ranks than CPUs":
-        nranks = len(allowed) + 1
-        if nranks > 8:
-            pytest.skip("more CPUs than ranks this test starts")
-        proc, _ = _launch("cpus", nranks=nranks)
-        expected = [allowed] * nranks
     else:
         if len(allowed) < 2:
             pytest.skip("needs 2 CPUs")
@@ -409,7 +414,7 @@ def test_mpi_world_leaves_cpus_alone(how: str, shm_leak_check) -> None:
 def test_cpu_share_and_binding_option(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [sorted(cpu_share(r, 3, range(8))) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
     assert cpu_share(1, 2, {5, 9}) == {9}
-    assert cpu_share(0, 3, {0, 1}) is None
+    assert [cpu_share(r, 5, {0, 1}) for r in range(5)] == [{0}, {1}, {0}, {1}, {0}]
     monkeypatch.delenv(CPU_BIND_ENV, raising=False)
     assert default_cpu_binding() is CpuBinding.AUTO
     monkeypatch.setenv(CPU_BIND_ENV, "none")

@@ -111,14 +111,14 @@ class CpuBinding(Choice):
     """How an MPIWorld places its process on the host's CPUs (``$COMMREF_CPU_BIND``).
 
     auto: when every rank of the host may run on the same CPUs (the launcher bound
-    nothing, as MPICH's mpiexec by default) and there are at least as many CPUs as
-    ranks, each rank takes an equal share of them, in local-rank order, for every
-    thread of its process (and the threads it starts later: the CPU engine's kernel
-    workers, the GIN engine). A rank's kernel and its proxy then share its CPUs and
-    hand them to each other, instead of the scheduler moving four busy threads over
-    two cores (where GIN runs at 2 ranks on 2 cores were 2-5x slower in one of four
-    runs; docs/performance.md). Launcher binding (``mpiexec -bind-to core``,
-    Open MPI's default) is kept as it is.
+    nothing, as MPICH's mpiexec by default), each rank takes its share of them
+    (cpu_share) for every thread of its process and the threads it starts later (the
+    CPU engine's kernel workers, the GIN engine). A rank's kernel and its proxy then
+    hand their CPUs to each other instead of the scheduler moving every busy thread of
+    the host over every core: at 2 ranks on 2 cores GIN runs were 2-5x slower in one
+    of four unbound, and at 4 ranks on 2 cores the multi-node bench (MPI's Allreduce
+    too) took 2.5-4x longer (docs/performance.md, "Binding ranks to CPUs"). Launcher
+    binding (``mpiexec -bind-to core``, Open MPI's default) is kept as it is.
     none: placement is left to the launcher and the OS.
     """
 
@@ -130,13 +130,13 @@ def default_cpu_binding() -> CpuBinding:
     return choice(CpuBinding, os.environ.get(CPU_BIND_ENV, CpuBinding.AUTO.value), CPU_BIND_ENV)
 
 
-def cpu_share(local_rank: int, local_size: int, cpus) -> frozenset[int] | None:
+def cpu_share(local_rank: int, local_size: int, cpus) -> frozenset[int]:
     """Local rank `local_rank`'s share of `cpus` (shared by `local_size` ranks):
-    consecutive equal parts in CPU order, the remainder to the first ranks; None when
-    there are fewer CPUs than ranks (nothing to share out)."""
+    consecutive equal parts in CPU order, the remainder to the first ranks; with fewer
+    CPUs than ranks, one CPU each, round robin (as ``mpiexec -bind-to core``)."""
     ordered = sorted(cpus)
-    if local_size < 1 or len(ordered) < local_size:
-        return None
+    if len(ordered) < local_size:
+        return frozenset([ordered[local_rank % len(ordered)]])
     base, extra = divmod(len(ordered), local_size)
     start = local_rank * base + min(local_rank, extra)
     return frozenset(ordered[start:start + base + (local_rank < extra)])
@@ -399,9 +399,8 @@ class MPIWorld(World):
             local_rank, local_size = shared.Get_rank(), shared.Get_size()
             if comm is None and binding is CpuBinding.AUTO:
                 masks = shared.allgather(frozenset(os.sched_getaffinity(0)))
-                share = cpu_share(local_rank, local_size, masks[0]) if len(set(masks)) == 1 else None
-                if local_size > 1 and share is not None:
-                    _bind_process(share)
+                if local_size > 1 and len(set(masks)) == 1:
+                    _bind_process(cpu_share(local_rank, local_size, masks[0]))
         finally:
             shared.Free()
         self.cpus: frozenset[int] = frozenset(os.sched_getaffinity(0))
