@@ -346,13 +346,12 @@ class Communicator:
         if sym is None and self.peer_mask and (algorithm or self.algorithm) == "direct" and "direct" in spec.kernels:
             raise ValueError(f"rank {self.rank}: algorithm 'direct' with peers over GIN: "
                              f"{self._why_not_pushed(spec, s, r, count)}")
-        node_windows = self._in_node_windows(spec, s, r)
         key = (coll, algorithm or self.algorithm, count, s.dtype, op, root, sym is not None, avg_divisor, flat,
-               protocol or self.protocol, node_windows)
+               protocol or self.protocol)
         plan = self._calls.get(key)
         if plan is None:
             plan = self._calls[key] = self._plan_call(spec, key[1], s.dtype, count, op, root, sym is not None,
-                                                      avg_divisor, flat, key[-2], node_windows)
+                                                      avg_divisor, flat, key[-1])
         if plan.hierarchical:
             self._run_hierarchical(spec, s, r, op, stream)
             return
@@ -384,13 +383,6 @@ class Communicator:
         if self._push_refusal(spec, s, r, count) is not None:
             return None
         return self._symmetric.direct(spec, s, r, spec.gin_windows)
-
-    def _in_node_windows(self, spec, s, r) -> bool:
-        """Whether a call's buffers lie in the node's symmetric windows: alloc_symmetric on
-        a communicator of several nodes (the intra-node child's windows, where the
-        hierarchical algorithm's intra-node phases run direct kernels)."""
-        h = self._hierarchy
-        return h is not None and bool(h.intra._symmetric.windows) and h.intra._symmetric.direct(spec, s, r) is not None
 
     def _push_refusal(self, spec, s, r, count: int) -> str | None:
         """Why the direct kernel of `spec` cannot push this call over GIN whatever its
@@ -549,7 +541,7 @@ class Communicator:
 
     def _plan_call(self, spec: catalogue.Collective, algorithm: str, dtype: np.dtype, count: int, op, root: int,
                    symmetric: bool, avg_divisor: int | None = None, flat: bool = False,
-                   protocol: str = "auto", node_windows: bool = False) -> CallPlan:
+                   protocol: str = "auto") -> CallPlan:
         """Everything about a call that depends only on its signature (cached per signature)."""
         dname = dtype_name(dtype)
         if not spec.reducing:
@@ -566,7 +558,7 @@ class Communicator:
                                       f"{self.protocol_refusals[protocol]}")
             plan = tuner.plan(spec.name, algorithm, nbytes, self.nranks, self.device, self.max_channels, symmetric,
                               shape, self._slow_network, protocol,
-                              tuner.auto_protocols(self.protocol_refusals, bool(self.peer_mask)), node_windows)
+                              tuner.auto_protocols(self.protocol_refusals, bool(self.peer_mask)))
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {e}") from None
         if plan.algorithm == HIERARCHICAL:

@@ -63,15 +63,10 @@ DIRECT_MIN_BYTES = 16 * 1024
 # The size from which "auto" takes the hierarchical algorithm (hierarchical.py) on a job of
 # several nodes of several ranks whose GIN is slower than memory: below, its three
 # launches cost more than the GIN bytes it saves. Where GIN runs at memory speed (simulated
-# nodes on one host, no wire model) "auto" takes it only for the collectives of
-# HIERARCHICAL_ON_NODE_WINDOWS on buffers in the node's symmetric windows, where its
-# intra-node phases run direct kernels; on plain buffers there the flat ring measured
-# faster (docs/performance.md, "Tuner settings").
+# nodes on one host, no wire model) "auto" keeps the flat ring, one launch that pipelines
+# everything: with the ranks bound to CPUs it was faster at 1-16 MiB on plain and on
+# symmetric buffers (docs/performance.md, "Tuner settings").
 HIERARCHICAL_MIN_BYTES = 1024 * 1024
-# 16 MiB AllReduce, 4 ranks on 2 simulated nodes, symmetric buffers, series interleaved:
-# hierarchical faster than the flat ring in 3 of 3 runs (1.11-3.74x). AllGather and
-# ReduceScatter were not measured so.
-HIERARCHICAL_ON_NODE_WINDOWS = ("allreduce",)
 # Each channel should move at least this much, or its launch and flags cost more than it saves.
 BYTES_PER_CHANNEL = 4 * 1024 * 1024
 # The protocol "auto" takes on the CPU engine (include/commref/proto.h): LL up to
@@ -105,7 +100,7 @@ def pick_protocol(nbytes: int, device: str, allowed=PROTOCOLS) -> str:
 
 def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int,
          symmetric: bool = False, nodes: NodeShape | str | None = None, slow_network: bool = False,
-         protocol: str = "auto", allowed=PROTOCOLS, node_windows: bool = False) -> Plan:
+         protocol: str = "auto", allowed=PROTOCOLS) -> Plan:
     """Algorithm, channel count and protocol for one call. `nbytes` is the size of the
     full (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
     that the direct kernels can run (symmetric buffers; with GIN peers,
@@ -113,9 +108,7 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     is the job's NodeShape where the hierarchical algorithm can run, else why not
     (hierarchical.node_shape) or None; `slow_network`: GIN runs slower than memory (a
     real network between hosts, or the wire model), where "auto" takes the hierarchical
-    algorithm from HIERARCHICAL_MIN_BYTES; `node_windows`: the buffers lie in the node's
-    symmetric windows (alloc_symmetric on a communicator of several nodes), where it
-    takes it from there too for HIERARCHICAL_ON_NODE_WINDOWS. `protocol`: "auto" (by size, among `allowed`:
+    algorithm from HIERARCHICAL_MIN_BYTES. `protocol`: "auto" (by size, among `allowed`:
     the protocols the communicator can run) or one of PROTOCOLS. Protocols are the ring
     and tree kernels': the direct kernels use no FIFO, so a call of algorithm "direct"
     runs without one (its plan says simple), and auto does not pick direct for LL or
@@ -134,8 +127,7 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
     if algorithm == HIERARCHICAL and not isinstance(nodes, NodeShape):
         raise ValueError(f"algorithm 'hierarchical' cannot run on this communicator: "
                          f"{nodes or 'it needs ranks on several nodes'}")
-    faster = slow_network or (node_windows and coll in HIERARCHICAL_ON_NODE_WINDOWS)
-    if algorithm == "auto" and faster and isinstance(nodes, NodeShape) and HIERARCHICAL in spec.algorithms \
+    if algorithm == "auto" and slow_network and isinstance(nodes, NodeShape) and HIERARCHICAL in spec.algorithms \
             and nbytes >= HIERARCHICAL_MIN_BYTES:
         algorithm = HIERARCHICAL
     if algorithm == HIERARCHICAL:
