@@ -71,7 +71,6 @@ there is about a launch per call, not memory.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -79,6 +78,7 @@ from typing import Any, Callable
 import numpy as np
 
 from commref.collectives.catalogue import Traffic
+from commref.transports.world import allowed_cpus
 
 WORD = 4  # the stream kernel's element: a 32-bit word
 LINE_WORDS = 16  # arrays are whole 64-byte lines
@@ -122,14 +122,14 @@ def stream_kernels(traffic: Traffic, streamed: bool = True) -> list[StreamKernel
     return [StreamKernel(name, *shape, s) for shape, name in shapes.items() for s in kinds]
 
 
-def default_blocks(local_size: int) -> int:
-    """Blocks per rank of the CPU stream kernel: the host's cores shared among its
-    ranks (at least one), so that all ranks together keep every core streaming."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_size))
+def default_blocks(world) -> int:
+    """Blocks per rank of the CPU stream kernel: the CPUs this rank may run on, shared
+    with the ranks of its host that may run on the same ones (at least one each), so
+    that all ranks together keep every core streaming once (unbound ranks share every
+    CPU; ranks bound to their share of them, transports/world.py, share none)."""
+    mine = (world.host, sorted(allowed_cpus()))
+    sharing = sum(other == mine for other in world.allgather(mine, what="stream meter: CPUs"))
+    return max(1, len(mine[1]) // sharing)
 
 
 class StreamMeter:
@@ -144,7 +144,7 @@ class StreamMeter:
         self.world, self.xp = world, xp
         self.sync = sync or (lambda: None)
         self.cpu = xp is np
-        self.blocks = blocks or default_blocks(getattr(world, "local_size", 1))
+        self.blocks = blocks or default_blocks(world)
         self._kernels = kernels
         self._scratch = None
         if self.cpu:

@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 
+from commref.transports.world import allowed_cpus
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -132,7 +134,7 @@ def environment(world, device: str, device_id: int | None, baseline, baseline_er
     """Versions, hosts and devices of the run (one allgather over the ranks of `world`)."""
     w = world
     mine = {"rank": w.rank, "host": socket.gethostname(), "node": w.node,
-            "pid": os.getpid(), "cpus": cpu_list(os.sched_getaffinity(0)), "device": device_name(device, device_id)}
+            "pid": os.getpid(), "cpus": cpu_list(allowed_cpus()), "device": device_name(device, device_id)}
     if device == "cuda":
         try:
             import cupy

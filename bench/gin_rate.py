@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ import numpy as np
 
 from commref.bench.environment import cpu_list
 from commref.collectives.communicator import Communicator
-from commref.transports.world import MPIWorld, ThreadWorld
+from commref.transports.world import MPIWorld, ThreadWorld, allowed_cpus
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -228,7 +227,7 @@ def measure(world, args) -> dict | None:
     lat = _latency(world, args.latency_blocks, args.latency_iters)
     pipe = _pipelined_rate(world, args.pipe_bytes, args.pipe_slot_bytes, args.pipe_steps, args.pipe_iters)
     bw = _busbw(world, args.bytes, args.iters, args.warmup)
-    cpus = cpu_list(os.sched_getaffinity(0))
+    cpus = cpu_list(allowed_cpus())
     gathered = world.allgather((rates, bw, pipe, lat, cpus), what="gin_rate results")
     if world.rank != 0:
         return None

@@ -51,6 +51,9 @@ __all__ = [
     "TIMEOUT_ENV",
     "CPU_BIND_ENV",
     "CpuBinding",
+    "allowed_cpus",
+    "cpu_share",
+    "default_cpu_binding",
     "default_timeout",
     "World",
     "MPIWorld",
@@ -142,8 +145,18 @@ def cpu_share(local_rank: int, local_size: int, cpus) -> frozenset[int]:
     return frozenset(ordered[start:start + base + (local_rank < extra)])
 
 
+def allowed_cpus() -> frozenset[int]:
+    """The CPUs the calling thread may run on (every CPU where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
 def _bind_process(cpus: frozenset[int]) -> None:
-    """Every thread of this process onto `cpus` (threads started later inherit it)."""
+    """Every thread of this process onto `cpus` (threads started later inherit it);
+    nothing where the OS has no per-thread affinity (Linux has)."""
+    if not (hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")):
+        return
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
@@ -398,12 +411,12 @@ class MPIWorld(World):
         try:
             local_rank, local_size = shared.Get_rank(), shared.Get_size()
             if comm is None and binding is CpuBinding.AUTO:
-                masks = shared.allgather(frozenset(os.sched_getaffinity(0)))
+                masks = shared.allgather(allowed_cpus())
                 if local_size > 1 and len(set(masks)) == 1:
                     _bind_process(cpu_share(local_rank, local_size, masks[0]))
         finally:
             shared.Free()
-        self.cpus: frozenset[int] = frozenset(os.sched_getaffinity(0))
+        self.cpus: frozenset[int] = allowed_cpus()
         tag_ub = self._comm.Get_attr(MPI.TAG_UB)
         self._tag_ub: int = int(tag_ub) if tag_ub else 32767
         self._epoch = 0
