@@ -412,9 +412,24 @@ def test_mpi_world_leaves_cpus_alone(how: str, shm_leak_check) -> None:
 
 
 def test_cpu_share_and_binding_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert [sorted(cpu_share(r, 3, range(8))) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    assert cpu_share(1, 2, {5, 9}) == {9}
-    assert [cpu_share(r, 5, {0, 1}) for r in range(5)] == [{0}, {1}, {0}, {1}, {0}]
+    def own_core(cpu):  # one CPU per core
+        return 0, cpu
+
+    def smt(cpu):  # 4 cores of 2 hyperthreads numbered as Linux does on x86: cpu i and i + 4 share one
+        return 0, cpu % 4
+
+    def two(cpu):  # two packages of 4 cores
+        return cpu // 4, cpu % 4
+
+    assert [sorted(cpu_share(r, 3, range(8), own_core)) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert cpu_share(1, 2, {5, 9}, own_core) == {9}
+    assert [cpu_share(r, 5, {0, 1}, own_core) for r in range(5)] == [{0}, {1}, {0}, {1}, {0}]
+    assert [cpu_share(r, 2, range(8), smt) for r in range(2)] == [{0, 4, 1, 5}, {2, 6, 3, 7}]
+    assert [cpu_share(r, 3, range(8), smt) for r in range(3)] == [{0, 4, 1, 5}, {2, 6}, {3, 7}]
+    assert [cpu_share(r, 5, range(8), smt) for r in range(5)] == [{0, 4}, {1, 5}, {2, 6}, {3}, {7}]
+    assert [cpu_share(r, 9, range(8), smt) for r in range(9)][7:] == [{7}, {0}]
+    # a rank's share stays inside one package while the ranks divide the packages evenly
+    assert [cpu_share(r, 2, range(8), two) for r in range(2)] == [{0, 1, 2, 3}, {4, 5, 6, 7}]
     monkeypatch.delenv(CPU_BIND_ENV, raising=False)
     assert default_cpu_binding() is CpuBinding.AUTO
     monkeypatch.setenv(CPU_BIND_ENV, "none")

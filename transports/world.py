@@ -133,16 +133,40 @@ def default_cpu_binding() -> CpuBinding:
     return choice(CpuBinding, os.environ.get(CPU_BIND_ENV, CpuBinding.AUTO.value), CPU_BIND_ENV)
 
 
-def cpu_share(local_rank: int, local_size: int, cpus) -> frozenset[int]:
-    """Local rank `local_rank`'s share of `cpus` (shared by `local_size` ranks):
-    consecutive equal parts in CPU order, the remainder to the first ranks; with fewer
-    CPUs than ranks, one CPU each, round robin (as ``mpiexec -bind-to core``)."""
-    ordered = sorted(cpus)
-    if len(ordered) < local_size:
-        return frozenset([ordered[local_rank % len(ordered)]])
-    base, extra = divmod(len(ordered), local_size)
+def core_of(cpu: int) -> tuple[int, int]:
+    """(package, core) of a CPU from sysfs; (0, cpu) where Linux does not say."""
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    try:
+        with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+            return int(package.read()), int(core.read())
+    except (OSError, ValueError):
+        return 0, cpu
+
+
+def _equal_parts(items: list, local_rank: int, local_size: int) -> list:
+    """Local rank `local_rank`'s part of `items`: consecutive equal parts, the remainder
+    to the first ranks."""
+    base, extra = divmod(len(items), local_size)
     start = local_rank * base + min(local_rank, extra)
-    return frozenset(ordered[start:start + base + (local_rank < extra)])
+    return items[start:start + base + (local_rank < extra)]
+
+
+def cpu_share(local_rank: int, local_size: int, cpus, core=core_of) -> frozenset[int]:
+    """Local rank `local_rank`'s share of `cpus` (shared by `local_size` ranks), as
+    ``mpiexec -bind-to core`` places them: whole cores (the hyperthreads of one core,
+    `core` gives a CPU's (package, core)) in equal consecutive parts while there are at
+    least as many cores as ranks; else the CPUs in equal parts, a core's hyperthreads
+    side by side; with fewer CPUs than ranks, one CPU each, round robin."""
+    cores: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(cpus):
+        cores.setdefault(core(cpu), []).append(cpu)
+    groups = [cores[k] for k in sorted(cores)]
+    if len(groups) >= local_size:
+        return frozenset(cpu for group in _equal_parts(groups, local_rank, local_size) for cpu in group)
+    ordered = [cpu for group in groups for cpu in group]
+    if len(ordered) >= local_size:
+        return frozenset(_equal_parts(ordered, local_rank, local_size))
+    return frozenset([ordered[local_rank % len(ordered)]])
 
 
 def allowed_cpus() -> frozenset[int]:
