@@ -8,8 +8,9 @@ Modes:
               naming rank 2) and ``python -m mpi4py`` aborts the job.
     abort     rank 1 calls world.abort("injected failure", code=3).
     mismatch  rank 0 calls bcast(root=0), the others bcast(root=1): CommMismatch.
-    cpus      rank 0 prints "OK cpus [...]": per rank its world's cpus and the CPUs of a
-              thread started before the world, of the main thread and of one started after.
+    cpus      rank 0 prints "OK cpus [...]": per rank the CPUs it may run on (allowed_cpus)
+              and those of a thread started before the world, of the main thread and of
+              one started after.
 
 Any failed check raises; ``python -m mpi4py`` turns an uncaught exception into
 MPI_Abort, so the job exits non-zero instead of hanging.
@@ -25,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from commref.transports.world import MPIWorld, World, world_from_env  # noqa: E402
+from commref.transports.world import MPIWorld, World, allowed_cpus, world_from_env  # noqa: E402
 
 
 def basic(world: World) -> None:
@@ -83,7 +84,7 @@ def mismatch(world: World) -> None:
 def cpus(world: MPIWorld, early: threading.Thread) -> None:
     late = threading.Thread(target=time.sleep, args=(0.5,), daemon=True)
     late.start()
-    mine = {"cpus": sorted(world.cpus),
+    mine = {"cpus": sorted(allowed_cpus()),
             **{name: sorted(os.sched_getaffinity(t.native_id or 0)) for name, t in
                (("early", early), ("main", threading.main_thread()), ("late", late))}}
     gathered = world.allgather(mine, what="cpus")

@@ -422,8 +422,8 @@ class MPIWorld(World):
                  cpu_binding: "CpuBinding | str | None" = None) -> None:
         """`node` and `abort_word` (default: node_of and a fresh word) are a split's,
         inherited from its parent. `cpu_binding` (default ``$COMMREF_CPU_BIND``, else
-        auto) applies to the world on MPI.COMM_WORLD, whose ranks are the processes;
-        `cpus` is then the CPUs this process may run on."""
+        auto) applies to the world on MPI.COMM_WORLD, whose ranks are the processes
+        (allowed_cpus then says where this one runs)."""
         from mpi4py import MPI
 
         binding = default_cpu_binding() if cpu_binding is None else choice(CpuBinding, cpu_binding, "cpu_binding")
@@ -440,7 +440,6 @@ class MPIWorld(World):
                     _bind_process(cpu_share(local_rank, local_size, masks[0]))
         finally:
             shared.Free()
-        self.cpus: frozenset[int] = allowed_cpus()
         tag_ub = self._comm.Get_attr(MPI.TAG_UB)
         self._tag_ub: int = int(tag_ub) if tag_ub else 32767
         self._epoch = 0
