@@ -21,7 +21,8 @@ per-rank failures).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "CommrefError",
@@ -98,7 +99,7 @@ class CommTimeout(CommrefError):
         what: str = "",
         expected: Any = None,
         seen: Any = None,
-    ) -> "CommTimeout":
+    ) -> CommTimeout:
         """Build the standard message.
 
         ``rank 2: timed out after 5.0 s waiting for peer 3: <what> (expected
@@ -123,8 +124,11 @@ class CommTimeout(CommrefError):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild,
-            (type(self), str(self), dict(rank=self.rank, peer=self.peer, what=self.what,
-                                         expected=self.expected, seen=self.seen)),
+            (
+                type(self),
+                str(self),
+                dict(rank=self.rank, peer=self.peer, what=self.what, expected=self.expected, seen=self.seen),
+            ),
         )
 
 
@@ -154,8 +158,7 @@ class CommAborted(CommrefError):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild,
-            (type(self), str(self), dict(rank=self.rank, origin_rank=self.origin_rank,
-                                         reason=self.reason)),
+            (type(self), str(self), dict(rank=self.rank, origin_rank=self.origin_rank, reason=self.reason)),
         )
 
 
@@ -188,23 +191,21 @@ class CommMismatch(CommrefError):
         self.theirs = theirs
 
     @classmethod
-    def between(
-        cls, *, rank: int, peer: int, field: str, mine: Any, theirs: Any, what: str = ""
-    ) -> "CommMismatch":
+    def between(cls, *, rank: int, peer: int, field: str, mine: Any, theirs: Any, what: str = "") -> CommMismatch:
         """Build the standard message: ``rank 0: <what>: <field> mismatch with
         rank 2: mine=<mine>, theirs=<theirs>``."""
         context = f"{what}: " if what else ""
-        message = (
-            f"rank {rank}: {context}{field} mismatch with rank {peer}: "
-            f"mine={mine!r}, theirs={theirs!r}"
-        )
+        message = f"rank {rank}: {context}{field} mismatch with rank {peer}: mine={mine!r}, theirs={theirs!r}"
         return cls(message, rank=rank, peer=peer, field=field, mine=mine, theirs=theirs)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild,
-            (type(self), str(self), dict(rank=self.rank, peer=self.peer, field=self.field,
-                                         mine=self.mine, theirs=self.theirs)),
+            (
+                type(self),
+                str(self),
+                dict(rank=self.rank, peer=self.peer, field=self.field, mine=self.mine, theirs=self.theirs),
+            ),
         )
 
 

@@ -1,6 +1,6 @@
 """Host memory a GPU maps: the flags that pin and map it, and the device address of it.
 
-The launch's host words (collectives/launch.py: the error record, the abort word) and
+The launch's host words (collectives/launch_record.py: the error record, the abort word) and
 GIN's queue and counters (transports/gin/queue.py: QueueRegion) live in such memory.
 """
 
@@ -20,8 +20,8 @@ def mapped_device_pointer(ptr: int, device_id: int, registered: bool) -> int:
     from cupy.cuda import runtime
 
     if runtime.deviceGetAttribute(runtime.cudaDevAttrUnifiedAddressing, device_id) and (
-            not registered or runtime.deviceGetAttribute(runtime.cudaDevAttrCanUseHostPointerForRegisteredMem,
-                                                         device_id)):
+        not registered or runtime.deviceGetAttribute(runtime.cudaDevAttrCanUseHostPointerForRegisteredMem, device_id)
+    ):
         return ptr
     try:
         from cuda.bindings import runtime as cudart
@@ -31,8 +31,10 @@ def mapped_device_pointer(ptr: int, device_id: int, registered: bool) -> int:
         except ImportError:
             from commref.transports.errors import CapabilityError
 
-            raise CapabilityError(f"device {device_id} cannot use host pointers for mapped host memory and "
-                                  f"cuda-python (for cudaHostGetDevicePointer) is not installed") from None
+            raise CapabilityError(
+                f"device {device_id} cannot use host pointers for mapped host memory and "
+                f"cuda-python (for cudaHostGetDevicePointer) is not installed"
+            ) from None
     err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostGetDevicePointer of host address {ptr:#x} on device {device_id}: error {err}")

@@ -5,7 +5,7 @@ rank's buffer and, for every rank on its host (ranks whose windows it can map), 
 address at which that rank's buffer is mapped *in this process*; the table of those
 addresses (0 for ranks elsewhere) is what device code reads. Which of them a rank
 reaches by load and store (its LSA team) is the ranks of its node (`world.node`, the
-host unless overridden or simulated, see transports/world.node_of); the others on the
+host unless overridden or simulated, see transports/nodes.node_of); the others on the
 host stay mapped for GIN on network shm.
 
 How the peers' memory is mapped:
@@ -43,7 +43,7 @@ import numpy as np
 ALIGN = 4096
 # CUDA runtime codes this module tolerates (cudaError_t).
 CUDA_PEER_ACCESS_ALREADY_ENABLED = 704
-SHM_PREFIX = "/dev/shm/commref-"  # + job-serial-rank: the CPU windows' files (see transports/launch.py)
+SHM_PREFIX = "/dev/shm/commref-"  # + job-serial-rank: the CPU windows' files (see transports/launcher.py)
 _serial = itertools.count()
 
 
@@ -257,5 +257,16 @@ def _register_cuda(world, nbytes, team, device_id) -> SymmetricWindow:
         with stream:
             table = cupy.asarray(addrs)
         stream.synchronize()
-    return SymmetricWindow(nbytes, "cuda", local, ptr, addrs, table, team, _keep=[mem], _close=closers,
-                           _close_peers=peer_closers, unmapped=unmapped)
+    return SymmetricWindow(
+        nbytes,
+        "cuda",
+        local,
+        ptr,
+        addrs,
+        table,
+        team,
+        _keep=[mem],
+        _close=closers,
+        _close_peers=peer_closers,
+        unmapped=unmapped,
+    )

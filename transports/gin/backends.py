@@ -2,7 +2,7 @@
 
 A communicator states requirements; selection walks the backends in priority order,
 skips those that cannot meet them, and fails with a message naming what is missing
-when none can (NCCL's GIN selection, DESIGN.md).
+when none can (NCCL's GIN selection; docs/gin.md, Backends).
 
 - proxy: strong and weak, indexed and VA signals, counters, get; on an unordered wire
   strong signals are applied in per-(context, peer) sequence order, weak ones as soon
@@ -68,8 +68,9 @@ class Requirements:
             out.append("counters")
         if self.get and not c.get:
             out.append("get")
-        if self.flush_orders_later_writes and not (c.local_completion_orders_later_writes
-                                                    or c.flushes_all_puts_on_any_signal):
+        if self.flush_orders_later_writes and not (
+            c.local_completion_orders_later_writes or c.flushes_all_puts_on_any_signal
+        ):
             out.append("local completion ordering later writes")
         if c.max_signals_counters is not None and self.signals_counters > c.max_signals_counters:
             out.append(f"{self.signals_counters} signals+counters (at most {c.max_signals_counters})")
@@ -79,17 +80,49 @@ class Requirements:
 
 
 BACKENDS: dict[str, Backend] = {
-    "gda": Backend("gda", Capabilities(strong_signals=False, weak_signals=True, va_signals=False, counters=True,
-                                       get=True, flushes_all_puts_on_any_signal=False,
-                                       local_completion_orders_later_writes=True, max_signals_counters=512,
-                                       wires=("ordered", "unordered")), signals_count_writes=True),
-    "rc": Backend("rc", Capabilities(strong_signals=True, weak_signals=True, va_signals=True, counters=True, get=True,
-                                     flushes_all_puts_on_any_signal=True, local_completion_orders_later_writes=False,
-                                     max_signals_counters=None, wires=("ordered",))),
-    "proxy": Backend("proxy", Capabilities(strong_signals=True, weak_signals=True, va_signals=True, counters=True,
-                                           get=True, flushes_all_puts_on_any_signal=False,
-                                           local_completion_orders_later_writes=False, max_signals_counters=None,
-                                           wires=("ordered", "unordered"))),
+    "gda": Backend(
+        "gda",
+        Capabilities(
+            strong_signals=False,
+            weak_signals=True,
+            va_signals=False,
+            counters=True,
+            get=True,
+            flushes_all_puts_on_any_signal=False,
+            local_completion_orders_later_writes=True,
+            max_signals_counters=512,
+            wires=("ordered", "unordered"),
+        ),
+        signals_count_writes=True,
+    ),
+    "rc": Backend(
+        "rc",
+        Capabilities(
+            strong_signals=True,
+            weak_signals=True,
+            va_signals=True,
+            counters=True,
+            get=True,
+            flushes_all_puts_on_any_signal=True,
+            local_completion_orders_later_writes=False,
+            max_signals_counters=None,
+            wires=("ordered",),
+        ),
+    ),
+    "proxy": Backend(
+        "proxy",
+        Capabilities(
+            strong_signals=True,
+            weak_signals=True,
+            va_signals=True,
+            counters=True,
+            get=True,
+            flushes_all_puts_on_any_signal=False,
+            local_completion_orders_later_writes=False,
+            max_signals_counters=None,
+            wires=("ordered", "unordered"),
+        ),
+    ),
 }
 PRIORITY = ("gda", "rc", "proxy")
 
@@ -113,6 +146,11 @@ def capability_table() -> list[dict]:
     rows = []
     for name in PRIORITY:
         c = BACKENDS[name].caps
-        rows.append({"backend": name, **{f.name: getattr(c, f.name) for f in fields(c)},
-                     "signals_count_writes": BACKENDS[name].signals_count_writes})
+        rows.append(
+            {
+                "backend": name,
+                **{f.name: getattr(c, f.name) for f in fields(c)},
+                "signals_count_writes": BACKENDS[name].signals_count_writes,
+            }
+        )
     return rows

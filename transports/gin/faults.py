@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from commref.transports.gin.wires import Wire
-from commref.transports.options import OptionError
+from commref.transports.option_types import OptionError
 
 STATS = ("packets", "dropped", "duplicated", "delayed", "retransmits", "dup_dropped")
 RETRANSMIT_S = 5e-3  # a packet not acknowledged this long after it was sent is sent again
@@ -82,7 +82,7 @@ class FaultSpec:
             object.__setattr__(self, kind, float(p))
 
     @classmethod
-    def parse(cls, value) -> "FaultSpec":
+    def parse(cls, value) -> FaultSpec:
         """A FaultSpec from "drop=0.05,dup=0.05,delay=0.05" (any subset; "" or "none":
         no faults), a dict of those keys, or a FaultSpec; OptionError in one line."""
         if isinstance(value, FaultSpec):
@@ -100,8 +100,10 @@ class FaultSpec:
             key, eq, number = item.partition("=")
             key = key.strip()
             if key not in FAULT_KINDS or not eq:
-                raise OptionError(f"fault must look like drop=0.05,dup=0.05,delay=0.05 (any of "
-                                  f"{', '.join(FAULT_KINDS)}), not {value!r}")
+                raise OptionError(
+                    f"fault must look like drop=0.05,dup=0.05,delay=0.05 (any of "
+                    f"{', '.join(FAULT_KINDS)}), not {value!r}"
+                )
             try:
                 fields[key] = float(number)
             except ValueError:
@@ -124,8 +126,10 @@ def totals(stats: list[dict]) -> dict:
 def summary(stats: list[dict]) -> str:
     """totals() in words."""
     t = totals(stats)
-    return (f"{t['packets']} packets: {t['dropped']} dropped, {t['duplicated']} duplicated, {t['delayed']} delayed; "
-            f"{t['retransmits']} retransmitted, {t['dup_dropped']} duplicates dropped")
+    return (
+        f"{t['packets']} packets: {t['dropped']} dropped, {t['duplicated']} duplicated, {t['delayed']} delayed; "
+        f"{t['retransmits']} retransmitted, {t['dup_dropped']} duplicates dropped"
+    )
 
 
 @dataclass

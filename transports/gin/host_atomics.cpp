@@ -2,7 +2,8 @@
 // descriptors from a queue that kernels publish, lands data and applies signals in
 // windows that kernels poll, possibly in another process. Loaded by
 // transports/gin/atomics.py; the memory orders are the ones the device side pairs with
-// (include/commref/atomics.h: system-scope acquire / release).
+// (include/commref/atomics.h: system-scope acquire / release). The launch record's
+// claim (collectives/launch_record.py, Communicator.abort) uses the 32-bit pair.
 #include <cstdint>
 
 #include "commref/land.h"
@@ -16,7 +17,16 @@ extern "C" __attribute__((visibility("default"))) uint64_t commref_gin_load_acqu
 extern "C" __attribute__((visibility("default"))) void commref_gin_store_release_u64(uint64_t* p, uint64_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
 }
+// Whether *p was `expected` and is now `desired` (acquire-release), as a kernel's
+// commref_fail claims an ErrorRecord (include/commref/wait.h).
+extern "C" __attribute__((visibility("default"))) int commref_gin_cas_u32(uint32_t* p, uint32_t expected,
+                                                                          uint32_t desired) {
+  return __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+extern "C" __attribute__((visibility("default"))) void commref_gin_store_release_u32(uint32_t* p, uint32_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
 // A put's bytes landed where kernels may poll them: landLines (commref/land.h).
 extern "C" __attribute__((visibility("default"))) void commref_gin_land(void* dst, const void* src, uint64_t n) {
-  landLines(dst, src, n);
+  commref::landLines(dst, src, n);
 }

@@ -1,21 +1,25 @@
-"""The native GIN progress engine (native_engine.cpp) behind GinProxy's interface.
+"""The native GIN progress engine (native_engine/) behind engine.GinEngine.
 
 It carries the ORDERED wire natively, without an observer: on the SHM network (every
 GIN peer's window mapped in this process, window.peer_addresses) and on the MPI network
 (messages to the peer's engine on the proxies' own communicator; the engine is then
-built against the MPI that mpi4py loaded, see mpi_library()). plan.GinPlan.start_proxy
+built against the MPI that mpi4py loaded, see mpi_library()). engines.start_engine
 picks NativeProxy there and proxy.GinProxy everywhere else (unordered wire, an observer
 given, an MPI the engine cannot be built for, or COMMREF_GIN_ENGINE=python).
 
 One C++ std::thread per rank takes the descriptors in slot order exactly as
 queue.QueueReader does, executes each (data, counter, signal, get) and stores
-consumed = slot + 1 with release; see native_engine.cpp for the memory orders and the
-polling policy, and docs/gin.md ("The native engine"). With `trace` set it records, in
+consumed = slot + 1 with release; see native_engine/engine.cpp for the parts, the memory
+orders and the polling policy, and docs/gin.md ("The native engine"). A descriptor it
+refuses comes back as a code and its numbers (abi.GIN_REFUSAL), formatted by
+engine.refusal, so its message is the Python proxy's. With `trace` set it records, in
 a bounded buffer, the Python scheduler's ordered-wire events per (peer, ctx)
-(decode_trace), which tests/test_gin_native.py replays against semantics.enabled().
+(decode_trace), which tests/test_gin_native_conformance.py replays against semantics.enabled().
 
-The library is built like host_atomics.cpp (loader.build_library, cached by source
-hash and flags; loader.TSAN_FLAGS when the process runs under ThreadSanitizer).
+The library is built like host_atomics.cpp (cpu_loader.build_library, cached by the hash
+of engine.cpp, of every header under native_engine/ and include/commref/, and the
+flags; cpu_loader.TSAN_FLAGS when the process runs under ThreadSanitizer): one translation
+unit, engine.cpp, that includes the other parts.
 """
 
 from __future__ import annotations
@@ -28,40 +32,61 @@ from pathlib import Path
 
 import numpy as np
 
-from commref.device_kernels import abi, loader
+from commref.device_kernels import abi, build, cpu_loader
 from commref.transports.gin import semantics
-from commref.transports.gin.backends import Backend
+from commref.transports.gin.engine import EngineSite, refusal
 from commref.transports.gin.wires import ProxyError, wait_drained
 
 __all__ = ["NativeProxy", "ProxyError", "supports", "native_library", "decode_trace", "POLLING", "TRACE_DTYPE"]
 
-SOURCE = Path(__file__).resolve().with_name("native_engine.cpp")
+ENGINE_DIR = Path(__file__).resolve().with_name("native_engine")  # its parts (engine.cpp's comment)
+SOURCE = ENGINE_DIR / "engine.cpp"  # the translation unit; it includes the headers beside it
 
-# The idle policy (native_engine.cpp's run()): polls with a pause instruction, then polls
+# The idle policy (engine.cpp's run()): polls with a pause instruction, then polls
 # with sched_yield, then sleeps doubling from 1 us to sleep_max_ns. Measured at 2 ranks
 # on 2 cores (docs/gin.md, "The native engine").
 POLLING = {"spin_polls": 256, "yield_polls": 2000, "sleep_max_ns": 1_000_000}
 
 
 class EngineConfig(ctypes.Structure):
-    """native_engine.cpp's CommrefGinEngineConfig, field for field."""
+    """native_engine/core.h's CommrefGinEngineConfig, field for field."""
 
-    _fields_ = [("queueBase", ctypes.c_uint64), ("capacity", ctypes.c_uint64), ("windowBase", ctypes.c_uint64),
-                ("peerWindows", ctypes.c_uint64), ("signalsOff", ctypes.c_uint64), ("countersOff", ctypes.c_uint64),
-                ("abortWord", ctypes.c_uint64), ("mpiComm", ctypes.c_uint64), ("network", ctypes.c_int32),
-                ("mpiTag", ctypes.c_int32), ("nranks", ctypes.c_int32), ("rank", ctypes.c_int32),
-                ("strongSignals", ctypes.c_int32), ("vaSignals", ctypes.c_int32), ("strongAlways", ctypes.c_int32),
-                ("signalsCountWrites", ctypes.c_int32), ("trace", ctypes.c_int32), ("spinPolls", ctypes.c_int32),
-                ("yieldPolls", ctypes.c_int32), ("kernelsHelp", ctypes.c_int32), ("sleepMaxNs", ctypes.c_uint64),
-                ("traceCapacity", ctypes.c_uint64), ("windowBytes", ctypes.c_uint64), ("timeoutS", ctypes.c_double),
-                ("wireBytesPerS", ctypes.c_double), ("wireLatencyNs", ctypes.c_uint64), ("streamMinBytes", ctypes.c_uint64),
-                ("backend", ctypes.c_char * 32)]
+    _fields_ = [
+        ("queueBase", ctypes.c_uint64),
+        ("capacity", ctypes.c_uint64),
+        ("windowBase", ctypes.c_uint64),
+        ("peerWindows", ctypes.c_uint64),
+        ("signalsOff", ctypes.c_uint64),
+        ("countersOff", ctypes.c_uint64),
+        ("abortWord", ctypes.c_uint64),
+        ("mpiComm", ctypes.c_uint64),
+        ("network", ctypes.c_int32),
+        ("mpiTag", ctypes.c_int32),
+        ("nranks", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("strongSignals", ctypes.c_int32),
+        ("vaSignals", ctypes.c_int32),
+        ("strongAlways", ctypes.c_int32),
+        ("signalsCountWrites", ctypes.c_int32),
+        ("trace", ctypes.c_int32),
+        ("spinPolls", ctypes.c_int32),
+        ("yieldPolls", ctypes.c_int32),
+        ("kernelsHelp", ctypes.c_int32),
+        ("sleepMaxNs", ctypes.c_uint64),
+        ("traceCapacity", ctypes.c_uint64),
+        ("windowBytes", ctypes.c_uint64),
+        ("timeoutS", ctypes.c_double),
+        ("wireBytesPerS", ctypes.c_double),
+        ("wireLatencyNs", ctypes.c_uint64),
+        ("streamMinBytes", ctypes.c_uint64),
+        ("backend", ctypes.c_char * 32),
+    ]
 
 
-NETWORKS = {"shm": 0, "mpi": 1}  # native_engine.cpp's kNetworkShm, kNetworkMpi
+NETWORKS = {"shm": 0, "mpi": 1}  # core.h's kNetworkShm, kNetworkMpi
 
 # Network shm: bulk puts (gin.h kGinBulk) of at least this many bytes land with
-# non-temporal stores (native_engine.cpp, land()); move.h streams what another agent
+# non-temporal stores (native_engine/shm_net.h, land()); move.h streams what another agent
 # reads next from the same size (COMMREF_HANDOFF_STREAM_MIN_BYTES). 0: never.
 STREAM_MIN_BYTES = 16 << 10
 
@@ -80,9 +105,20 @@ def kernels_help_enabled() -> bool:
     return value == "1"
 
 
-# native_engine.cpp's CommrefGinTraceRecord (one event on link (peer, ctx)) and its kinds
-TRACE_DTYPE = np.dtype([("peer", "<i4"), ("ctx", "<i4"), ("kind", "<u4"), ("flags", "<u4"), ("seq", "<u8"),
-                        ("a", "<u8"), ("b", "<u8"), ("c", "<u8"), ("d", "<u8")])
+# native_engine/wire.h's CommrefGinTraceRecord (one event on link (peer, ctx)) and its kinds
+TRACE_DTYPE = np.dtype(
+    [
+        ("peer", "<i4"),
+        ("ctx", "<i4"),
+        ("kind", "<u4"),
+        ("flags", "<u4"),
+        ("seq", "<u8"),
+        ("a", "<u8"),
+        ("b", "<u8"),
+        ("c", "<u8"),
+        ("d", "<u8"),
+    ]
+)
 POST, FLUSH, DOORBELL, DATA, SIGNAL, COUNTER, GET = range(1, 8)
 HAS_SIGNAL, STRONG, VA = 1, 2, 4  # a post's flags
 TRACE_CAPACITY = 1 << 22  # records the engine holds between two reads of `trace` (64 B each)
@@ -124,29 +160,45 @@ def _under_tsan() -> bool:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, u64 = ctypes.c_void_p, ctypes.c_uint64
     p64 = ctypes.POINTER(ctypes.c_uint64)
-    for name, args, res in (("config_size", [], u64), ("trace_record_size", [], u64), ("mpi_comm_size", [], u64),
-                            ("create", [ctypes.POINTER(EngineConfig)], vp), ("start", [vp], ctypes.c_int),
-                            ("stop", [vp, ctypes.c_double], ctypes.c_int), ("destroy", [vp], None),
-                            ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
-                            ("error", [vp, ctypes.c_char_p, u64], u64), ("failed", [vp], ctypes.c_int),
-                            ("set_trace", [vp, ctypes.c_int], None), ("take_trace", [vp, vp, u64, p64], u64),
-                            ("add_window", [vp, ctypes.c_uint32, u64, u64, vp], ctypes.c_int),
-                            ("remove_window", [vp, ctypes.c_uint32], None)):
+    for name, args, res in (
+        ("config_size", [], u64),
+        ("trace_record_size", [], u64),
+        ("mpi_comm_size", [], u64),
+        ("refusal_size", [], u64),
+        ("refusal", [vp, vp], ctypes.c_int),
+        ("create", [ctypes.POINTER(EngineConfig)], vp),
+        ("start", [vp], ctypes.c_int),
+        ("stop", [vp, ctypes.c_double], ctypes.c_int),
+        ("destroy", [vp], None),
+        ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
+        ("error", [vp, ctypes.c_char_p, u64], u64),
+        ("failed", [vp], ctypes.c_int),
+        ("set_trace", [vp, ctypes.c_int], None),
+        ("take_trace", [vp, vp, u64, p64], u64),
+        ("add_window", [vp, ctypes.c_uint32, u64, u64, vp], ctypes.c_int),
+        ("remove_window", [vp, ctypes.c_uint32], None),
+    ):
         f = getattr(lib, f"commref_gin_engine_{name}")
         f.argtypes, f.restype = args, res
     assert lib.commref_gin_engine_config_size() == ctypes.sizeof(EngineConfig), "EngineConfig != the C++ struct"
     assert lib.commref_gin_engine_trace_record_size() == TRACE_DTYPE.itemsize, "TRACE_DTYPE != the C++ struct"
+    assert lib.commref_gin_engine_refusal_size() == abi.GIN_REFUSAL.itemsize, "abi.GIN_REFUSAL != the C++ struct"
     return lib
 
 
 def _flags() -> tuple[str, ...]:
-    return loader.TSAN_FLAGS if _under_tsan() else loader.CPU_FLAGS
+    return cpu_loader.TSAN_FLAGS if _under_tsan() else cpu_loader.CPU_FLAGS
 
 
-@functools.lru_cache(maxsize=None)
+# Where the engine's headers lie: every header under them counts in the build's key, so
+# a change in any part rebuilds.
+INCLUDE_DIRS = (build.INCLUDE_DIR, ENGINE_DIR)
+
+
+@functools.cache
 def native_library() -> ctypes.CDLL:
     """The engine's shared library for network shm (built or found in the cache on first use)."""
-    path = loader.build_library("commref_gin_engine", [SOURCE], _flags(), ("COMMREF_CPU",), (loader.INCLUDE_DIR,))
+    path = cpu_loader.build_library("commref_gin_engine", [SOURCE], _flags(), ("COMMREF_CPU",), INCLUDE_DIRS)
     return _bind(ctypes.CDLL(str(path)))
 
 
@@ -172,7 +224,7 @@ def loaded_mpi() -> tuple[Path, Path] | str:
     return f"no mpi.h beside {lib} (looked in {lib.parent.parent / 'include'})"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_library() -> ctypes.CDLL | str:
     """The engine's shared library for network mpi, built against loaded_mpi() (cached by
     its header and path); or why it cannot be had (one phrase)."""
@@ -181,10 +233,16 @@ def mpi_library() -> ctypes.CDLL | str:
         return found
     libmpi, header = found
     try:
-        path = loader.build_library("commref_gin_engine_mpi", [SOURCE], _flags(), ("COMMREF_CPU", "COMMREF_GIN_MPI"),
-                                    (loader.INCLUDE_DIR,), system_headers=(header,),
-                                    link=(str(libmpi), f"-Wl,-rpath,{libmpi.parent}"))
-    except loader.KernelError as e:
+        path = cpu_loader.build_library(
+            "commref_gin_engine_mpi",
+            [SOURCE],
+            _flags(),
+            ("COMMREF_CPU", "COMMREF_GIN_MPI"),
+            INCLUDE_DIRS,
+            system_headers=(header,),
+            link=(str(libmpi), f"-Wl,-rpath,{libmpi.parent}"),
+        )
+    except build.KernelError as e:
         return f"the engine does not build against {header} ({str(e).strip().splitlines()[-1]})"
     lib = _bind(ctypes.CDLL(str(path)))
     from mpi4py import MPI
@@ -210,23 +268,42 @@ def supports(transport: semantics.Transport, network: str, observer=None) -> str
 
 
 class NativeProxy:
-    """GinProxy's interface (start, quiesce, stop, error, stats, pending, trace) over the
-    native engine. Same constructor as GinProxy (network "mpi": `mpi_comm`, the proxies'
-    own communicator, which stop() frees); refuses what it cannot carry (supports())."""
+    """engine.GinWindowEngine (start, quiesce, stop, error, stats, pending, trace, and
+    the symmetric windows) over the native engine, built on an engine.EngineSite as GinProxy
+    is (network "mpi": `mpi_comm`, the proxies' own communicator, which stop() frees);
+    refuses what it cannot carry (supports())."""
 
-    def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
-                 transport: semantics.Transport, network: str, seed: int = 0, segment_bytes: int = 0,
-                 mpi_comm=None, observer=None, polling: dict | None = None, trace_capacity: int = TRACE_CAPACITY,
-                 mpi_tag: int = 0, wire_rate: float = 0.0, wire_latency: float = 0.0,
-                 stream_min_bytes: int | None = None):
+    def __init__(
+        self,
+        site: EngineSite,
+        seed: int = 0,
+        segment_bytes: int = 0,
+        mpi_comm=None,
+        observer=None,
+        polling: dict | None = None,
+        trace_capacity: int = TRACE_CAPACITY,
+        mpi_tag: int = 0,
+        wire_rate: float = 0.0,
+        wire_latency: float = 0.0,
+        stream_min_bytes: int | None = None,
+    ):
+        world, window, layout, capacity, backend, transport, network = site
         why = supports(transport, network, observer)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
-        self.world, self.rank, self.backend, self.transport, self.network = world, world.rank, backend, transport, network
+        self.world, self.rank, self.backend, self.transport, self.network = (
+            world,
+            world.rank,
+            backend,
+            transport,
+            network,
+        )
         self.window, self.layout, self.capacity = window, layout, capacity
         self._lib = mpi_library() if network == "mpi" else native_library()
         if network == "mpi" and mpi_comm is None:
-            raise ValueError(f"rank {world.rank}: the native GIN engine on network 'mpi' needs the proxies' communicator")
+            raise ValueError(
+                f"rank {world.rank}: the native GIN engine on network 'mpi' needs the proxies' communicator"
+            )
         self._comm = mpi_comm
         from_mpi = 0
         if mpi_comm is not None:
@@ -238,19 +315,35 @@ class NativeProxy:
         poll = {**POLLING, **(polling or {})}
         caps = backend.caps
         self._cfg = EngineConfig(
-            queueBase=qbase, capacity=capacity, windowBase=int(window.address), peerWindows=self._peers.ctypes.data,
-            signalsOff=int(layout["ginSignalsOff"]), countersOff=int(layout["ginCountersOff"]),
-            abortWord=world.abort_word_address, mpiComm=from_mpi, network=NETWORKS[network], mpiTag=int(mpi_tag),
-            nranks=world.size, rank=world.rank,
-            strongSignals=int(caps.strong_signals), vaSignals=int(caps.va_signals),
-            strongAlways=int(backend.strong_always), signalsCountWrites=int(backend.signals_count_writes), trace=0,
-            spinPolls=int(poll["spin_polls"]), yieldPolls=int(poll["yield_polls"]),
+            queueBase=qbase,
+            capacity=capacity,
+            windowBase=int(window.address),
+            peerWindows=self._peers.ctypes.data,
+            signalsOff=int(layout["ginSignalsOff"]),
+            countersOff=int(layout["ginCountersOff"]),
+            abortWord=world.abort_word_address,
+            mpiComm=from_mpi,
+            network=NETWORKS[network],
+            mpiTag=int(mpi_tag),
+            nranks=world.size,
+            rank=world.rank,
+            strongSignals=int(caps.strong_signals),
+            vaSignals=int(caps.va_signals),
+            strongAlways=int(backend.strong_always),
+            signalsCountWrites=int(backend.signals_count_writes),
+            trace=0,
+            spinPolls=int(poll["spin_polls"]),
+            yieldPolls=int(poll["yield_polls"]),
             kernelsHelp=int(kernels_help_enabled()),
-            sleepMaxNs=int(poll["sleep_max_ns"]), traceCapacity=int(trace_capacity),
-            windowBytes=int(window.local.nbytes), timeoutS=float(world.timeout), wireBytesPerS=float(wire_rate),
+            sleepMaxNs=int(poll["sleep_max_ns"]),
+            traceCapacity=int(trace_capacity),
+            windowBytes=int(window.local.nbytes),
+            timeoutS=float(world.timeout),
+            wireBytesPerS=float(wire_rate),
             wireLatencyNs=round(wire_latency * 1e9),
             streamMinBytes=STREAM_MIN_BYTES if stream_min_bytes is None else int(stream_min_bytes),
-            backend=backend.name.encode()[:31])
+            backend=backend.name.encode()[:31],
+        )
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
         if not self._h:
             raise ProxyError(f"rank {self.rank}: the native GIN engine refused its configuration")
@@ -285,12 +378,18 @@ class NativeProxy:
 
     @property
     def error(self) -> BaseException | None:
-        """The engine's error (a ProxyError with its message), or None."""
+        """The engine's error (a ProxyError with its message: a refusal's from
+        engine.refusal), or None."""
         if self._error is None and self._h and self._lib.commref_gin_engine_failed(self._h):
-            n = int(self._lib.commref_gin_engine_error(self._h, None, 0))
-            buf = ctypes.create_string_buffer(n + 1)
-            self._lib.commref_gin_engine_error(self._h, buf, n + 1)
-            self._error = ProxyError(buf.value.decode(errors="replace"))
+            rec = np.zeros(1, abi.GIN_REFUSAL)
+            if self._lib.commref_gin_engine_refusal(self._h, rec.ctypes.data):
+                r = {name: int(rec[name][0]) for name in abi.GIN_REFUSAL.names}
+                self._error = refusal(self.rank, r.pop("code"), nranks=self.world.size, backend=self.backend.name, **r)
+            else:
+                n = int(self._lib.commref_gin_engine_error(self._h, None, 0))
+                buf = ctypes.create_string_buffer(n + 1)
+                self._lib.commref_gin_engine_error(self._h, buf, n + 1)
+                self._error = ProxyError(buf.value.decode(errors="replace"))
         return self._error
 
     @property
@@ -302,9 +401,11 @@ class NativeProxy:
         if self._trace is not None and self._h:
             self._collect_trace()
         if self._trace_lost:
-            raise ProxyError(f"rank {self.rank}: the native GIN engine's trace overflowed: {self._trace_lost} "
-                             f"records not kept (capacity {self.trace_capacity} records between reads of "
-                             f"NativeProxy.trace; raise trace_capacity or read the trace more often)")
+            raise ProxyError(
+                f"rank {self.rank}: the native GIN engine's trace overflowed: {self._trace_lost} "
+                f"records not kept (capacity {self.trace_capacity} records between reads of "
+                f"NativeProxy.trace; raise trace_capacity or read the trace more often)"
+            )
         return self._trace
 
     @trace.setter
@@ -316,8 +417,11 @@ class NativeProxy:
 
     def _collect_trace(self) -> None:
         while True:
-            n = int(self._lib.commref_gin_engine_take_trace(self._h, self._recs.ctypes.data, len(self._recs),
-                                                            ctypes.byref(self._lost)))
+            n = int(
+                self._lib.commref_gin_engine_take_trace(
+                    self._h, self._recs.ctypes.data, len(self._recs), ctypes.byref(self._lost)
+                )
+            )
             self._trace_lost = int(self._lost.value)
             decode_trace(self._recs[:n], self._trace)
             if n < len(self._recs):
@@ -332,10 +436,16 @@ class NativeProxy:
         transports.windows.SymmetricWindow of this rank (its peers' copies where mapped
         here). Call it between launches, before any kernel names the id."""
         peers = np.ascontiguousarray(window.peer_addresses, dtype=np.uint64)
-        if self._lib.commref_gin_engine_add_window(self._h, int(window_id), int(window.address),
-                                                   int(window.nbytes), peers.ctypes.data) != 0:
-            raise ValueError(f"rank {self.rank}: the native GIN engine refused window {window_id} of "
-                             f"{window.nbytes} bytes (ids run from 1 to {abi.GIN_MAX_WINDOWS - 1})")
+        if (
+            self._lib.commref_gin_engine_add_window(
+                self._h, int(window_id), int(window.address), int(window.nbytes), peers.ctypes.data
+            )
+            != 0
+        ):
+            raise ValueError(
+                f"rank {self.rank}: the native GIN engine refused window {window_id} of "
+                f"{window.nbytes} bytes (ids run from 1 to {abi.GIN_MAX_WINDOWS - 1})"
+            )
 
     def remove_window(self, window_id: int) -> None:
         """Forgets window `window_id` (no kernel may name it any more)."""
@@ -357,6 +467,7 @@ class NativeProxy:
         """Waits until every operation claimed so far has been taken and landed (network
         mpi: sent, every send complete, every landing here finished); raises ProxyError naming rank, expected and seen
         at the deadline."""
+
         def state():
             ops, _, claimed, running, failed, _, in_flight, _ = self._poll() if self._h else (0,) * 8
             return (ops >= claimed and not in_flight) or failed or not running, claimed, ops
@@ -370,7 +481,8 @@ class NativeProxy:
         self._stopped = True
         if self._lib.commref_gin_engine_stop(self._h, float(self.world.timeout)) != 0:
             self._error = self._error or ProxyError(
-                f"rank {self.rank}: the native GIN engine's thread did not end within {self.world.timeout} s")
+                f"rank {self.rank}: the native GIN engine's thread did not end within {self.world.timeout} s"
+            )
             return  # the thread still runs: the engine must outlive it (leaked on purpose)
         self.error  # noqa: B018 (reads the engine's message before it goes)
         if self._trace is not None:

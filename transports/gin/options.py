@@ -3,10 +3,12 @@ under it, and how a connection publishes a slot. Validated once, here."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from commref.transports.gin.faults import FaultSpec
-from commref.transports.options import RATE_UNITS, TIME_UNITS, Choice, OptionError, bounded, choice, quantity
+from commref.transports.nodes import NODES_ENV
+from commref.transports.option_types import RATE_UNITS, TIME_UNITS, Choice, OptionError, bounded, choice, quantity
 
 
 class Path(Choice):
@@ -16,6 +18,20 @@ class Path(Choice):
     LSA = "lsa"
     GIN = "gin"
     AUTO = "auto"
+
+
+def default_path(nodes=None) -> Path:
+    """The path a command line takes when --path is left out: auto (LSA inside a node,
+    GIN between nodes) on a job of several nodes, else lsa. `nodes`: the --nodes value;
+    None: COMMREF_NODES, else one node. A value that is no count is one node here and
+    refused, with its own message, where the node count is checked."""
+    if nodes is None:
+        nodes = os.environ.get(NODES_ENV)
+    try:
+        several = int(str(nodes).strip()) > 1
+    except ValueError:
+        several = False
+    return Path.AUTO if several else Path.LSA
 
 
 class Backend(Choice):
@@ -93,11 +109,15 @@ class GinOptions:
         fix(self, "wire_latency", quantity(self.wire_latency, "wire_latency", TIME_UNITS, "seconds, e.g. 5us"))
         fix(self, "fault", FaultSpec.parse(self.fault))
         if self.wire_modeled and self.fault.active:
-            raise OptionError("the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults in "
-                              "the Python proxy: choose one")
+            raise OptionError(
+                "the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults in "
+                "the Python proxy: choose one"
+            )
         if self.wire_modeled and self.wire != Wire.ORDERED:
-            raise OptionError(f"the wire model (wire_rate, wire_latency) runs in the native GIN engine, which "
-                              f"carries the ordered wire, not the {self.wire.value} one")
+            raise OptionError(
+                f"the wire model (wire_rate, wire_latency) runs in the native GIN engine, which "
+                f"carries the ordered wire, not the {self.wire.value} one"
+            )
 
     @property
     def wire_modeled(self) -> bool:

@@ -11,6 +11,8 @@ It ties the parts together:
   later doorbells; when the queue stays empty for scheduler.IDLE_RELEASE_S the proxy
   releases every held put, so a sender waiting on one is never stuck);
 - a wire (wires.ShmWire or wires.MpiWire) carries each landing to the target;
+- engine.refusal formats what it refuses (the conditions in abi.GIN_REFUSALS' order,
+  the texts the native engine's refusals get too);
 - atomics.host_atomics() gives the acquire/release operations on queue words, signals
   and counters; an optional observer.Observer hears of every landing and wire message.
 
@@ -18,7 +20,8 @@ A put's source is copied when the proxy takes the descriptor, so the source is r
 (counter incremented) immediately after; a get lands before the proxy consumes the
 descriptor, so flush, which waits for consumption, covers both. An error ends the
 proxy and sets the world's abort word, so that kernels waiting on it fail instead of
-hanging.
+hanging. It implements engine.GinEngine; it carries the connection window only (window
+id 0: carries_windows is false).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from commref.device_kernels import abi
 from commref.transports.gin import semantics
 from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import Backend
+from commref.transports.gin.engine import DescriptorChecks, EngineSite, refusal
 from commref.transports.gin.faults import FaultSpec, ReliableWire
 from commref.transports.gin.queue import QueueReader
 from commref.transports.gin.scheduler import IDLE_RELEASE_S, DeliveryScheduler
@@ -42,15 +46,27 @@ __all__ = ["GinProxy", "ProxyError", "remote_action"]
 DRAIN_BUDGET = 64  # descriptors taken per iteration before the proxy delivers and polls
 
 
-class GinProxy:
-    """Progress thread of one rank. start() after the window is registered; quiesce()
+class GinProxy(DescriptorChecks):
+    """Progress thread of one rank; implements engine.GinEngine (tests/test_gin_engine_interface.py
+    checks it structurally). start() after the window is registered; quiesce()
     then stop() at close. `network` "shm" or "mpi" (then `mpi_comm`: the proxies' own
     communicator); `observer`: an observer.Observer, or None; `faults`: a lossy link
-    under the wire and the reliability layer above it (faults.py), seeded by `seed`."""
+    under the wire and the reliability layer above it (faults.py), seeded by `seed`;
+    `batched`: the kernels ring doorbells (GinArgs.doorbells), so the scheduler serves
+    every link at doorbells from its first put."""
 
-    def __init__(self, world, window, layout: np.ndarray, capacity: int, backend: Backend,
-                 transport: semantics.Transport, network: str, seed: int, segment_bytes: int,
-                 mpi_comm=None, observer=None, mpi_tag: int = TAG, faults: FaultSpec | None = None):
+    def __init__(
+        self,
+        site: EngineSite,
+        seed: int,
+        segment_bytes: int,
+        mpi_comm=None,
+        observer=None,
+        mpi_tag: int = TAG,
+        faults: FaultSpec | None = None,
+        batched: bool = False,
+    ):
+        world, window, layout, capacity, backend, transport, network = site
         self.world, self.rank, self.backend, self.transport = world, world.rank, backend, transport
         self.network, self.segment_bytes, self.seed = network, segment_bytes, seed
         self.window, self.layout, self.capacity = window, layout, capacity
@@ -58,6 +74,9 @@ class GinProxy:
         self.comm = mpi_comm
         self.error: BaseException | None = None
         self.stats = {"ops": 0, "events": 0}
+        self._window_bytes = int(window.local.nbytes)  # every rank's connection window is this long
+        # network shm: whether each peer's connection window is mapped here
+        self._mapped = [bool(a) for a in window.peer_addresses] if network == "shm" else None
         atomics = host_atomics()
         self._atomic_add = atomics.add_u64
         self.counters_base = int(window.address) + int(layout["ginCountersOff"])
@@ -66,16 +85,18 @@ class GinProxy:
         if network == "shm":
             self.wire = ShmWire(window, signals_off, atomics)
         elif network == "mpi":
-            self.wire = MpiWire(mpi_comm, self.rank, window, signals_off, atomics, world.timeout, observer,
-                                tag=mpi_tag)
+            self.wire = MpiWire(mpi_comm, self.rank, window, signals_off, atomics, world.timeout, observer, tag=mpi_tag)
         else:
             raise ValueError(f"GIN proxy network must be 'shm' or 'mpi', not {network!r}")
         if faults is not None and faults.active:
             self.wire = ReliableWire(self.wire, faults, seed, self.rank, self.stats)
-        self.scheduler = DeliveryScheduler(transport, backend.strong_always, self.wire, seed, self.rank,
-                                           segment_bytes, self.stats, observer)
+        self.scheduler = DeliveryScheduler(
+            transport, backend.strong_always, self.wire, seed, self.rank, segment_bytes, self.stats, observer, batched
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"commref-gin-proxy-{self.rank}", daemon=True)
+
+    carries_windows = False  # descriptors name the connection window only (window id 0)
 
     @property
     def trace(self) -> dict | None:
@@ -100,10 +121,14 @@ class GinProxy:
         """Waits until every operation posted so far has been taken from the queue and
         landed (MPI: sent). Call before stop() so that peers get this rank's last
         data and credits."""
+
         def state():
             claimed = self.queue.claimed()
-            done = (self.queue.next >= claimed and not self.scheduler.pending() and self.wire.drained()) \
-                or self.error is not None or not self._thread.is_alive()
+            done = (
+                (self.queue.next >= claimed and not self.scheduler.pending() and self.wire.drained())
+                or self.error is not None
+                or not self._thread.is_alive()
+            )
             return done, claimed, self.queue.next
 
         wait_drained(state, f"rank {self.rank}: GIN proxy", timeout)
@@ -151,11 +176,9 @@ class GinProxy:
         return took
 
     def _execute(self, d) -> None:
-        """Carries one queue.Descriptor."""
+        """Carries one queue.Descriptor; refuses (engine.refusal, in abi.GIN_REFUSALS'
+        order, as the native engine) what it cannot carry."""
         _, op, flags, peer, ctx, dst, src, nbytes, sig, sigval, counter, windows = d
-        if windows:
-            raise ProxyError(f"rank {self.rank}: GIN operation {op} names windows {windows:#x}: registered "
-                             f"windows (gin.h) are carried by the native engine only")
         if op == abi.GIN_FLUSH:
             self.scheduler.flush(ctx)
             return
@@ -163,22 +186,34 @@ class GinProxy:
             self.scheduler.doorbell(peer, ctx)
             return
         if not 0 <= peer < self.world.size:
-            raise ProxyError(f"rank {self.rank}: GIN operation {op} names peer {peer} outside [0, {self.world.size})")
+            raise self._refusal("peer_outside", op, peer)
+        if self._mapped is not None and not self._mapped[peer]:
+            raise self._refusal("peer_unmapped", op, peer)
+        src_window, dst_window = windows & 0xFFFF, windows >> 16
         if op == abi.GIN_GET:
+            self._check(dst_window, dst, nbytes, "get_destination", op, peer)
+            self._check(src_window, src, nbytes, "get_source", op, peer)  # every rank's window is as long
             self.wire.get(peer, src, dst, nbytes, self.scheduler.deliver)
             self.scheduler.record(peer, ctx, ("get", src, dst, nbytes))
             return
         signal = None
         if flags & abi.GIN_HAS_SIGNAL:
             signal = self._remote_action(peer, flags, sig, sigval)
+            kind, where = signal.target
+            self._check(
+                0, where if kind == "va" else int(self.layout["ginSignalsOff"]) + 8 * where, 8, "signal", op, peer
+            )
         if op == abi.GIN_PUT:
-            payload = self.local[src:src + nbytes].copy()  # the source is reusable from here on
+            self._check(src_window, src, nbytes, "put_source", op, peer)
+            payload = self.local[src : src + nbytes].copy()  # the source is reusable from here on
         elif op == abi.GIN_PUT_VALUE:
             payload = np.frombuffer(nbytes.to_bytes(8, "little"), dtype=np.uint8).copy()
         elif op == abi.GIN_SIGNAL:
             payload = np.zeros(0, np.uint8)
         else:
-            raise ProxyError(f"rank {self.rank}: unknown GIN operation {op}")
+            raise self._refusal("unknown_op", op, peer)
+        if payload.size:
+            self._check(dst_window, dst, payload.size, "put_destination", op, peer)
         seq = self.scheduler.post(peer, ctx, dst, payload, signal)
         if flags & abi.GIN_HAS_COUNTER:  # the source was copied above: reusable now
             self._atomic_add(self.counters_base + 8 * counter, 1)
@@ -190,20 +225,19 @@ class GinProxy:
 
 def remote_action(rank: int, backend: Backend, peer: int, flags: int, sig: int, sigval: int) -> semantics.Signal:
     """The signal a descriptor's flags ask for, as `backend` applies it; ProxyError (one
-    line naming rank, peer and backend) for what the backend cannot do. Every Python-side
-    proxy refuses through here (native_engine.cpp mirrors the messages)."""
+    line naming rank, peer and backend: engine.refusal's strong_signal, va_signal,
+    signal_add, the native engine's texts too) for what the backend cannot do."""
     caps = backend.caps
     strong = bool(flags & abi.GIN_STRONG)
+    codes = abi.GIN_REFUSALS
     if strong and not caps.strong_signals:
-        raise ProxyError(f"rank {rank}: strong signal to peer {peer} on backend "
-                         f"{backend.name}, which offers weak signals only")
+        raise refusal(rank, codes["strong_signal"], backend=backend.name, peer=peer)
     va = bool(flags & abi.GIN_VA)
     if va and not caps.va_signals:
-        raise ProxyError(f"rank {rank}: VA signal to peer {peer} on backend {backend.name}")
+        raise refusal(rank, codes["va_signal"], backend=backend.name, peer=peer)
     value = sigval if flags & abi.GIN_ADD else 1
     if backend.signals_count_writes:
         if flags & abi.GIN_ADD:
-            raise ProxyError(f"rank {rank}: signal add on backend {backend.name}, whose signals "
-                             f"count completed writes")
+            raise refusal(rank, codes["signal_add"], backend=backend.name, peer=peer)
         value = 1
     return semantics.Signal(strong or backend.strong_always, ("va" if va else "index", sig), value)

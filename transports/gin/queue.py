@@ -57,8 +57,8 @@ class _Queue:
         qoff = int(layout["ginQueueOff"])
         nring = capacity * DESCRIPTOR_BYTES
         self.capacity = capacity
-        self.ring = local[qoff:qoff + nring].view(abi.GIN_DESCRIPTOR)
-        self.header = local[qoff + nring:qoff + nring + abi.GIN_QUEUE_HEADER]
+        self.ring = local[qoff : qoff + nring].view(abi.GIN_DESCRIPTOR)
+        self.header = local[qoff + nring : qoff + nring + abi.GIN_QUEUE_HEADER]
         self.ring_addr = self.ring.ctypes.data
         self.claimed_addr = self.header.ctypes.data + abi.GIN_QUEUE_CLAIMED
         self.consumed_addr = self.header.ctypes.data + abi.GIN_QUEUE_CONSUMED
@@ -113,8 +113,20 @@ class QueueWriter(_Queue):
         self.header[:] = 0
         self.slot = 0
 
-    def fill(self, op: int, flags: int = 0, peer: int = -1, ctx: int = 0, dst: int = 0, src: int = 0,
-             nbytes: int = 0, signal: int = 0, value: int = 0, counter: int = 0, windows: int = 0) -> int:
+    def fill(
+        self,
+        op: int,
+        flags: int = 0,
+        peer: int = -1,
+        ctx: int = 0,
+        dst: int = 0,
+        src: int = 0,
+        nbytes: int = 0,
+        signal: int = 0,
+        value: int = 0,
+        counter: int = 0,
+        windows: int = 0,
+    ) -> int:
         """Claims the next slot and writes the descriptor's fields (not seq); returns the slot."""
         slot = self.slot
         if slot >= self.capacity and self.consumed() < slot + 1 - self.capacity:
@@ -171,7 +183,7 @@ class QueueRegion:
         else:
             local = window.local
             qoff, coff = int(layout["ginQueueOff"]), int(layout["ginCountersOff"])
-            self.queue, counters_u8 = local[qoff:qoff + qbytes], local[coff:coff + 8 * counters]
+            self.queue, counters_u8 = local[qoff : qoff + qbytes], local[coff : coff + 8 * counters]
             self.queue_address = int(window.address) + qoff
             self.counters_address = int(window.address) + coff
         self.counters = counters_u8.view(np.uint64)

@@ -8,8 +8,9 @@ mode) the puts held back.
 
 - ordered wire: each (peer, context) is FIFO, so a put and its signal land as soon as
   they are posted (the only enabled event is always the head);
-- unordered wire, links whose kernels ring doorbells (every commref connection): the
-  link is served at its doorbells, and it is as adversarial as SRD across them. At
+- unordered wire, links whose kernels ring doorbells (every commref communicator's:
+  `batched`): the link is served at its doorbells from its first put, and it is as
+  adversarial as SRD across them; nothing lands between a put and its doorbell. At
   doorbell d of a link, with a random stream of its own (seed, rank, peer, context, d):
   1. each put posted since the previous doorbell is held back with probability
      HOLD_PROBABILITY, for 1..HOLD_DOORBELLS later doorbells of the link (its bound);
@@ -29,9 +30,10 @@ mode) the puts held back.
   waits for a credit that depends on this very put's signal), so the proxy calls
   release_held() when its queue has stayed empty for IDLE_RELEASE_S: every held put
   lands then, in sequence order, each in its own pre-drawn order (as when forced).
-- unordered wire, links without doorbells (raw device API use, the ordering study's
-  stress): events land at random whenever deliver() runs, from the scheduler's one
-  stream, some held back so that later ones can overtake.
+- unordered wire, links of a scheduler that is not `batched` (the ordering study's
+  stress, tests driving a proxy by hand): events land at random whenever deliver()
+  runs, from the scheduler's one stream, some held back so that later ones can
+  overtake, until the link's first doorbell, which switches it to the above.
 
 Every landing is an event enabled() allows at that point (tests/test_gin_conformance.py
 replays the trace against semantics.py).
@@ -44,7 +46,8 @@ Timing-dependent: whether a held put lands at an idle release (the proxy found i
 queue empty for IDLE_RELEASE_S, which depends on how fast the kernels post) or at
 the doorbell that forces it, i.e. where its block of events sits among the link's
 later batches; the interleaving of different links; and what a receiver reads, which
-depends on when it looks. Links without doorbells are not reproducible.
+depends on when it looks. Links served by deliver() (not `batched`, before their first
+doorbell) are not reproducible.
 
 The trace (`trace`, a dict, when set) records per (peer, ctx), in the order they
 happen: ("post", seq, offset, nbytes, signal), ("flush",), ("doorbell", d),
@@ -67,7 +70,6 @@ import numpy as np
 
 from commref.transports.gin import semantics
 
-
 HOLD_PROBABILITY = 0.25  # of each put posted on a doorbell link (unordered wire)
 HOLD_DOORBELLS = 4  # a held put is released at the latest this many doorbells of its link later
 IDLE_RELEASE_S = 1e-3  # the proxy releases every held put once its queue has stayed empty this long
@@ -78,25 +80,44 @@ class Link:
     """What this rank posted to one (peer, context) and has not fully landed yet."""
 
     name: str  # "seed:rank:peer:ctx", the root of the link's random streams
-    rng: random.Random  # the scheduler's stream (links without doorbells)
+    rng: random.Random  # the scheduler's stream (deliver())
     puts: list = field(default_factory=list)  # semantics.Put
     payloads: list = field(default_factory=list)  # np.uint8 arrays
     segs: list = field(default_factory=list)
     landed: set = field(default_factory=set)
     next_seq: int = 0
     after_flush: bool = False  # a flush of the context came since the last put here
-    doorbells: int = 0  # rung so far; > 0 switches the link to doorbell mode
+    batched: bool = False  # served at doorbells from the first put (else from the first doorbell)
+    doorbells: int = 0  # rung so far
     held: dict = field(default_factory=dict)  # put seq -> the doorbell by which it is released
     batch_start: int = 0  # the first put posted since the previous doorbell
+
+    @property
+    def at_doorbells(self) -> bool:
+        """Whether the link lands only at doorbells (else deliver() lands it at random)."""
+        return self.batched or self.doorbells > 0
 
 
 class DeliveryScheduler:
     """`stats["events"]` counts what landed; `trace`, when set to a dict, records per
-    (peer, ctx) what was posted and each landing (module docstring)."""
+    (peer, ctx) what was posted and each landing (module docstring). `batched`: the
+    kernels ring a doorbell after every batch they post (GinArgs.doorbells), so every
+    link is served at doorbells from its first put."""
 
-    def __init__(self, transport: semantics.Transport, strong_always: bool, wire, seed: int, rank: int,
-                 segment_bytes: int, stats: dict, observer=None):
+    def __init__(
+        self,
+        transport: semantics.Transport,
+        strong_always: bool,
+        wire,
+        seed: int,
+        rank: int,
+        segment_bytes: int,
+        stats: dict,
+        observer=None,
+        batched: bool = False,
+    ):
         self.transport, self.strong_always, self.wire = transport, strong_always, wire
+        self.batched = batched
         self.seed, self.rank, self.segment_bytes = seed, rank, segment_bytes
         self.rng = random.Random(seed * 1_000_003 + rank)
         self.links: dict[tuple[int, int], Link] = {}  # (peer, ctx) -> what is pending there
@@ -108,7 +129,9 @@ class DeliveryScheduler:
     def link(self, peer: int, ctx: int) -> Link:
         link = self.links.get((peer, ctx))
         if link is None:
-            link = self.links[(peer, ctx)] = Link(f"{self.seed}:{self.rank}:{peer}:{ctx}", self.rng)
+            link = self.links[(peer, ctx)] = Link(
+                f"{self.seed}:{self.rank}:{peer}:{ctx}", self.rng, batched=self.batched
+            )
             link.after_flush = ctx in self._flushed_ctx
         return link
 
@@ -183,7 +206,7 @@ class DeliveryScheduler:
         held = link.held
         batch = [p.seq for p in link.puts if p.seq >= link.batch_start]  # posted since the previous doorbell
         link.batch_start = link.next_seq
-        started = {link.puts[e.put].seq for e in link.landed}  # before the first doorbell, deliver() may have begun
+        started = {link.puts[e.put].seq for e in link.landed}  # not batched: deliver() may have begun
         hold = {}
         for seq in batch:  # one draw per put, whatever is pending: the holds depend on the posted sequence only
             if rng.random() < HOLD_PROBABILITY:
@@ -237,10 +260,10 @@ class DeliveryScheduler:
     # ---- landing ----
 
     def deliver(self) -> int:
-        """Lands some pending events of links without doorbells; returns how many."""
+        """Lands some pending events of links not served at doorbells; returns how many."""
         landed = 0
         for (peer, _), link in self.links.items():
-            if link.puts and not link.doorbells:
+            if link.puts and not link.at_doorbells:
                 landed += self._deliver_link(peer, link, self.rng, None)
                 self._prune(link)
         return landed
@@ -250,14 +273,17 @@ class DeliveryScheduler:
         i = next(k for k, p in enumerate(link.puts) if p.seq == seq)
         n = self._deliver_link(peer, link, random.Random(f"{link.name}:p{seq}"), lambda k: k == i)
         if not (semantics.Event(i, -1) in link.landed or link.puts[i].signal is None) or not all(
-                semantics.Event(i, s) in link.landed for s in range(len(link.segs[i]))):
-            raise RuntimeError(f"rank {self.rank}: held put {seq} to peer {peer} could not land "
-                               f"(an earlier put of its link is still pending)")
+            semantics.Event(i, s) in link.landed for s in range(len(link.segs[i]))
+        ):
+            raise RuntimeError(
+                f"rank {self.rank}: held put {seq} to peer {peer} could not land "
+                f"(an earlier put of its link is still pending)"
+            )
         return n
 
     def _deliver_link(self, peer: int, link: Link, rng: random.Random, only) -> int:
         """Lands enabled events of the puts `only(index)` accepts (all when None) until
-        none is enabled (doorbell mode) or at random (links without doorbells)."""
+        none is enabled (at doorbells) or at random (deliver())."""
         landed = 0
         plan = semantics.Plan(link.puts, link.segs)
         while True:
@@ -270,7 +296,7 @@ class DeliveryScheduler:
             self._land(peer, link, ev)
             link.landed.add(ev)
             landed += 1
-            if link.doorbells:
+            if link.at_doorbells:
                 if ev.is_signal:
                     time.sleep(0)  # let a receiver in this process see the state right after a signal
             elif self.rng.random() < 0.5:
@@ -287,7 +313,7 @@ class DeliveryScheduler:
         else:
             off, n = link.segs[ev.put][ev.segment]
             rel = off - put.offset
-            self.wire.land_data(peer, off, link.payloads[ev.put][rel:rel + n], put.ctx)
+            self.wire.land_data(peer, off, link.payloads[ev.put][rel : rel + n], put.ctx)
         if self.observer is not None:
             self.observer.landed(peer, put.ctx, put.seq, ev.segment, ev.copy)
 

@@ -111,7 +111,7 @@ class Plan:
     segs: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, puts: list[Put], segment_bytes: int) -> "Plan":
+    def of(cls, puts: list[Put], segment_bytes: int) -> Plan:
         return cls(list(puts), [segments(p, segment_bytes) for p in puts])
 
     def all_events(self, transport: Transport) -> list[Event]:
@@ -159,8 +159,11 @@ def enabled(transport: Transport, plan: Plan, landed, strong_always: bool = Fals
         earlier = _earlier(plan, i)
         if transport.ordered and not all(_put_landed(plan, j, landed) for j in earlier):
             continue
-        if transport.flush_orders_later_writes and p.after_flush and not all(
-                _data_landed(plan, j, landed) for j in earlier):
+        if (
+            transport.flush_orders_later_writes
+            and p.after_flush
+            and not all(_data_landed(plan, j, landed) for j in earlier)
+        ):
             continue
         nseg = len(plan.segs[i])
         for s in range(nseg):
@@ -181,8 +184,11 @@ def enabled(transport: Transport, plan: Plan, landed, strong_always: bool = Fals
             if strong:
                 if not all(_data_landed(plan, j, landed) for j in earlier):
                     continue
-                if not all(Event(j, -1) in landed for j in earlier
-                           if plan.puts[j].signal is not None and (plan.puts[j].signal.strong or strong_always)):
+                if not all(
+                    Event(j, -1) in landed
+                    for j in earlier
+                    if plan.puts[j].signal is not None and (plan.puts[j].signal.strong or strong_always)
+                ):
                     continue
             out.append(Event(i, -1))
     return out
@@ -214,10 +220,10 @@ class TargetMemory:
     landed: list = field(default_factory=list)
 
     @classmethod
-    def fresh(cls, nbytes: int, fill: int = 0) -> "TargetMemory":
+    def fresh(cls, nbytes: int, fill: int = 0) -> TargetMemory:
         return cls(bytearray([fill]) * nbytes)
 
-    def copy(self) -> "TargetMemory":
+    def copy(self) -> TargetMemory:
         return TargetMemory(bytearray(self.window), dict(self.signals), self.placed_bytes, list(self.landed))
 
     def signal(self, slot: int = 0) -> int:
@@ -238,14 +244,14 @@ def apply(plan: Plan, event: Event, payload, mem: TargetMemory) -> None:
             key = ("index", where)
             mem.signals[key] = (mem.signals.get(key, 0) + sig.value) & SIGNAL_MASK
         elif kind == "va":
-            old = int.from_bytes(mem.window[where:where + 8], "little")
-            mem.window[where:where + 8] = ((old + sig.value) & SIGNAL_MASK).to_bytes(8, "little")
+            old = int.from_bytes(mem.window[where : where + 8], "little")
+            mem.window[where : where + 8] = ((old + sig.value) & SIGNAL_MASK).to_bytes(8, "little")
         else:
             raise ValueError(f"signal target kind must be 'index' or 'va', not {kind!r}")
     else:
         off, n = plan.segs[event.put][event.segment]
         src = payload[event.put]
-        mem.window[off:off + n] = src[off - p.offset:off - p.offset + n]
+        mem.window[off : off + n] = src[off - p.offset : off - p.offset + n]
         mem.placed_bytes += n
     mem.landed.append(event)
 

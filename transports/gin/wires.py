@@ -29,7 +29,7 @@ from commref.transports.gin import semantics
 MSG_DATA, MSG_SIGNAL, MSG_GET_REQ, MSG_GET_RESP = 1, 2, 3, 4
 HEADER_WORDS = 6
 HEADER_BYTES = 8 * HEADER_WORDS
-TAG = 7171  # MpiWire's default tag; a GIN communicator's own comes from plan.network_tag()
+TAG = 7171  # MpiWire's default tag; a GIN communicator's own comes from engines.network_tag()
 
 
 class ProxyError(RuntimeError):
@@ -47,8 +47,9 @@ def wait_drained(state, who: str, timeout: float) -> None:
         if done:
             return
         if time.monotonic() > deadline:
-            raise ProxyError(f"{who} did not drain within {timeout} s "
-                             f"(expected {claimed} operations taken, seen {taken})")
+            raise ProxyError(
+                f"{who} did not drain within {timeout} s (expected {claimed} operations taken, seen {taken})"
+            )
         time.sleep(50e-6)
 
 
@@ -129,7 +130,7 @@ class HostMemory:
         self._land(self.base + offset, data.ctypes.data, data.size)
 
     def read(self, offset: int, size: int) -> np.ndarray:
-        return self.local[offset:offset + size].copy()
+        return self.local[offset : offset + size].copy()
 
     def add_signal(self, src: int, offset: int, value: int) -> None:
         self._add(self.base + offset, value)
@@ -147,8 +148,18 @@ class MpiWire(Wire):
 
     name = "mpi"
 
-    def __init__(self, comm, rank: int, window, signals_off: int, atomics, timeout: float, observer=None,
-                 memory=None, tag: int = TAG):
+    def __init__(
+        self,
+        comm,
+        rank: int,
+        window,
+        signals_off: int,
+        atomics,
+        timeout: float,
+        observer=None,
+        memory=None,
+        tag: int = TAG,
+    ):
         from mpi4py import MPI
 
         self.comm, self.rank, self.timeout, self.observer, self.tag = comm, rank, timeout, observer, tag
@@ -189,7 +200,7 @@ class MpiWire(Wire):
             h = buf[:HEADER_BYTES].view(np.uint64)
             kind = int(h[0])
             if kind == MSG_DATA:
-                self.memory.write(src, int(h[1]), buf[HEADER_BYTES:HEADER_BYTES + int(h[2])])
+                self.memory.write(src, int(h[1]), buf[HEADER_BYTES : HEADER_BYTES + int(h[2])])
             elif kind == MSG_SIGNAL:
                 self._apply_signal(src, bool(h[3]), int(h[4]), int(h[5]))
             elif kind == MSG_GET_REQ:
@@ -217,8 +228,10 @@ class MpiWire(Wire):
             self.progress()
             idle()
             if time.monotonic() > deadline:
-                raise ProxyError(f"rank {self.rank}: GIN get from peer {peer} got no reply within "
-                                 f"{self.timeout} s (expected {nbytes} bytes, seen none)")
+                raise ProxyError(
+                    f"rank {self.rank}: GIN get from peer {peer} got no reply within "
+                    f"{self.timeout} s (expected {nbytes} bytes, seen none)"
+                )
             time.sleep(0)
         self.memory.write(peer, dst, self._get_reply.pop(peer)[:nbytes])
         self.memory.settle(peer)

@@ -54,7 +54,7 @@ How the search is kept small (see docs/ordering.md for the argument):
 `search(..., por=False)` is the plain exhaustive search; the tests check that it and the
 reduced search agree on every cell for small shapes.
 
-The protocols and models are in protocols.py; `commref study --stress` runs the same
+The protocols and models are in signaling.py; `commref study --stress` runs the same
 programs on the real GIN proxy (stress.py). docs/ordering.md: the matrix, reading a
 trace, adding a protocol.
 """
@@ -67,9 +67,19 @@ from dataclasses import dataclass
 
 from commref.transports.gin import semantics as sem
 from commref.transports.gin.semantics import Event, TargetMemory
-from commref.transports.gin.study.protocols import (DEFAULT_BOUND, MODEL_BY_NAME, MODELS, PROTOCOL_BY_NAME,
-                                                    PROTOCOLS, Model, Program, Protocol, Shape, shapes,
-                                                    stale_ranges)
+from commref.transports.gin.study.signaling import (
+    DEFAULT_BOUND,
+    MODEL_BY_NAME,
+    MODELS,
+    PROTOCOL_BY_NAME,
+    PROTOCOLS,
+    Model,
+    Program,
+    Protocol,
+    Shape,
+    shapes,
+    stale_ranges,
+)
 
 SHORTEST_CAP = 200_000  # states of the plain BFS that looks for a shortest counterexample
 
@@ -83,15 +93,23 @@ def _wrong(prog: Program, proto: Protocol, mem: TargetMemory) -> bool:
     return bool(stale_ranges(prog, mem, proto.receive(prog, mem)))
 
 
+def _bfs_start(prog: Program, proto: Protocol) -> tuple[set, deque] | None:
+    """A BFS's seen set and queue holding its first state (nothing landed, fresh memory);
+    None when the receiver already reads wrong there."""
+    mem0 = prog.fresh()
+    if _wrong(prog, proto, mem0):
+        return None
+    start: frozenset = frozenset()
+    return {start}, deque([(start, mem0)])
+
+
 def _search_victim(prog: Program, proto: Protocol, model: Model, victim: Event, stats: Stats) -> list[Event] | None:
     """Reduced BFS of the system where `victim` never lands (see the module docstring)."""
     plan, tr, sa = prog.plan, model.transport, model.strong_always
-    mem0 = prog.fresh()
-    if _wrong(prog, proto, mem0):
+    first = _bfs_start(prog, proto)
+    if first is None:
         return []
-    start: frozenset = frozenset()
-    seen = {start}
-    queue = deque([(start, mem0)])
+    seen, queue = first
     while queue:
         landed, mem = queue.popleft()
         stats.states += 1
@@ -101,7 +119,7 @@ def _search_victim(prog: Program, proto: Protocol, model: Model, victim: Event, 
         eager = [e for e in en if not proto.may_falsify(prog, e)]
         # A persistent singleton set at a time: every eager event in turn (each stays
         # enabled and eager after the others land), then look again.
-        for steps in ([eager] if eager else [[e] for e in en]):
+        for steps in [eager] if eager else [[e] for e in en]:
             m = mem.copy()
             for e in steps:
                 sem.apply(plan, e, prog.payload, m)
@@ -123,17 +141,16 @@ def _search_reduced(prog: Program, proto: Protocol, model: Model, stats: Stats) 
     return None
 
 
-def _search_plain(prog: Program, proto: Protocol, model: Model, stats: Stats,
-                  max_states: int | None = None) -> tuple[list[Event] | None, bool]:
+def _search_plain(
+    prog: Program, proto: Protocol, model: Model, stats: Stats, max_states: int | None = None
+) -> tuple[list[Event] | None, bool]:
     """Plain BFS over every reachable set of landed events: a shortest delivery order
     to a wrong read, or None; and whether the search completed within max_states."""
     plan, tr, sa = prog.plan, model.transport, model.strong_always
-    mem0 = prog.fresh()
-    if _wrong(prog, proto, mem0):
+    first = _bfs_start(prog, proto)
+    if first is None:
         return [], True
-    start: frozenset = frozenset()
-    seen = {start}
-    queue = deque([(start, mem0)])
+    seen, queue = first
     while queue:
         landed, mem = queue.popleft()
         stats.states += 1
@@ -168,6 +185,7 @@ def replay(prog: Program, proto: Protocol, model: Model, events: list[Event]):
 
 def _trim(prog: Program, proto: Protocol, model: Model, events: list[Event]) -> list[Event]:
     """Drops events while the order stays allowed and still ends in a wrong read."""
+
     def bad(evs):
         try:
             return bool(replay(prog, proto, model, evs)[2])
@@ -179,15 +197,16 @@ def _trim(prog: Program, proto: Protocol, model: Model, events: list[Event]) -> 
     while changed:
         changed = False
         for k in range(len(events)):
-            cand = events[:k] + events[k + 1:]
+            cand = events[:k] + events[k + 1 :]
             if bad(cand):
                 events, changed = cand, True
                 break
     return events
 
 
-def search(prog: Program, proto: Protocol, model: Model, por: bool = True,
-           stats: Stats | None = None) -> list[Event] | None:
+def search(
+    prog: Program, proto: Protocol, model: Model, por: bool = True, stats: Stats | None = None
+) -> list[Event] | None:
     """A delivery order of `prog` on `model` that ends in a wrong read, or None if there
     is none (exhaustive). por=False: plain BFS without reductions."""
     stats = stats if stats is not None else Stats()
@@ -217,8 +236,9 @@ class Cell:
         return (self.protocol, self.strength or "-", self.model)
 
 
-def run_cell(proto: Protocol, strength: str | None, model: Model, bound: tuple[int, int] = DEFAULT_BOUND,
-             por: bool = True) -> Cell:
+def run_cell(
+    proto: Protocol, strength: str | None, model: Model, bound: tuple[int, int] = DEFAULT_BOUND, por: bool = True
+) -> Cell:
     t0 = time.perf_counter()
     stats = Stats()
     checked = 0
@@ -230,10 +250,27 @@ def run_cell(proto: Protocol, strength: str | None, model: Model, bound: tuple[i
             continue
         short = _search_plain(prog, proto, model, Stats(), SHORTEST_CAP)[0] if por else found
         events = short if short is not None else _trim(prog, proto, model, found)
-        return Cell(proto.name, strength, model.name, False, shape, list(events), short is not None,
-                    stats.states, time.perf_counter() - t0, checked)
-    return Cell(proto.name, strength, model.name, True, states=stats.states, seconds=time.perf_counter() - t0,
-                shapes_checked=checked)
+        return Cell(
+            proto.name,
+            strength,
+            model.name,
+            False,
+            shape,
+            list(events),
+            short is not None,
+            stats.states,
+            time.perf_counter() - t0,
+            checked,
+        )
+    return Cell(
+        proto.name,
+        strength,
+        model.name,
+        True,
+        states=stats.states,
+        seconds=time.perf_counter() - t0,
+        shapes_checked=checked,
+    )
 
 
 def run_matrix(protocols=None, models=None, strengths=None, bound=DEFAULT_BOUND, por=True) -> list[Cell]:
@@ -250,4 +287,3 @@ def run_matrix(protocols=None, models=None, strengths=None, bound=DEFAULT_BOUND,
 def cell_program(cell: Cell) -> tuple[Protocol, Model, Program]:
     proto, model = PROTOCOL_BY_NAME[cell.protocol], MODEL_BY_NAME[cell.model]
     return proto, model, proto.program(cell.shape, cell.strength, model.split_ctx)
-

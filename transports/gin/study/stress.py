@@ -56,14 +56,16 @@ from commref.device_kernels import abi
 from commref.transports.gin import semantics as sem
 from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import BACKENDS
+from commref.transports.gin.engine import EngineSite
 from commref.transports.gin.observer import Observer
 from commref.transports.gin.proxy import GinProxy
 from commref.transports.gin.queue import QueueWriter, queue_bytes
 from commref.transports.gin.semantics import Event, TargetMemory
 from commref.transports.gin.study import explorer
-from commref.transports.gin.study import protocols as pr
+from commref.transports.gin.study import signaling as pr
+from commref.transports.mpi_world import MPIWorld
+from commref.transports.thread_world import ThreadWorld
 from commref.transports.windows import register_window
-from commref.transports.world import MPIWorld, ThreadWorld
 
 CAPACITY = 64  # descriptors in the queue; a message posts at most 9 ops
 NSIGNALS = 8
@@ -243,7 +245,7 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
             ctl.reset()
         world.barrier(what="stress: control words reset")
         local = window.local
-        sigs = local[int(layout["ginSignalsOff"]):int(layout["ginSignalsOff"]) + NSIGNALS * 8].view(np.uint64)
+        sigs = local[int(layout["ginSignalsOff"]) : int(layout["ginSignalsOff"]) + NSIGNALS * 8].view(np.uint64)
         q = QueueWriter(local, layout, CAPACITY, atomics)
         for cell in cells:
             if cell.skipped:
@@ -258,16 +260,22 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
             by_ctx_seq = {(p.ctx, p.seq): i for i, p in enumerate(prog.puts)}
             for seed in range(seeds):
                 proxy, log = None, []
+                observer, sender_faults = receiver, None  # the receiver's proxy: its queue stays empty, it only lands
                 if world.rank == 0:
                     local[:w] = np.frombuffer(prog.image, np.uint8)  # the sources, at the same offsets
                     q.reset()
                     observer = _SenderObserver(ctl, None if model.transport.ordered else log)
-                    proxy = GinProxy(world, window, layout, CAPACITY, BACKENDS["proxy"], model.transport, network,
-                                     seed, prog.segment_bytes, comm, observer, faults=faults)
-                    proxy.start()
-                elif receiver is not None:  # the receiver's proxy: its queue stays empty, it only lands
-                    proxy = GinProxy(world, window, layout, CAPACITY, BACKENDS["proxy"], model.transport, network,
-                                     seed, prog.segment_bytes, comm, receiver)
+                    sender_faults = faults
+                if observer is not None:
+                    site = EngineSite(world, window, layout, CAPACITY, BACKENDS["proxy"], model.transport, network)
+                    proxy = GinProxy(
+                        site,
+                        seed,
+                        prog.segment_bytes,
+                        comm,
+                        observer,
+                        faults=sender_faults,
+                    )
                     proxy.start()
                 try:
                     for m in range(messages):
@@ -280,6 +288,7 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                             deadline = time.monotonic() + world.timeout
                             del log[:]
                             _post_message(q, prog, 1, deadline, proxy)
+
                             def landed(proxy=proxy):
                                 return q.consumed() >= q.slot and not proxy.pending(1)
 
@@ -293,8 +302,17 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                                     cell.orders_disallowed += 1
                             ctl.set_landed(serial)
                         else:
-                            _receive(world, proto, prog, cell, local, sigs, ctl, serial,
-                                     (lambda: receiver.count >= ctl.sent()) if receiver is not None else None)
+                            _receive(
+                                world,
+                                proto,
+                                prog,
+                                cell,
+                                local,
+                                sigs,
+                                ctl,
+                                serial,
+                                (lambda: receiver.count >= ctl.sent()) if receiver is not None else None,
+                            )
                         world.barrier(what="stress: message checked")
                 finally:
                     if proxy is not None:
@@ -306,9 +324,10 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
         if comm is not None:
             comm.Free()
     if world.kind != "thread":  # each process counted its half: gather both into every rank's cells
-        halves = world.allgather([[getattr(c, f) for f in (StressCell.SENDER if world.rank == 0 else
-                                                            StressCell.RECEIVER)] for c in cells],
-                                 what="stress: per-cell counts")
+        halves = world.allgather(
+            [[getattr(c, f) for f in (StressCell.SENDER if world.rank == 0 else StressCell.RECEIVER)] for c in cells],
+            what="stress: per-cell counts",
+        )
         for rank, fields in ((0, StressCell.SENDER), (1, StressCell.RECEIVER)):
             for c, values in zip(cells, halves[rank]):
                 for f, v in zip(fields, values):
@@ -351,9 +370,18 @@ def _receive(world, proto, prog, cell, local, sigs, ctl: _Control, serial: int, 
         raise AssertionError(f"study --stress {cell.key()}: the window differs from the message once all landed")
 
 
-def run_stress(protocols=None, models=None, strengths=None, bound=pr.DEFAULT_BOUND, seeds: int = 10,
-               messages: int = 5, verdicts: dict | None = None, world=None,
-               network: str | None = None, faults=None) -> list[StressCell]:
+def run_stress(
+    protocols=None,
+    models=None,
+    strengths=None,
+    bound=pr.DEFAULT_BOUND,
+    seeds: int = 10,
+    messages: int = 5,
+    verdicts: dict | None = None,
+    world=None,
+    network: str | None = None,
+    faults=None,
+) -> list[StressCell]:
     """Stress-runs every selected cell on the proxy (2 ranks, shm wire) with messages of
     the bound's largest shape. `world`: an MPIWorld of 2 ranks on one host (every rank
     calls this; each returns every cell's full counts); None: under mpiexec the job's
@@ -369,8 +397,9 @@ def run_stress(protocols=None, models=None, strengths=None, bound=pr.DEFAULT_BOU
         raise SystemExit(f"commref study --stress: runs on 2 ranks, not {world.size} (mpiexec -n 2 / --np 2)")
     network = network or DEFAULT_NETWORK
     if network not in NETWORKS or (network == "mpi" and world is None):
-        raise SystemExit(f"commref study --stress: network {network!r} needs one of {NETWORKS} "
-                         "(mpi: under mpiexec, --np 2)")
+        raise SystemExit(
+            f"commref study --stress: network {network!r} needs one of {NETWORKS} (mpi: under mpiexec, --np 2)"
+        )
 
     cells = []
     for proto in protocols or pr.PROTOCOLS:
@@ -380,9 +409,17 @@ def run_stress(protocols=None, models=None, strengths=None, bound=pr.DEFAULT_BOU
             for model in models or pr.MODELS:
                 key = (proto.name, strength or "-", model.name)
                 verdict = (verdicts or {}).get(key) or explorer.run_cell(proto, strength, model, bound).verdict
-                cells.append(StressCell(proto.name, strength, model.name, verdict,
-                                        skipped=NOT_STRESSED.get(proto.name),
-                                        world="thread" if world is None else world.kind, network=network))
+                cells.append(
+                    StressCell(
+                        proto.name,
+                        strength,
+                        model.name,
+                        verdict,
+                        skipped=NOT_STRESSED.get(proto.name),
+                        world="thread" if world is None else world.kind,
+                        network=network,
+                    )
+                )
     if world is None:
         ThreadWorld.run(2, _rank_main, cells, seeds, messages, bound, "shm", faults)
     else:

@@ -1,6 +1,6 @@
-"""What the ordering study explores: the transport models (the columns of its matrix),
-message shapes and the sender programs protocols post, and the protocols themselves
-(the rows: a sender program plus a receiver check).
+"""What the ordering study explores: the put/signal protocols (the rows of its matrix:
+a sender program plus a receiver check each), the transport models (the columns) and
+the message shapes the sender programs post.
 
 A protocol is a small sender program (a list of semantics.Put with signals, flushes
 marked on the op after them) for a message of P puts of S segments, plus a receiver
@@ -28,6 +28,7 @@ DEFAULT_BOUND = (4, 4)
 
 # --------------------------------------------------------------------------- models
 
+
 @dataclass(frozen=True)
 class Model:
     """A column of the matrix: a wire (semantics.Transport) plus how the sender uses
@@ -50,23 +51,45 @@ def _unordered(name: str, **kw) -> Transport:
 
 MODELS: list[Model] = [
     Model("ordered", "ord", sem.ORDERED, doc="per-context FIFO placement, one context"),
-    Model("ordered/2ctx", "ord/2ctx", sem.ORDERED, split_ctx=True,
-          doc="per-context FIFO; signals (or the last put) on a second context"),
+    Model(
+        "ordered/2ctx",
+        "ord/2ctx",
+        sem.ORDERED,
+        split_ctx=True,
+        doc="per-context FIFO; signals (or the last put) on a second context",
+    ),
     Model("unordered", "unord", sem.UNORDERED, doc="SRD-like: operations and segments land in any order"),
-    Model("unordered+block128", "+b128", _unordered("unordered+block128", placement="block128"),
-          doc="unordered, but in order inside each aligned 128-byte block of a put"),
-    Model("unordered+duplicates", "+dup", _unordered("unordered+duplicates", duplicates=True),
-          doc="unordered, a segment may be placed a second time"),
-    Model("unordered+flush_orders", "+flush",
-          _unordered("unordered+flush_orders_later_writes", flush_orders_later_writes=True),
-          doc="unordered, a flush (local completion) orders the next op after earlier puts (EFA GDA tail write)"),
-    Model("unordered/2ctx", "unord/2ctx", sem.UNORDERED, split_ctx=True,
-          doc="unordered; signals (or the last put) on a second context"),
+    Model(
+        "unordered+block128",
+        "+b128",
+        _unordered("unordered+block128", placement="block128"),
+        doc="unordered, but in order inside each aligned 128-byte block of a put",
+    ),
+    Model(
+        "unordered+duplicates",
+        "+dup",
+        _unordered("unordered+duplicates", duplicates=True),
+        doc="unordered, a segment may be placed a second time",
+    ),
+    Model(
+        "unordered+flush_orders",
+        "+flush",
+        _unordered("unordered+flush_orders_later_writes", flush_orders_later_writes=True),
+        doc="unordered, a flush (local completion) orders the next op after earlier puts (EFA GDA tail write)",
+    ),
+    Model(
+        "unordered/2ctx",
+        "unord/2ctx",
+        sem.UNORDERED,
+        split_ctx=True,
+        doc="unordered; signals (or the last put) on a second context",
+    ),
 ]
 MODEL_BY_NAME = {m.name: m for m in MODELS}
 
 
 # --------------------------------------------------------------------------- programs
+
 
 @dataclass(frozen=True, order=True)
 class Shape:
@@ -116,7 +139,7 @@ class Program:
             for k in range(p.offset, p.offset + p.nbytes):
                 assert owner[k] is None, f"ops {owner[k]} and {i} both write byte {k}"
                 owner[k] = i
-            img[p.offset:p.offset + p.nbytes] = src
+            img[p.offset : p.offset + p.nbytes] = src
         self.image = bytes(img)
 
     def fresh(self) -> TargetMemory:
@@ -125,8 +148,11 @@ class Program:
     def describe_op(self, i: int) -> str:
         p = self.puts[i]
         what = f"put [{p.offset},{p.offset + p.nbytes})" if p.nbytes else "bare signal"
-        sig = f" + {'strong' if p.signal.strong else 'weak'} signal" if p.signal and p.nbytes else (
-            f" ({'strong' if p.signal.strong else 'weak'})" if p.signal else "")
+        sig = (
+            f" + {'strong' if p.signal.strong else 'weak'} signal"
+            if p.signal and p.nbytes
+            else (f" ({'strong' if p.signal.strong else 'weak'})" if p.signal else "")
+        )
         return f"op{i}: {what}{sig}, ctx {p.ctx}{', after flush' if p.after_flush else ''}"
 
     def describe_event(self, e: Event, mem: TargetMemory | None = None) -> str:
@@ -181,6 +207,7 @@ class _Sender:
 
 
 # --------------------------------------------------------------------------- protocols
+
 
 @dataclass(frozen=True)
 class Read:
@@ -249,18 +276,39 @@ class Protocol:
         for i in range(shape.puts):
             yield i, i * size, data_bytes(i * size, size)
 
-    def _program(self, s: "_Sender", shape: Shape) -> Program:
+    def _program(self, s: _Sender, shape: Shape) -> Program:
         """What `s` posted, over the window that _data_puts' puts fill."""
         return s.program(self.segment_bytes, shape.puts * shape.units * self.segment_bytes)
 
-    def _read_once_signalled(self, prog: Program, mem: TargetMemory) -> Read | None:
-        """The receiver of a single-signal protocol: reads the whole message once
-        signal 0 has counted one."""
-        c = mem.signal(0)
-        return Read(self._whole(prog), f"signal[0] = {c} >= 1") if c >= 1 else None
+    def _signalled_puts(self, shape: Shape, strength: str | None, split_ctx: bool, signalled) -> Program:
+        """`shape`'s puts on context 0, those whose index `signalled` picks carrying inc 1
+        on signal 0 (_Sender.put_signal: with split_ctx a bare signal on context 1)."""
+        s = _Sender()
+        for i, off, data in self._data_puts(shape):
+            if signalled(i):
+                s.put_signal(off, data, self._sig(strength), split_ctx)
+            else:
+                s.put(0, off, data)
+        return self._program(s, shape)
+
+    def _bare_puts(self, shape: Shape, split_ctx: bool) -> Program:
+        """`shape`'s puts without signals, on context 0; with split_ctx the last on context 1."""
+        s = _Sender()
+        for i, off, data in self._data_puts(shape):
+            s.put(1 if split_ctx and i == shape.puts - 1 else 0, off, data)
+        return self._program(s, shape)
 
     def _whole(self, prog: Program) -> tuple[tuple[int, int], ...]:
         return ((0, prog.window_bytes),)
+
+
+class _SingleSignal(Protocol):
+    """A protocol whose sender raises signal 0 once: the receiver reads the whole message
+    once signal 0 has counted one."""
+
+    def receive(self, prog, mem):
+        c = mem.signal(0)
+        return Read(self._whole(prog), f"signal[0] = {c} >= 1") if c >= 1 else None
 
 
 class SignalPerPut(Protocol):
@@ -269,10 +317,7 @@ class SignalPerPut(Protocol):
     doc = "every put carries inc 1 on slot 0; the receiver waits for signal count == number of puts"
 
     def program(self, shape, strength, split_ctx):
-        s = _Sender()
-        for _, off, data in self._data_puts(shape):
-            s.put_signal(off, data, self._sig(strength), split_ctx)
-        return self._program(s, shape)
+        return self._signalled_puts(shape, strength, split_ctx, lambda i: True)
 
     def receive(self, prog, mem):
         n = sum(1 for p in prog.puts if p.nbytes)
@@ -280,29 +325,22 @@ class SignalPerPut(Protocol):
         return Read(self._whole(prog), f"signal[0] = {c} >= {n} puts") if c >= n else None
 
 
-class LastPut(Protocol):
+class LastPut(_SingleSignal):
     name = "last-put"
     title = "signal on the last put"
     doc = "only the last put carries inc 1; the receiver waits for signal >= 1"
 
     def program(self, shape, strength, split_ctx):
-        s = _Sender()
-        for i, off, data in self._data_puts(shape):
-            if i == shape.puts - 1:
-                s.put_signal(off, data, self._sig(strength), split_ctx)
-            else:
-                s.put(0, off, data)
-        return self._program(s, shape)
-
-    def receive(self, prog, mem):
-        return self._read_once_signalled(prog, mem)
+        return self._signalled_puts(shape, strength, split_ctx, lambda i: i == shape.puts - 1)
 
 
-class FlushSignal(Protocol):
+class FlushSignal(_SingleSignal):
     name = "flush-signal"
     title = "flush, then signal"
-    doc = ("puts without signals, a flush of their context, then a bare signal (the op after the flush: "
-           "Put.after_flush); the receiver waits for signal >= 1")
+    doc = (
+        "puts without signals, a flush of their context, then a bare signal (the op after the flush: "
+        "Put.after_flush); the receiver waits for signal >= 1"
+    )
 
     def program(self, shape, strength, split_ctx):
         s = _Sender()
@@ -314,22 +352,18 @@ class FlushSignal(Protocol):
         s.signal(1 if split_ctx else 0, self._sig(strength))
         return self._program(s, shape)
 
-    def receive(self, prog, mem):
-        return self._read_once_signalled(prog, mem)
-
 
 class CountedWrites(Protocol):
     name = "counted-writes"
     title = "counted writes"
     strengths = (None,)
-    doc = ("puts without signals; the receiver waits until the target's placed-bytes counter reaches the "
-           "message size (a counter bumped on every placement counts a duplicate again)")
+    doc = (
+        "puts without signals; the receiver waits until the target's placed-bytes counter reaches the "
+        "message size (a counter bumped on every placement counts a duplicate again)"
+    )
 
     def program(self, shape, strength, split_ctx):
-        s = _Sender()
-        for i, off, data in self._data_puts(shape):
-            s.put(1 if split_ctx and i == shape.puts - 1 else 0, off, data)
-        return self._program(s, shape)
+        return self._bare_puts(shape, split_ctx)
 
     def receive(self, prog, mem):
         total = prog.window_bytes
@@ -342,8 +376,10 @@ class Headers(Protocol):
     name = "headers"
     title = "in-band headers + counting signal"
     monotone = False
-    doc = ("every put starts with an 8-byte header (valid = magic byte) and carries inc 1; the receiver "
-           "reads the puts whose header is valid when signal count >= valid headers (DeepEP-style)")
+    doc = (
+        "every put starts with an 8-byte header (valid = magic byte) and carries inc 1; the receiver "
+        "reads the puts whose header is valid when signal count >= valid headers (DeepEP-style)"
+    )
 
     def program(self, shape, strength, split_ctx):
         s = _Sender()
@@ -373,8 +409,10 @@ class LLFlag(Protocol):
     title = "LL flag per line (16-byte line lands whole)"
     strengths = (None,)
     segment_bytes = LINE_BYTES
-    doc = ("each 16-byte line = 8 data bytes + 8 flag bytes; the receiver reads the data of every line "
-           "whose flag is set. Atomicity assumption: a 16-byte aligned line is one segment and lands whole")
+    doc = (
+        "each 16-byte line = 8 data bytes + 8 flag bytes; the receiver reads the data of every line "
+        "whose flag is set. Atomicity assumption: a 16-byte aligned line is one segment and lands whole"
+    )
 
     def program(self, shape, strength, split_ctx):
         s = _Sender()
@@ -387,7 +425,7 @@ class LLFlag(Protocol):
 
     def receive(self, prog, mem):
         lines = range(0, prog.window_bytes, LINE_BYTES)
-        ok = [o for o in lines if mem.window[o + 8:o + 16] == LL_FLAG]
+        ok = [o for o in lines if mem.window[o + 8 : o + 16] == LL_FLAG]
         if ok:
             return Read(tuple((o, 8) for o in ok), f"{len(ok)} of {len(lines)} line flags set")
         return None
@@ -407,10 +445,7 @@ class PollLastByte(Protocol):
     doc = "puts without signals; the receiver polls the payload's last byte and reads all once it changes"
 
     def program(self, shape, strength, split_ctx):
-        s = _Sender()
-        for i, off, data in self._data_puts(shape):
-            s.put(1 if split_ctx and i == shape.puts - 1 else 0, off, data)
-        return self._program(s, shape)
+        return self._bare_puts(shape, split_ctx)
 
     def receive(self, prog, mem):
         last = prog.window_bytes - 1
@@ -419,6 +454,14 @@ class PollLastByte(Protocol):
         return None
 
 
-PROTOCOLS: list[Protocol] = [SignalPerPut(), LastPut(), FlushSignal(), CountedWrites(), Headers(), LLFlag(),
-                             LLFlagTorn(), PollLastByte()]
+PROTOCOLS: list[Protocol] = [
+    SignalPerPut(),
+    LastPut(),
+    FlushSignal(),
+    CountedWrites(),
+    Headers(),
+    LLFlag(),
+    LLFlagTorn(),
+    PollLastByte(),
+]
 PROTOCOL_BY_NAME = {p.name: p for p in PROTOCOLS}

@@ -53,8 +53,13 @@ def bounded(value, what: str, low: int | None = None, high: int | None = None, m
         except (TypeError, ValueError):
             raise OptionError(f"{what} must be an integer, not {value!r}") from None
     if (low is not None and value < low) or (high is not None and value > high) or value % multiple:
-        where = (f"in [{low}, {high}]" if low is not None and high is not None
-                 else f">= {low}" if low is not None else f"<= {high}")
+        where = (
+            f"in [{low}, {high}]"
+            if low is not None and high is not None
+            else f">= {low}"
+            if low is not None
+            else f"<= {high}"
+        )
         if multiple > 1:
             where += f" and a multiple of {multiple}"
         raise OptionError(f"{what} must be {where}, got {value}")

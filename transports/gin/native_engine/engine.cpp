@@ -1,0 +1,399 @@
+// The native GIN progress engine: one std::thread per rank that carries the ORDERED wire
+// at native speed, on the SHM network (every GIN peer's window mapped in this process)
+// and, built with COMMREF_GIN_MPI (native.py's mpi_library()), on the MPI network.
+// transports/gin/native.py (NativeProxy) drives it through the small extern "C" API at
+// the bottom; transports/gin/proxy.py (GinProxy) stays the engine of the unordered wire
+// and of runs with an observer. Both implement transports/gin/engine.py's GinEngine.
+//
+// One translation unit (native.py builds it) of the parts, one concept each:
+//   core.h    configuration, windows and the checks of every access, counters,
+//             statistics, failure and refusals
+//   wire.h    ordered delivery per (peer, ctx) link, the trace, the wire model
+//   shm_net.h the SHM network: landing in mapped peer windows
+//   mpi_net.h the MPI network: messages to the peer's engine
+//   this file the engine: reading the queue, executing descriptors, the progress loop
+//
+// What it does, per descriptor (include/commref/gin.h, the same protocol as
+// transports/gin/queue.py's QueueReader): it takes slot `next` once the slot's seq reads
+// next + 1 (acquire: the descriptor's fields, written before the producer's release
+// store, are visible), executes it, and stores consumed = next + 1 with release. One
+// taker at a time takes every descriptor in slot order, so each (peer, ctx) is FIFO: the
+// engine thread, or on network shm a CPU kernel through the queue's help hook (gin.h,
+// "Help"; the `taking_` flag below decides who):
+//   put:      src (this window) -> dst (peer window) by ShmNet::land; counter (release
+//             add, this rank's counters + 8*id) once the source is copied; signal
+//             (release add, index: peer window + signals offset + 8*id, VA: peer window +
+//             offset);
+//   putValue: the 8-byte value stored at dst of the peer, then its signal;
+//   signal:   the signal alone;
+//   get:      peer window src -> this window dst before the slot is consumed, so a
+//             flush (which waits for consumed) covers it;
+//   flush, doorbell: nothing more on this wire (everything lands when taken).
+// Offsets address the windows a descriptor names (GinDescriptor.windows, gin.h): 0 the
+// connection window, others those given by commref_gin_engine_add_window (this rank's
+// base and size, and each peer's base where it is mapped here). Every access is checked
+// against its window's size first (Core::at, Core::known). On the MPI network (mpi_net.h)
+// the same descriptors become messages to the peer's engine, which lands them in its own
+// window. Refusals (GinRefusalCode, tested in abi.GIN_REFUSALS' order) end the engine
+// (core.h).
+//
+// Polling: after `spin_polls` empty polls with a pause instruction, `yield_polls` polls
+// with sched_yield, then sleeps on the queue's idle word (a futex, gin.h's
+// COMMREF_GIN_QUEUE_IDLE) until a producer rings it or a timeout that doubles from 1 us
+// up to `sleep_max_ns` passes (the thread's timer slack is set to 1 us so that short
+// sleeps are short). Kernels ring after each descriptor they publish and before they
+// wait on a GIN signal, counter or credit, so an idle engine costs its host almost
+// nothing and wakes when work comes; the timeout is for what does not ring: host
+// producers (tests), and on network mpi the messages of peers. Any descriptor taken or
+// message handled resets the backoff; while MPI sends or receives are in flight the
+// engine yields but does not sleep (MPI moves their data only when polled).
+#include <linux/futex.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "core.h"
+#include "mpi_net.h"
+#include "shm_net.h"
+#include "wire.h"
+
+namespace {
+
+class Engine : public Core {
+ public:
+  explicit Engine(const CommrefGinEngineConfig& c)
+      : Core(c),
+        delivery_(c),
+        wire_(cfg_, reinterpret_cast<const GinDescriptor*>(c.queueBase)),
+        shm_(c),
+        mpi_(*this, delivery_) {
+    ring_ = reinterpret_cast<GinDescriptor*>(c.queueBase);
+    const uint64_t header = c.queueBase + c.capacity * sizeof(GinDescriptor);  // gin.h: the words after the ring
+    consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
+    claimed_ = reinterpret_cast<const uint64_t*>(header + COMMREF_GIN_QUEUE_CLAIMED);
+    idle_ = reinterpret_cast<uint32_t*>(header + COMMREF_GIN_QUEUE_IDLE);
+    helperFn_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_FN);
+    helperCtx_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_CTX);
+  }
+
+  void start() {
+    thread_ = std::thread([this] { run(); });
+    // On network shm the CPU engine's kernels may take descriptors too (gin.h, "Help"). On
+    // network mpi they do not: MPI progress from kernel threads measured no faster there, and
+    // slowed the other communicators of the process.
+    if (!mpi() && cfg_.kernelsHelp) {
+      __atomic_store_n(helperCtx_, reinterpret_cast<uint64_t>(this), __ATOMIC_RELAXED);
+      __atomic_store_n(helperFn_, reinterpret_cast<uint64_t>(&Engine::helpHook), __ATOMIC_RELEASE);
+    }
+  }
+
+  // A kernel's turn at the queue (the help hook, network shm): takes what is published, if
+  // no other thread is taking descriptors now; how many it took.
+  static int helpHook(void* engine) { return static_cast<Engine*>(engine)->help(); }
+  int help() {
+    if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return 0;  // nothing to take: no RMW
+    if (!tryTake()) return 0;
+    const int took = drain(64);  // a failure sets failed_: the engine thread ends
+    release();
+    if (took <= 0) return 0;
+    byKernels_.fetch_add((uint64_t)took, std::memory_order_relaxed);
+    return took;
+  }
+
+  // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
+  int stop(double timeoutS) {
+    stop_.store(true, std::memory_order_seq_cst);
+    __atomic_store_n(helperFn_, 0, __ATOMIC_RELEASE);  // no new helper; wait out one inside drain()
+    __atomic_store_n(helperCtx_, 0, __ATOMIC_RELAXED);
+    take();
+    release();
+    if (!thread_.joinable()) return 0;
+    wake();
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeoutS);
+    while (!exited_.load(std::memory_order_acquire)) {
+      if (Clock::now() > deadline) return 1;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    thread_.join();
+    return 0;
+  }
+
+  void stats(uint64_t* out) const {
+    out[0] = ops_.load(std::memory_order_acquire);
+    out[1] = events_.load(std::memory_order_relaxed);
+    out[2] = __atomic_load_n(claimed_, __ATOMIC_ACQUIRE);
+    out[3] = running();
+    out[4] = failed_.load(std::memory_order_acquire);
+    out[5] = doorbells_.load(std::memory_order_relaxed);
+    out[6] = inFlight_.load(std::memory_order_acquire);
+    out[7] = byKernels_.load(std::memory_order_relaxed);
+  }
+
+  uint64_t running() const { return thread_.joinable() && !exited_.load(std::memory_order_acquire); }
+
+  Delivery& delivery() { return delivery_; }
+
+ private:
+  bool mpi() const { return cfg_.network == kNetworkMpi; }
+
+  // ---- the progress loop ----
+
+  void run() {
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: short sleeps stay short
+    uint64_t idle = 0, sleepNs = 1000;
+    const uint64_t spin = (uint64_t)cfg_.spinPolls, yields = spin + (uint64_t)cfg_.yieldPolls;
+    while (!stop_.load(std::memory_order_acquire) && !failed_.load(std::memory_order_acquire)) {
+      int took = 0, moved = 0;  // descriptors taken; messages received and sends completed (MPI)
+      if (tryTake()) {
+        took = drain(64);
+        if (took >= 0) moved = mpi() ? mpi_.progress() : 0;
+        release();
+      }
+      if (took < 0 || moved < 0) break;
+      if (took > 0 || moved > 0 || waitingForWire()) {
+        idle = 0;
+        sleepNs = 1000;
+        continue;
+      }
+      if (++idle <= spin) {
+        cpuPause();
+      } else if (idle <= yields || inFlight_.load(std::memory_order_relaxed)) {  // MPI needs polls to move data
+        sched_yield();
+      } else {
+        sleep(sleepNs);
+        sleepNs = sleepNs * 2 < cfg_.sleepMaxNs ? sleepNs * 2 : cfg_.sleepMaxNs;
+      }
+    }
+    take();  // a helper leaves first
+    mpi_.abandon();
+    release();
+    exited_.store(true, std::memory_order_release);
+  }
+
+  // The taker's turn (taking_, below): try once, wait for it, give it back.
+  bool tryTake() { return !taking_.exchange(true, std::memory_order_acquire); }
+  void take() {
+    while (!tryTake()) std::this_thread::yield();
+  }
+  void release() { taking_.store(false, std::memory_order_release); }
+
+  // The wire model holds the head back (published, not due): waits toward its time.
+  bool waitingForWire() {
+    if (!wire_.modeled || !published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return false;
+    wire_.awaitHead();
+    return true;
+  }
+
+  bool published(uint64_t slot) const {
+    return __atomic_load_n(&ring_[slot % cfg_.capacity].seq, __ATOMIC_ACQUIRE) == slot + 1;
+  }
+
+  // Sleeps until rung, stopped, or `ns` pass (the protocol: gin.h, COMMREF_GIN_QUEUE_IDLE).
+  void sleep(uint64_t ns) {
+    __atomic_store_n(idle_, 1u, __ATOMIC_RELAXED);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst)) {
+      const struct timespec ts = timespecOf(ns);
+      syscall(SYS_futex, idle_, FUTEX_WAIT_PRIVATE, 1u, &ts, nullptr, 0);
+    }
+    __atomic_store_n(idle_, 0u, __ATOMIC_RELAXED);
+  }
+
+  void wake() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (__atomic_load_n(idle_, __ATOMIC_RELAXED)) syscall(SYS_futex, idle_, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+  }
+
+  // ---- reading the queue ----
+
+  // Takes up to `budget` published descriptors in slot order; how many, or -1 on error.
+  int drain(int budget) {
+    int took = 0;
+    while (took < budget) {
+      const uint64_t slot = next_;
+      if (!published(slot)) break;
+      if (wire_.modeled && !wire_.due(slot, next_, [this](uint64_t s) { return published(s); })) break;
+      const GinDescriptor c = ring_[slot % cfg_.capacity];
+      if (!execute(c)) return -1;
+      next_ = slot + 1;
+      __atomic_store_n(consumed_, next_, __ATOMIC_RELEASE);  // frees the entry, completes flushes
+      ops_.fetch_add(1, std::memory_order_release);
+      took++;
+    }
+    return took;
+  }
+
+  // ---- executing a descriptor ----
+
+  // Carries one descriptor; false when it was refused or failed (the engine ends). The
+  // checks run in abi.GIN_REFUSALS' order, as the Python proxy's do.
+  bool execute(const GinDescriptor& d) {
+    if (d.op == kGinFlush) {  // shm: everything landed when taken; mpi: every send completes first
+      if (mpi() && !mpi_.completeSends(d.ctx)) return false;
+      if (delivery_.tracing()) delivery_.traceFlush(d.ctx);
+      return true;
+    }
+    if (d.op == kGinDoorbell) {
+      const uint64_t n = ++delivery_.link(d.peer, d.ctx).doorbells;
+      doorbells_.fetch_add(1, std::memory_order_relaxed);
+      if (delivery_.tracing()) {
+        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceDoorbell, 0, n, 0, 0, 0, 0};
+        delivery_.record(&r, 1);
+      }
+      return true;
+    }
+    if (d.peer < 0 || d.peer >= cfg_.nranks) return refuse({kGinRefusePeerOutside, 0, d.op, d.peer, 0, 0, 0, 0, 0});
+    char* peer = reinterpret_cast<char*>(peers_[d.peer]);
+    if (!mpi() && peer == nullptr) return refuse({kGinRefusePeerUnmapped, 0, d.op, d.peer, 0, 0, 0, 0, 0});
+    const uint32_t srcWin = ginSrcWindow(d.windows), dstWin = ginDstWindow(d.windows);
+    if (d.op == kGinGet) {
+      char* dst = at(dstWin, cfg_.rank, d.dstOffset, d.bytes, kGinAccessGetDestination, d.op, d.peer);
+      if (dst == nullptr) return false;
+      if (mpi()) {
+        if (!mpi_.get(d)) return false;
+      } else {
+        const char* from = at(srcWin, d.peer, d.srcOffset, d.bytes, kGinAccessGetSource, d.op, d.peer);
+        if (from == nullptr) return false;
+        ShmNet::get(dst, from, d.bytes);
+      }
+      if (delivery_.tracing()) {
+        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceGet, 0, 0, d.srcOffset, d.dstOffset, d.bytes, 0};
+        delivery_.record(&r, 1);
+      }
+      return true;
+    }
+    const bool hasSignal = d.flags & kGinHasSignal, va = d.flags & kGinVaSignal;
+    uint64_t value = 0;
+    if (hasSignal) {
+      const bool strong = d.flags & kGinStrongSignal, add = d.flags & kGinSignalAdd;
+      if (strong && !cfg_.strongSignals) return refuse({kGinRefuseStrongSignal, 0, d.op, d.peer, 0, 0, 0, 0, 0});
+      if (va && !cfg_.vaSignals) return refuse({kGinRefuseVaSignal, 0, d.op, d.peer, 0, 0, 0, 0, 0});
+      value = add ? d.signalValue : 1;
+      if (cfg_.signalsCountWrites) {
+        if (add) return refuse({kGinRefuseSignalAdd, 0, d.op, d.peer, 0, 0, 0, 0, 0});
+        value = 1;
+      }
+      const uint64_t where = va ? d.signal : cfg_.signalsOff + 8 * d.signal;
+      if (!known(0, where, 8, kGinAccessSignal, d.op, d.peer)) return false;
+    }
+    uint64_t nbytes = 0;
+    const char* src = reinterpret_cast<const char*>(&d.bytes);  // a putValue's value
+    if (d.op == kGinPut) {
+      nbytes = d.bytes;
+      src = at(srcWin, cfg_.rank, d.srcOffset, nbytes, kGinAccessPutSource, d.op, d.peer);
+      if (src == nullptr) return false;
+    } else if (d.op == kGinPutValue) {
+      nbytes = 8;
+    } else if (d.op != kGinSignal) {
+      return refuse({kGinRefuseUnknownOp, 0, d.op, d.peer, 0, 0, 0, 0, 0});
+    }
+    char* dst = nullptr;  // network shm: where the data lands
+    if (nbytes) {
+      if (mpi() ? !known(dstWin, d.dstOffset, nbytes, kGinAccessPutDestination, d.op, d.peer)
+                : (dst = at(dstWin, d.peer, d.dstOffset, nbytes, kGinAccessPutDestination, d.op, d.peer)) == nullptr)
+        return false;
+    }
+    const bool counter = d.op == kGinPut && (d.flags & kGinHasCounter);
+    const uint64_t seq = delivery_.link(d.peer, d.ctx).seq++;
+    bool counted = counter;  // the counter bumped before this returns (else when the sends complete)
+    if (mpi()) {
+      if (!mpi_.put(d, src, nbytes, value, counter, seq, &counted)) return false;
+    } else {
+      if (nbytes) shm_.land(dst, src, nbytes, d.flags & kGinBulk);
+      if (counter) bumpCounter(d.counter);
+      if (hasSignal) shm_.signal(peer, va, d.signal, value);  // after the data
+    }
+    events_.fetch_add(1, std::memory_order_relaxed);
+    if (delivery_.tracing()) delivery_.tracePut(d, seq, nbytes, value, counted, cfg_.strongAlways);
+    return true;
+  }
+
+  Delivery delivery_;
+  WireModel wire_;
+  ShmNet shm_;
+  MpiNet mpi_;
+  GinDescriptor* ring_;
+  uint64_t* consumed_;
+  const uint64_t* claimed_;
+  uint32_t* idle_;       // the queue's idle word (the engine alone stores it)
+  uint64_t* helperFn_;   // the queue's help hook (gin.h): the function, 0 when none ...
+  uint64_t* helperCtx_;  // ... and its argument (this engine)
+  // Whoever holds it takes descriptors: the engine thread, or a kernel waiting on the
+  // queue (help()). So descriptors are taken one at a time, in slot order; the state
+  // marked "taker only" (next_, the links, the wire model, the MPI network) is touched
+  // under it.
+  std::atomic<bool> taking_{false};
+  uint64_t next_ = 0;  // the next slot to take (taker only)
+  std::atomic<bool> stop_{false}, exited_{false};
+  std::thread thread_;
+};
+
+}  // namespace
+
+COMMREF_GIN_API uint64_t commref_gin_engine_config_size() { return sizeof(CommrefGinEngineConfig); }
+COMMREF_GIN_API uint64_t commref_gin_engine_trace_record_size() { return sizeof(CommrefGinTraceRecord); }
+COMMREF_GIN_API uint64_t commref_gin_engine_refusal_size() { return sizeof(GinRefusal); }
+// sizeof(MPI_Comm) of the MPI this engine was built with (0: built without MPI), which
+// native.py compares with mpi4py's before it hands over a handle.
+COMMREF_GIN_API uint64_t commref_gin_engine_mpi_comm_size() {
+#ifdef COMMREF_GIN_MPI
+  return sizeof(MPI_Comm);
+#else
+  return 0;
+#endif
+}
+
+COMMREF_GIN_API void* commref_gin_engine_create(const CommrefGinEngineConfig* c) {
+  if (c == nullptr || c->capacity == 0 || c->nranks <= 0 || c->rank < 0 || c->rank >= c->nranks || !c->queueBase ||
+      !c->windowBase || !c->peerWindows || !c->abortWord || (c->network != kNetworkShm && c->network != kNetworkMpi) ||
+      (c->network == kNetworkMpi && (!kHaveMpi || !c->mpiComm)))
+    return nullptr;
+  try {
+    return new Engine(*c);
+  } catch (...) { return nullptr; }
+}
+COMMREF_GIN_API int commref_gin_engine_start(void* h) {
+  try {
+    static_cast<Engine*>(h)->start();
+    return 0;
+  } catch (...) { return 1; }
+}
+COMMREF_GIN_API int commref_gin_engine_stop(void* h, double timeoutS) {
+  return static_cast<Engine*>(h)->stop(timeoutS);
+}
+COMMREF_GIN_API void commref_gin_engine_destroy(void* h) { delete static_cast<Engine*>(h); }
+// out: ops (descriptors taken), events (puts and signals landed), claimed, running, failed,
+// doorbells (of the ops), in flight (MPI network: sends not complete, landings not finished),
+// by kernels (of the ops, taken by kernels through the help hook).
+COMMREF_GIN_API void commref_gin_engine_stats(void* h, uint64_t* out) { static_cast<Engine*>(h)->stats(out); }
+COMMREF_GIN_API int commref_gin_engine_failed(void* h) { return static_cast<Engine*>(h)->failed(); }
+// The failure's message (a failure other than a refusal), as snprintf: its length.
+COMMREF_GIN_API uint64_t commref_gin_engine_error(void* h, char* buf, uint64_t n) {
+  return static_cast<Engine*>(h)->error(buf, n);
+}
+// 1 and *out when the engine failed refusing a descriptor (the host formats its message:
+// transports/gin/engine.py), else 0.
+COMMREF_GIN_API int commref_gin_engine_refusal(void* h, GinRefusal* out) {
+  return static_cast<Engine*>(h)->refusal(out);
+}
+COMMREF_GIN_API void commref_gin_engine_set_trace(void* h, int on) {
+  static_cast<Engine*>(h)->delivery().setTrace(on != 0);
+}
+// Window `id` for descriptors' window ids (gin.h, "Windows"): this rank's `bytes` at
+// `base`, and `peers`: uint64[nranks], each rank's copy mapped here (0: not mapped). 0, or
+// 1 for a bad id, size or base.
+COMMREF_GIN_API int commref_gin_engine_add_window(void* h, uint32_t id, uint64_t base, uint64_t bytes,
+                                                  const uint64_t* peers) {
+  return static_cast<Engine*>(h)->addWindow(id, base, bytes, peers);
+}
+COMMREF_GIN_API void commref_gin_engine_remove_window(void* h, uint32_t id) {
+  static_cast<Engine*>(h)->removeWindow(id);
+}
+// Moves up to `max` records (oldest first) to `out`; *lost: records not kept (buffer full).
+COMMREF_GIN_API uint64_t commref_gin_engine_take_trace(void* h, CommrefGinTraceRecord* out, uint64_t max,
+                                                       uint64_t* lost) {
+  return static_cast<Engine*>(h)->delivery().takeTrace(out, max, lost);
+}
