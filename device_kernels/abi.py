@@ -29,8 +29,26 @@ ERR_OK, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED = 0, 1, 2, 3
 # others was launched): seen = dtype | op << 32, expected = the module's dtype | op mask
 # << 32 (bit k: op code k), or 2**64 - 1 where every instance was built.
 ERR_NO_INSTANCE = 4
-(WAIT_RECV_READY, WAIT_SEND_CREDIT, CALL_MISMATCH, COUNT_MISMATCH, WAIT_GIN_QUEUE, WAIT_GIN_FLUSH,
- WAIT_LSA_BARRIER, BUFFER_MISMATCH, WAIT_SIGNAL, WAIT_COUNTER, WAIT_BARRIER, BAD_ARGUMENT) = range(1, 13)
+# ErrorRecord.code while the thread that claimed the record (a failing kernel thread, or
+# Communicator.abort on the host) fills it (COMMREF_RECORD_CLAIMED in wait.h).
+RECORD_CLAIMED = 0x80000000
+(
+    WAIT_RECV_READY,
+    WAIT_SEND_CREDIT,
+    CALL_MISMATCH,
+    COUNT_MISMATCH,
+    WAIT_GIN_QUEUE,
+    WAIT_GIN_FLUSH,
+    WAIT_LSA_BARRIER,
+    BUFFER_MISMATCH,
+    WAIT_SIGNAL,
+    WAIT_COUNTER,
+    WAIT_BARRIER,
+    BAD_ARGUMENT,
+    WAIT_P2P_ACCEPT,
+    P2P_RECV_MISMATCH,
+    P2P_SEND_REJECTED,
+) = range(1, 16)
 WAIT_WHAT = {
     WAIT_RECV_READY: "data of the next step (recv ready)",
     WAIT_SEND_CREDIT: "a free FIFO slot (send credit)",
@@ -44,6 +62,9 @@ WAIT_WHAT = {
     WAIT_COUNTER: "a counter of the device communicator",
     WAIT_BARRIER: "the device communicator's barrier",
     BAD_ARGUMENT: "a device-API argument within its limit",
+    WAIT_P2P_ACCEPT: "the receiver to accept a send (its first slot taken)",
+    P2P_RECV_MISMATCH: "the sender's dtype and count (p2p)",
+    P2P_SEND_REJECTED: "the receiver's dtype and count (p2p)",
 }
 
 # CpuProtocolSupport (args.h): what commref_cpu_protocol_support() (cpu/engine.cpp) reports
@@ -57,17 +78,52 @@ LAUNCH_OK, LAUNCH_FAILED, LAUNCH_REFUSED = 0, 1, 2  # failed: the ErrorRecord sa
 
 # DataType and RedOp (reduce.h): NCCL's ncclDataType_t and ncclRedOp_t codes, and each
 # dtype's C++ element type.
-DTYPE_CODES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
-               "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
-CXX_TYPES = {0: "int8_t", 1: "uint8_t", 2: "int32_t", 3: "uint32_t", 4: "int64_t", 5: "uint64_t",
-             6: "half_t", 7: "float", 8: "double", 9: "bf16_t"}
+DTYPE_CODES = {
+    "int8": 0,
+    "uint8": 1,
+    "int32": 2,
+    "uint32": 3,
+    "int64": 4,
+    "uint64": 5,
+    "float16": 6,
+    "float32": 7,
+    "float64": 8,
+    "bfloat16": 9,
+}
+CXX_TYPES = {
+    0: "int8_t",
+    1: "uint8_t",
+    2: "int32_t",
+    3: "uint32_t",
+    4: "int64_t",
+    5: "uint64_t",
+    6: "half_t",
+    7: "float",
+    8: "double",
+    9: "bf16_t",
+}
 OP_CODES = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
 # The call descriptor every step carries (CollArgs.callDesc): fields that must agree
 # across ranks, packed as (name, shift, bits). Collective and algorithm codes below.
-CALL_FIELDS = (("collective", 0, 4), ("algorithm", 4, 4), ("dtype", 8, 8), ("op", 16, 8), ("root", 24, 16),
-               ("nchannels", 40, 8), ("protocol", 48, 4))
-COLLECTIVE_CODES = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "broadcast": 3, "reduce": 4, "alltoall": 5}
+CALL_FIELDS = (
+    ("collective", 0, 4),
+    ("algorithm", 4, 4),
+    ("dtype", 8, 8),
+    ("op", 16, 8),
+    ("root", 24, 16),
+    ("nchannels", 40, 8),
+    ("protocol", 48, 4),
+)
+COLLECTIVE_CODES = {
+    "allreduce": 0,
+    "allgather": 1,
+    "reduce_scatter": 2,
+    "broadcast": 3,
+    "reduce": 4,
+    "alltoall": 5,
+    "p2p": 6,  # a send or recv (kernels/p2p.cu)
+}
 ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2}
 # Protocol (args.h, include/commref/proto.h): how a FIFO step's data and readiness travel.
 PROTOCOL_CODES = {"simple": 0, "ll": 1, "ll128": 2}
@@ -76,12 +132,25 @@ PROTOCOL_CODES = {"simple": 0, "ll": 1, "ll128": 2}
 # take CollArgs, and the CPU engine's own self-test and benchmark kernels
 # (kernels/selftest.cu), which take the struct ENGINE_KERNELS names.
 KERNEL_NAMES = (
-    "commref_ring_allreduce", "commref_tree_allreduce", "commref_ring_reduce_scatter", "commref_ring_allgather",
-    "commref_ring_broadcast", "commref_ring_reduce", "commref_direct_allreduce", "commref_direct_reduce_scatter",
-    "commref_direct_allgather", "commref_ring_alltoall", "commref_direct_alltoall",
+    "commref_ring_allreduce",
+    "commref_tree_allreduce",
+    "commref_ring_reduce_scatter",
+    "commref_ring_allgather",
+    "commref_ring_broadcast",
+    "commref_ring_reduce",
+    "commref_direct_allreduce",
+    "commref_direct_reduce_scatter",
+    "commref_direct_allgather",
+    "commref_ring_alltoall",
+    "commref_direct_alltoall",
+    "commref_p2p",
 )
-ENGINE_KERNELS = {"commref_copy": "CopyArgs", "commref_empty": "CopyArgs", "commref_engine_selftest": "CopyArgs",
-                  "commref_stream": "StreamArgs"}
+ENGINE_KERNELS = {
+    "commref_copy": "CopyArgs",
+    "commref_empty": "CopyArgs",
+    "commref_engine_selftest": "CopyArgs",
+    "commref_stream": "StreamArgs",
+}
 ENGINE_KERNEL_NAMES = tuple(ENGINE_KERNELS)
 
 # GinProtocol (args.h): how a GIN connection publishes a slot.
@@ -100,12 +169,51 @@ LL_LINE, LL_HEADER, LL128_LINE, LL128_LINE_DATA = 16, 32, 128, 120
 # counter, a line later the engine's idle word (uint32, a futex: gin.h).
 GIN_QUEUE_CLAIMED, GIN_QUEUE_CONSUMED, GIN_QUEUE_IDLE, GIN_QUEUE_HEADER = 0, 64, 128, 192
 GIN_MAX_WINDOWS = 1024  # COMMREF_GIN_MAX_WINDOWS: window ids of GinDescriptor.windows (gin.h)
+# Why a GIN engine refuses a descriptor (GinRefusalCode, gin.h), the conditions in the
+# order every engine tests them: peer_outside (a peer outside [0, nranks)),
+# peer_unmapped (network shm: the peer's connection window is not mapped here),
+# window_unknown (an access names a window id the engine was not given),
+# outside_window (an access reaches past its window's end), window_unmapped (a rank's
+# copy of a window is not mapped here), strong_signal (a strong signal on a weak-only
+# backend), va_signal (a VA signal without VA signals), signal_add (an add where
+# signals count completed writes), unknown_op. The native engine reports a code and its
+# numbers (GIN_REFUSAL); transports/gin/engine.py holds the one text of each.
+GIN_REFUSALS = {
+    "peer_outside": 1,
+    "peer_unmapped": 2,
+    "window_unknown": 3,
+    "outside_window": 4,
+    "window_unmapped": 5,
+    "strong_signal": 6,
+    "va_signal": 7,
+    "signal_add": 8,
+    "unknown_op": 9,
+}
+# Which access of a descriptor a refusal names (GinAccess, gin.h); landing and
+# get_request are the MPI network's, checked at the target.
+GIN_ACCESSES = {
+    "put_source": 1,
+    "put_destination": 2,
+    "get_source": 3,
+    "get_destination": 4,
+    "signal": 5,
+    "landing": 6,
+    "get_request": 7,
+}
 
 
 def gin_windows(src: int, dst: int) -> int:
     """GinDescriptor.windows: a put's or get's source and destination window ids (gin.h)."""
     return src | dst << 16
+
+
 GIN_QUEUE_HELP_FN, GIN_QUEUE_HELP_CTX = 136, 144  # the help hook (gin.h)
+
+
+def p2p_channels(nranks: int) -> int:
+    """Window channels that point-to-point needs after the collectives' (kernels/p2p.cu):
+    a link per peer, CONN_OUT of them per channel."""
+    return -(-(nranks - 1) // CONN_OUT) if nranks > 1 else 0
 
 
 def gin_signals(nchannels: int, nsteps: int) -> tuple[int, int]:
@@ -113,6 +221,7 @@ def gin_signals(nchannels: int, nsteps: int) -> tuple[int, int]:
     every inbound FIFO, then a credit signal per outbound link (connection.h)."""
     base = nchannels * CONN_IN * nsteps
     return base, base + nchannels * CONN_OUT
+
 
 WINDOW_LAYOUT = np.dtype(
     [
@@ -167,8 +276,17 @@ ERROR_RECORD = np.dtype(
 )
 
 GIN_ARGS = np.dtype(
-    [("peerMask", "<u8"), ("capacity", "<u4"), ("protocol", "<u4"), ("putsPerSlot", "<u4"), ("checkHeaders", "<u4"),
-     ("creditSignalBase", "<u4"), ("doorbells", "<u4"), ("queue", "<u8"), ("counters", "<u8")],
+    [
+        ("peerMask", "<u8"),
+        ("capacity", "<u4"),
+        ("protocol", "<u4"),
+        ("putsPerSlot", "<u4"),
+        ("checkHeaders", "<u4"),
+        ("creditSignalBase", "<u4"),
+        ("doorbells", "<u4"),
+        ("queue", "<u8"),
+        ("counters", "<u8"),
+    ],
     align=True,
 )
 
@@ -222,11 +340,30 @@ COLL_ARGS = np.dtype(
     align=True,
 )
 
+# One operation of commref_p2p (P2pOp in args.h; collectives/p2p.py fills them).
+P2P_OP = np.dtype(
+    [
+        ("buf", "<u8"),
+        ("count", "<u8"),
+        ("callDesc", "<u8"),
+        ("bytes", "<u8"),
+        ("peer", "<i4"),
+        ("send", "<i4"),
+        ("channel", "<i4"),
+        ("conn", "<i4"),
+        ("block", "<i4"),
+        ("done", "<u4"),
+    ],
+    align=True,
+)
+
 COPY_ARGS = np.dtype([("src", "<u8"), ("dst", "<u8"), ("bytes", "<u8")], align=True)
 # commref_stream's arguments (bench/bound.py): nin input and nout output arrays of `words`
 # 32-bit words from `base`, the first `shared` outputs being the first inputs.
-STREAM_ARGS = np.dtype([("base", "<u8"), ("words", "<u8"), ("nin", "<i4"), ("nout", "<i4"), ("shared", "<i4"),
-                        ("streamStores", "<i4")], align=True)
+STREAM_ARGS = np.dtype(
+    [("base", "<u8"), ("words", "<u8"), ("nin", "<i4"), ("nout", "<i4"), ("shared", "<i4"), ("streamStores", "<i4")],
+    align=True,
+)
 # One prepared CPU launch (commref_cpu_launch_prepared, cpu/engine.cpp).
 LAUNCH_DESC = np.dtype([("kernel", "<u8"), ("args", "<u8"), ("grid", "<u4"), ("block", "<u4")], align=True)
 
@@ -235,9 +372,41 @@ KERNEL_MAX_ARGS = 16
 DEVCOMM_MAX_CONTEXTS = 4  # GIN contexts a device communicator offers at most (device.h)
 DEVCOMM_STRONG_SIGNALS, DEVCOMM_COUNTED_WRITES = 1, 2  # DevCommFlags
 DEV_COMM = np.dtype(
-    [("coll", COLL_ARGS), ("windowOff", "<u8"), ("windowBytes", "<u8"), ("counters", "<u8"), ("lsaRanks", "<u8"),
-     ("launch", "<u8"), ("signalBase", "<u4"), ("nsignals", "<u4"), ("ncounters", "<u4"), ("flags", "<u4"),
-     ("lsaRank", "<i4"), ("lsaSize", "<i4"), ("ncontexts", "<u4"), ("pad", "<u4")],
+    [
+        ("coll", COLL_ARGS),
+        ("windowOff", "<u8"),
+        ("windowBytes", "<u8"),
+        ("counters", "<u8"),
+        ("lsaRanks", "<u8"),
+        ("launch", "<u8"),
+        ("signalBase", "<u4"),
+        ("nsignals", "<u4"),
+        ("ncounters", "<u4"),
+        ("flags", "<u4"),
+        ("lsaRank", "<i4"),
+        ("lsaSize", "<i4"),
+        ("ncontexts", "<u4"),
+        ("pad", "<u4"),
+    ],
+    align=True,
+)
+
+
+# A refusal (GinRefusal, gin.h): its code and access (above), the descriptor's op and
+# peer, the rank whose window copy is not mapped (window_unmapped), the window id, and
+# the range [offset, offset + bytes) of a window of `size` bytes (outside_window).
+GIN_REFUSAL = np.dtype(
+    [
+        ("code", "<u4"),
+        ("access", "<u4"),
+        ("op", "<u4"),
+        ("peer", "<i4"),
+        ("owner", "<i4"),
+        ("window", "<u4"),
+        ("offset", "<u8"),
+        ("bytes", "<u8"),
+        ("size", "<u8"),
+    ],
     align=True,
 )
 
@@ -248,8 +417,9 @@ def devcomm_reserved_signals(nranks: int) -> int:
     return 2 * nranks + 2
 
 
-KERNEL_ARGS = np.dtype([("comm", DEV_COMM), ("arg", "<u8", (KERNEL_MAX_ARGS,)), ("nargs", "<u4"), ("pad", "<u4")],
-                       align=True)
+KERNEL_ARGS = np.dtype(
+    [("comm", DEV_COMM), ("arg", "<u8", (KERNEL_MAX_ARGS,)), ("nargs", "<u4"), ("pad", "<u4")], align=True
+)
 
 STRUCTS = {
     "CollArgs": COLL_ARGS,
@@ -261,9 +431,11 @@ STRUCTS = {
     "StreamArgs": STREAM_ARGS,
     "GinArgs": GIN_ARGS,
     "GinDescriptor": GIN_DESCRIPTOR,
+    "GinRefusal": GIN_REFUSAL,
     "SymBuffer": SYM_BUFFER,
     "DevComm": DEV_COMM,
     "KernelArgs": KERNEL_ARGS,
+    "P2pOp": P2P_OP,
 }
 
 
@@ -281,12 +453,22 @@ def line_slot_bytes(slot_bytes: int) -> tuple[int, int]:
 
 def slot_strides(slot_bytes: int, ll_slot_bytes: int, ll128_slot_bytes: int) -> tuple[int, int, int]:
     """Bytes between two slots of the Simple, LL and LL128 regions (protoSlotStride, lsa.h)."""
-    return (slot_bytes + SLOT_HEADER, LL_HEADER + ll_slot_bytes // 8 * LL_LINE,
-            LL128_LINE + ll128_slot_bytes // LL128_LINE_DATA * LL128_LINE)
+    return (
+        slot_bytes + SLOT_HEADER,
+        LL_HEADER + ll_slot_bytes // 8 * LL_LINE,
+        LL128_LINE + ll128_slot_bytes // LL128_LINE_DATA * LL128_LINE,
+    )
 
 
-def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: int = 0,
-                  gin_counters: int = 0, nranks: int = 1, device_signals: int = 0) -> tuple[np.ndarray, int]:
+def window_layout(
+    nchannels: int,
+    slot_bytes: int,
+    nsteps: int,
+    gin_capacity: int = 0,
+    gin_counters: int = 0,
+    nranks: int = 1,
+    device_signals: int = 0,
+) -> tuple[np.ndarray, int]:
     """The connection window's layout (WindowLayout: the regions args.h describes) for
     up to `nchannels` channels and `nranks` ranks, and its size in bytes. The GIN
     regions are empty when gin_capacity is 0. LL and LL128 slots: line_slot_bytes.
@@ -315,8 +497,10 @@ def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: in
     region("llStagingOff", nout * nsteps * ll_stride if gin_capacity else 0)
     region("ll128StagingOff", nout * nsteps * ll128_stride if gin_capacity else 0)
     region("ginQueueOff", gin_capacity * GIN_DESCRIPTOR.itemsize + (GIN_QUEUE_HEADER if gin_capacity else 0))
-    region("ginSignalsOff", (gin_signals(nchannels, nsteps)[1] + device_signals) * 8
-           if gin_capacity or device_signals else 0)
+    region(
+        "ginSignalsOff",
+        (gin_signals(nchannels, nsteps)[1] + device_signals) * 8 if gin_capacity or device_signals else 0,
+    )
     region("ginCountersOff", gin_counters * 8)
     region("syncOff", nchannels * (nranks + 1) * FLAG_STRIDE)
     lay["slotBytes"] = slot_bytes
@@ -326,11 +510,19 @@ def window_layout(nchannels: int, slot_bytes: int, nsteps: int, gin_capacity: in
     return lay, off
 
 
-def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int,
-              protocol: str = "simple") -> int:
+def pack_call(
+    coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int, protocol: str = "simple"
+) -> int:
     """The call descriptor (CALL_FIELDS) of one call."""
-    values = (COLLECTIVE_CODES[coll], ALGORITHM_CODES[algorithm], dtype_code, op_code, root, nchannels,
-              PROTOCOL_CODES[protocol])
+    values = (
+        COLLECTIVE_CODES[coll],
+        ALGORITHM_CODES[algorithm],
+        dtype_code,
+        op_code,
+        root,
+        nchannels,
+        PROTOCOL_CODES[protocol],
+    )
     desc = 0
     for (_, shift, bits), v in zip(CALL_FIELDS, values):
         desc |= (v & ((1 << bits) - 1)) << shift
@@ -339,8 +531,13 @@ def pack_call(coll: str, algorithm: str, dtype_code: int, op_code: int, root: in
 
 def unpack_call(desc: int) -> dict:
     """The fields of a call descriptor by name, codes turned back into names where known."""
-    names = {"collective": COLLECTIVE_CODES, "algorithm": ALGORITHM_CODES, "dtype": DTYPE_CODES, "op": OP_CODES,
-             "protocol": PROTOCOL_CODES}
+    names = {
+        "collective": COLLECTIVE_CODES,
+        "algorithm": ALGORITHM_CODES,
+        "dtype": DTYPE_CODES,
+        "op": OP_CODES,
+        "protocol": PROTOCOL_CODES,
+    }
     out = {}
     for name, shift, bits in CALL_FIELDS:
         v = (desc >> shift) & ((1 << bits) - 1)

@@ -22,12 +22,15 @@
 #include "commref/gin.h"
 #include "commref/reduce.h"
 
+using namespace commref;
+
 namespace {
 
 // ---- structs ----
 
+// clang-format off: the X-macro tables keep one entry per line or group by hand
 #define COMMREF_ABI_STRUCTS(S) \
-  S(WindowLayout) S(ChannelPeers) S(ErrorRecord) S(GinArgs) S(GinDescriptor) S(SymBuffer) S(CollArgs) S(CopyArgs) S(DevComm) \
+  S(WindowLayout) S(ChannelPeers) S(ErrorRecord) S(GinArgs) S(GinDescriptor) S(GinRefusal) S(SymBuffer) S(CollArgs) S(CopyArgs) S(DevComm) S(P2pOp) \
   S(KernelArgs) S(LaunchDesc) S(StreamArgs)
 
 // Every field of every struct above, in declaration order.
@@ -49,6 +52,8 @@ namespace {
   F(GinDescriptor, seq) F(GinDescriptor, op) F(GinDescriptor, flags) F(GinDescriptor, peer) F(GinDescriptor, ctx) \
   F(GinDescriptor, dstOffset) F(GinDescriptor, srcOffset) F(GinDescriptor, bytes) F(GinDescriptor, signal)      \
   F(GinDescriptor, signalValue) F(GinDescriptor, counter) F(GinDescriptor, windows)                                 \
+  F(GinRefusal, code) F(GinRefusal, access) F(GinRefusal, op) F(GinRefusal, peer) F(GinRefusal, owner)        \
+  F(GinRefusal, window) F(GinRefusal, offset) F(GinRefusal, bytes) F(GinRefusal, size)                      \
   F(SymBuffer, peerTable) F(SymBuffer, offset) F(SymBuffer, ginWindow) F(SymBuffer, pad)                                                             \
   F(CollArgs, sendbuf) F(CollArgs, recvbuf) F(CollArgs, count) F(CollArgs, peerWindows) F(CollArgs, ringRanks)  \
   F(CollArgs, errorRecord) F(CollArgs, abortFlag) F(CollArgs, callDesc) F(CollArgs, timeoutNs)                  \
@@ -56,6 +61,8 @@ namespace {
   F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, avgDivisor) F(CollArgs, streamStores) \
   F(CollArgs, protocol) F(CollArgs, gin) F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)               \
   F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)                                                           \
+  F(P2pOp, buf) F(P2pOp, count) F(P2pOp, callDesc) F(P2pOp, bytes) F(P2pOp, peer) F(P2pOp, send)                 \
+  F(P2pOp, channel) F(P2pOp, conn) F(P2pOp, block) F(P2pOp, done)                                               \
   F(DevComm, coll) F(DevComm, windowOff) F(DevComm, windowBytes) F(DevComm, counters) F(DevComm, lsaRanks)      \
   F(DevComm, launch) F(DevComm, signalBase) F(DevComm, nsignals) F(DevComm, ncounters) F(DevComm, flags)        \
   F(DevComm, lsaRank) F(DevComm, lsaSize) F(DevComm, ncontexts) F(DevComm, pad)                                \
@@ -76,6 +83,7 @@ constexpr char kindOf() {
   return std::is_integral_v<T> ? (std::is_signed_v<T> ? 'i' : 'u') : 'V';
 }
 
+// clang-format on
 #define COMMREF_ABI_FIELD(S, f) Field{#S, #f, offsetof(S, f), sizeof(S::f), kindOf<decltype(S::f)>()},
 constexpr Field kFields[] = {COMMREF_ABI_FIELDS(COMMREF_ABI_FIELD)};
 
@@ -96,7 +104,7 @@ constexpr bool listedCompletely(const char* strct, uint64_t size) {
   }
   return end == size;
 }
-#define COMMREF_ABI_COMPLETE(S)                                                                          \
+#define COMMREF_ABI_COMPLETE(S)                                                                                   \
   static_assert(listedCompletely(#S, sizeof(S)), "COMMREF_ABI_FIELDS in cpu/abi.cpp must list every field of " #S \
                                                  ", in declaration order, and " #S " must have no implicit padding");
 COMMREF_ABI_STRUCTS(COMMREF_ABI_COMPLETE)
@@ -106,9 +114,9 @@ COMMREF_ABI_STRUCTS(COMMREF_ABI_COMPLETE)
 constexpr bool callFieldsDisjoint() {
   uint64_t used = 0;
   bool ok = true;
-#define COMMREF_ABI_CALL_FIELD_BITS(name, shift, bits)                       \
-  ok = ok && (shift) + (bits) <= 64 && (bits) > 0 && (bits) < 64;            \
-  ok = ok && (used & (((1ull << (bits)) - 1) << (shift))) == 0;              \
+#define COMMREF_ABI_CALL_FIELD_BITS(name, shift, bits)            \
+  ok = ok && (shift) + (bits) <= 64 && (bits) > 0 && (bits) < 64; \
+  ok = ok && (used & (((1ull << (bits)) - 1) << (shift))) == 0;   \
   used |= ((1ull << (bits)) - 1) << (shift);
   COMMREF_CALL_FIELDS(COMMREF_ABI_CALL_FIELD_BITS)
   return ok;
@@ -124,6 +132,7 @@ struct Table {
 };
 
 // Constants: (Python name, C++ value).
+// clang-format off: the X-macro tables keep one entry per line or group by hand
 #define COMMREF_ABI_CONSTANTS(C)                                                                               \
   C(MAX_CHANNELS, COMMREF_MAX_CHANNELS) C(DIRECT_MAX_RANKS, COMMREF_DIRECT_MAX_RANKS)                          \
   C(CONN_IN, COMMREF_CONN_IN) C(CONN_OUT, COMMREF_CONN_OUT)                                                    \
@@ -132,12 +141,13 @@ struct Table {
   C(OUT_RING, kOutRing) C(OUT_TREE_PARENT, kOutTreeParent) C(OUT_TREE_CHILD0, kOutTreeChild0)                  \
   C(OUT_TREE_CHILD1, kOutTreeChild1)                                                                           \
   C(ERR_OK, kOk) C(ERR_TIMEOUT, kTimeout) C(ERR_MISMATCH, kMismatch) C(ERR_ABORTED, kAborted)                  \
-  C(ERR_NO_INSTANCE, kNoInstance)                                                                              \
+  C(ERR_NO_INSTANCE, kNoInstance) C(RECORD_CLAIMED, COMMREF_RECORD_CLAIMED)                                   \
   C(WAIT_RECV_READY, kWaitRecvReady) C(WAIT_SEND_CREDIT, kWaitSendCredit) C(CALL_MISMATCH, kCallMismatch)      \
   C(COUNT_MISMATCH, kCountMismatch) C(WAIT_GIN_QUEUE, kWaitGinQueue) C(WAIT_GIN_FLUSH, kWaitGinFlush)          \
   C(WAIT_LSA_BARRIER, kWaitLsaBarrier) C(BUFFER_MISMATCH, kBufferMismatch)                                     \
   C(WAIT_SIGNAL, kWaitSignal) C(WAIT_COUNTER, kWaitCounter) C(WAIT_BARRIER, kWaitBarrier)                      \
-  C(BAD_ARGUMENT, kBadArgument) C(KERNEL_MAX_ARGS, COMMREF_KERNEL_MAX_ARGS)                                    \
+  C(BAD_ARGUMENT, kBadArgument) C(WAIT_P2P_ACCEPT, kWaitP2pAccept) C(P2P_RECV_MISMATCH, kP2pRecvMismatch)      \
+  C(P2P_SEND_REJECTED, kP2pSendRejected) C(KERNEL_MAX_ARGS, COMMREF_KERNEL_MAX_ARGS)                                    \
   C(DEVCOMM_STRONG_SIGNALS, kDevCommStrongSignals) C(DEVCOMM_MAX_CONTEXTS, COMMREF_DEVCOMM_MAX_CONTEXTS)                                                            \
   C(DEVCOMM_COUNTED_WRITES, kDevCommCountedWrites)                                                             \
   C(LAUNCH_OK, kLaunchOk) C(LAUNCH_FAILED, kLaunchFailed) C(LAUNCH_REFUSED, kLaunchRefused)                    \
@@ -158,15 +168,27 @@ struct Table {
   C(COLLECTIVE_CODES, kAllReduce, "allreduce") C(COLLECTIVE_CODES, kAllGather, "allgather")                    \
   C(COLLECTIVE_CODES, kReduceScatter, "reduce_scatter") C(COLLECTIVE_CODES, kBroadcast, "broadcast")           \
   C(COLLECTIVE_CODES, kReduce, "reduce") C(COLLECTIVE_CODES, kAlltoAll, "alltoall")                            \
+  C(COLLECTIVE_CODES, kP2p, "p2p")                                                                             \
   C(ALGORITHM_CODES, kRing, "ring") C(ALGORITHM_CODES, kTree, "tree") C(ALGORITHM_CODES, kDirect, "direct")    \
   C(PROTOCOL_CODES, kProtoSimple, "simple") C(PROTOCOL_CODES, kProtoLL, "ll")                                  \
   C(PROTOCOL_CODES, kProtoLL128, "ll128")                                                                      \
   C(GIN_PROTOCOLS, kGinStrong, "strong") C(GIN_PROTOCOLS, kGinWeakLast, "weak-last")                           \
-  C(GIN_PROTOCOLS, kGinSignalPerPut, "signal-per-put") C(GIN_PROTOCOLS, kGinFlushSignal, "flush-signal")
+  C(GIN_PROTOCOLS, kGinSignalPerPut, "signal-per-put") C(GIN_PROTOCOLS, kGinFlushSignal, "flush-signal")   \
+  C(GIN_REFUSALS, kGinRefusePeerOutside, "peer_outside") C(GIN_REFUSALS, kGinRefusePeerUnmapped, "peer_unmapped") \
+  C(GIN_REFUSALS, kGinRefuseWindowUnknown, "window_unknown")                                                   \
+  C(GIN_REFUSALS, kGinRefuseOutsideWindow, "outside_window")                                                   \
+  C(GIN_REFUSALS, kGinRefuseWindowUnmapped, "window_unmapped")                                                 \
+  C(GIN_REFUSALS, kGinRefuseStrongSignal, "strong_signal") C(GIN_REFUSALS, kGinRefuseVaSignal, "va_signal")    \
+  C(GIN_REFUSALS, kGinRefuseSignalAdd, "signal_add") C(GIN_REFUSALS, kGinRefuseUnknownOp, "unknown_op")        \
+  C(GIN_ACCESSES, kGinAccessPutSource, "put_source") C(GIN_ACCESSES, kGinAccessPutDestination, "put_destination") \
+  C(GIN_ACCESSES, kGinAccessGetSource, "get_source") C(GIN_ACCESSES, kGinAccessGetDestination, "get_destination") \
+  C(GIN_ACCESSES, kGinAccessSignal, "signal") C(GIN_ACCESSES, kGinAccessLanding, "landing")                     \
+  C(GIN_ACCESSES, kGinAccessGetRequest, "get_request")
 
 std::string build() {
   Table t;
-#define COMMREF_ABI_ADD_STRUCT(S)              \
+// clang-format on
+#define COMMREF_ABI_ADD_STRUCT(S)                \
   t.add("sizeof(" #S ")", (long long)sizeof(S)); \
   t.add("alignof(" #S ")", (long long)alignof(S));
   COMMREF_ABI_STRUCTS(COMMREF_ABI_ADD_STRUCT)
@@ -180,14 +202,14 @@ std::string build() {
   COMMREF_ABI_CONSTANTS(COMMREF_ABI_ADD_CONSTANT)
 #define COMMREF_ABI_ADD_CODE(dict, value, key) t.add(std::string(#dict ".") + key, (long long)(value));
   COMMREF_ABI_CODES(COMMREF_ABI_ADD_CODE)
-#define COMMREF_ABI_ADD_DATA_TYPE(K, code, T, name, ...)            \
-  t.add("DTYPE_CODES." #name, (long long)(K));                       \
+#define COMMREF_ABI_ADD_DATA_TYPE(K, code, T, name, ...) \
+  t.add("DTYPE_CODES." #name, (long long)(K));           \
   t.add("CXX_TYPES." + std::to_string((long long)(K)), std::string(#T));
   COMMREF_DATA_TYPES(COMMREF_ABI_ADD_DATA_TYPE)
 #define COMMREF_ABI_ADD_RED_OP(K, code, name) t.add("OP_CODES." #name, (long long)(K));
   COMMREF_RED_OPS(COMMREF_ABI_ADD_RED_OP)
-#define COMMREF_ABI_ADD_CALL_FIELD(name, shift, bits) \
-  t.add("CALL_FIELDS." #name ".shift", (long long)(shift));  \
+#define COMMREF_ABI_ADD_CALL_FIELD(name, shift, bits)       \
+  t.add("CALL_FIELDS." #name ".shift", (long long)(shift)); \
   t.add("CALL_FIELDS." #name ".bits", (long long)(bits));
   COMMREF_CALL_FIELDS(COMMREF_ABI_ADD_CALL_FIELD)
   for (unsigned i = 0; i < commref_cpu::kernel_count(); i++) {

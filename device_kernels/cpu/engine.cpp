@@ -33,6 +33,8 @@
 
 #include "commref/args.h"
 
+using namespace commref;
+
 #if defined(__SANITIZE_THREAD__)
 #define COMMREF_TSAN 1
 extern "C" {
@@ -79,8 +81,8 @@ struct Block {
   std::vector<FiberState> state;
   ucontext_t home;  // the OS thread's own context, resumed when the block ends
   unsigned cur = 0, nlive = 0, natBarrier = 0;
-  int barrierOr = 0;     // __syncthreads_or: the OR of the barrier being formed
-  int barrierOrDone = 0; // ... and of the one last released (stable until this thread's next barrier)
+  int barrierOr = 0;      // __syncthreads_or: the OR of the barrier being formed
+  int barrierOrDone = 0;  // ... and of the one last released (stable until this thread's next barrier)
   bool aborted = false;
 #ifdef COMMREF_TSAN
   void* homeFiber = nullptr;
@@ -93,7 +95,8 @@ thread_local std::vector<char*> tl_stacks;  // fiber stacks of this OS thread, r
 
 char* stackFor(unsigned i) {
   while (tl_stacks.size() <= i) {
-    void* p = mmap(nullptr, kFiberStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* p =
+        mmap(nullptr, kFiberStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return nullptr;
     tl_stacks.push_back((char*)p);
   }
@@ -168,9 +171,7 @@ void runBlock(Launch* L, unsigned blockId) {
     tl_thread = &only;
     try {
       L->kernel(L->args);
-    } catch (const KernelAbort&) {
-      L->failed.store(kLaunchFailed);
-    }
+    } catch (const KernelAbort&) { L->failed.store(kLaunchFailed); }
   } else {
     b.threads.resize(b.nthreads);
     for (unsigned t = 0; t < b.nthreads; t++) {
@@ -189,7 +190,10 @@ void runBlock(Launch* L, unsigned blockId) {
     uintptr_t self = (uintptr_t)&b;
     for (unsigned t = 0; t < b.nthreads; t++) {
       char* stack = stackFor(t);
-      if (!stack) { L->failed.store(kLaunchRefused); break; }
+      if (!stack) {
+        L->failed.store(kLaunchRefused);
+        break;
+      }
       getcontext(&b.ctx[t]);
       b.ctx[t].uc_stack.ss_sp = stack;
       b.ctx[t].uc_stack.ss_size = kFiberStackBytes;
@@ -324,7 +328,8 @@ void spin_pause(uint32_t spins) {
 
 void wake_sleeper(uint32_t* word) {
   std::atomic_thread_fence(std::memory_order_seq_cst);  // the caller's publish before the load (port.h)
-  if (__atomic_load_n(word, __ATOMIC_RELAXED) != 0) syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+  if (__atomic_load_n(word, __ATOMIC_RELAXED) != 0)
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
 }
 
 uint64_t now_ns() {
@@ -351,7 +356,7 @@ using namespace commref_cpu;
 // ErrorRecord it wrote), kLaunchRefused if the engine could not run it (bad
 // dimensions, no thread for a block, no stack for a fiber).
 extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*kernel)(const void*), const void* args,
-                                                                        unsigned grid, unsigned block) {
+                                                                         unsigned grid, unsigned block) {
   if (grid < 1 || grid > 4096 || block < 1 || block > 1024) return kLaunchRefused;
   Launch L;
   L.kernel = kernel;
@@ -381,8 +386,10 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch(void (*
   for (uint32_t spins = 0;; spins++) {
     unsigned left = L.remaining.load(std::memory_order_acquire);
     if (left == 0) break;
-    if (spins < 1000) sched_yield();
-    else L.remaining.wait(left, std::memory_order_acquire);
+    if (spins < 1000)
+      sched_yield();
+    else
+      L.remaining.wait(left, std::memory_order_acquire);
   }
   while (L.departed.load(std::memory_order_acquire) != grid - 1) sched_yield();  // brief: workers are leaving
   return L.failed.load();

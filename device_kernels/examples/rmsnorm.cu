@@ -20,6 +20,7 @@
 // reading its inbox; and likewise for the output.
 // Arguments: x (float*), w (float*), y (float*), tokens, hidden, eps (a double).
 #include "commref/device.h"
+using namespace commref;
 
 enum : uint32_t { kReduced = 0, kGathered = 1 };
 
@@ -44,7 +45,7 @@ COMMREF_KERNEL(commref_rmsnorm_rs_ag, KernelArgs, args) {
   for (int k = 1; k < n; k++) {
     const int j = (r + k) % n;
     const uint64_t b = shardBegin(T, j, n), e = shardBegin(T, j + 1, n);
-    comm.put(j, inbox + (uint64_t)r * S * row, staging + b * row, (e - b) * row, weakInc(kReduced));
+    comm.put(j, inbox + (uint64_t)r * S * row, staging + b * row, (e - b) * row, WeakSignalInc(kReduced));
   }
   comm.waitSignal(kReduced, comm.launch() * (n - 1));
 
@@ -70,7 +71,7 @@ COMMREF_KERNEL(commref_rmsnorm_rs_ag, KernelArgs, args) {
   // 3. all-gather: this rank's shard into every peer's output.
   for (int k = 1; k < n; k++) {
     const int j = (r + k) % n;
-    comm.put(j, output + b * row, output + b * row, (e - b) * row, weakInc(kGathered));
+    comm.put(j, output + b * row, output + b * row, (e - b) * row, WeakSignalInc(kGathered));
   }
   comm.waitSignal(kGathered, comm.launch() * (n - 1));
   for (uint64_t i = threadIdx.x; i < T * H; i += blockDim.x) y[i] = out[i];

@@ -28,6 +28,10 @@
 //                  recvbuf any more, and what they stored is visible here
 #include "commref/ring.h"
 
+// The library's kernels are commref's own code; COMMREF_KERNEL gives each C linkage, so
+// its symbol is its name (the loader looks kernels up by abi.KERNEL_NAMES).
+namespace commref {
+
 // Checks the call with the ring neighbours, then meets every peer at the entry barrier.
 template <typename T, typename Op>
 static __device__ void directEnter(const CollArgs& a, KernelEnv& env) {
@@ -165,25 +169,24 @@ struct Pushes {
   int c;
   uint64_t base;  // what every peer had sent on channel c before this call
 
-  __device__ Gin gin() const { return Gin{a, env}; }
+  __device__ Gin gin() const { return Gin{a, env, c}; }  // channel c is context c
   __device__ bool lsa(int peer) const { return !overGin(a, peer); }
 
   // Over GIN one arrival is the strong VA signal that adds 1 to the peer's word for
   // (channel c, this rank); what was posted to the peer is rung after it (doorbells).
-  __device__ GinRemoteAction arrival() const {
+  __device__ RemoteAction arrival() const {
     return VaSignal(StrongSignalAdd(syncSlotOffset(a, c, a.rank) + kSyncArrivals, 1));
   }
   __device__ void ring(int peer) const {
-    if (a.gin.doorbells) gin().doorbell(c, peer);
+    if (a.gin.doorbells) gin().doorbell(peer);
   }
 
   // Thread 0, a GIN peer: a put of `bytes` (src here, dst at the peer, in `windows`) that
   // lands as one arrival; `bulk`: nothing reads it before (kGinBulk).
-  __device__ void putArrival(int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t windows,
-                             bool bulk) const {
-    GinRemoteAction r = arrival();
+  __device__ void putArrival(int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t windows, bool bulk) const {
+    RemoteAction r = arrival();
     if (bulk) r.flags |= kGinBulk;
-    gin().put(c, peer, dst, src, bytes, r, -1, windows);
+    gin().put(peer, dst, src, bytes, r, -1, windows);
     ring(peer);
   }
 
@@ -193,7 +196,7 @@ struct Pushes {
       fetch_add_release(&syncSlot(a, peer, c, a.rank)->arrivals, 1);
       return;
     }
-    gin().signal(c, peer, arrival());
+    gin().signal(peer, arrival());
     ring(peer);
   }
 
@@ -262,7 +265,7 @@ static __device__ Pushes pushEnter(const CollArgs& a, KernelEnv& env) {
 // moves past the call's `arrivals` per peer.
 static __device__ void pushLeave(const Pushes& p, uint64_t arrivals) {
   if (threadIdx.x == 0) {
-    if (p.a.gin.peerMask) p.gin().flush(p.c);
+    if (p.a.gin.peerMask) p.gin().flush();
     store_relaxed(&syncSlot(p.a, p.a.rank, p.c, p.a.nranks)->arrivals, p.base + arrivals);
   }
   leaveIfFailed(p.env.failed);
@@ -283,8 +286,10 @@ static __device__ void pushExchange(const CollArgs& a, bool alltoall) {
   __syncthreads();
   for (int k = 1; k < n; k++) {
     const int j = (r + k) % n;
-    if (alltoall) p.push(j, a.symSend, j * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
-    else p.push(j, a.symRecv, r * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
+    if (alltoall)
+      p.push(j, a.symSend, j * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
+    else
+      p.push(j, a.symRecv, r * B + s.begin, a.symRecv, r * B + s.begin, s.end - s.begin);
   }
   p.awaitAll(2);
   pushLeave(p, 2);
@@ -332,12 +337,20 @@ COMMREF_KERNEL(commref_direct_allreduce, CollArgs, args) {
     COMMREF_DISPATCH_REDUCTION(args, DIRECT_ALLREDUCE)
   }
 }
-COMMREF_KERNEL(commref_direct_reduce_scatter, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, DIRECT_REDUCE_SCATTER) }
+COMMREF_KERNEL(commref_direct_reduce_scatter, CollArgs, args) {
+  COMMREF_DISPATCH_REDUCTION(args, DIRECT_REDUCE_SCATTER)
+}
 COMMREF_KERNEL(commref_direct_allgather, CollArgs, args) {
-  if (args.gin.peerMask) pushExchange(args, false);
-  else directAllGather(args);
+  if (args.gin.peerMask)
+    pushExchange(args, false);
+  else
+    directAllGather(args);
 }
 COMMREF_KERNEL(commref_direct_alltoall, CollArgs, args) {
-  if (args.gin.peerMask) pushExchange(args, true);
-  else directAlltoAll(args);
+  if (args.gin.peerMask)
+    pushExchange(args, true);
+  else
+    directAlltoAll(args);
 }
+
+}  // namespace commref

@@ -5,6 +5,10 @@
 // the data and pipelines it through its own FIFOs in steps of at most one slot per chunk.
 #include "commref/ring.h"
 
+// The library's kernels are commref's own code; COMMREF_KERNEL gives each C linkage, so
+// its symbol is its name (the loader looks kernels up by abi.KERNEL_NAMES).
+namespace commref {
+
 // AllReduce: reduce-scatter around the ring, then all-gather.
 // Within a loop of nranks chunks, the rank at ring position q finishes chunk q.
 template <typename T, typename Op>
@@ -20,11 +24,26 @@ static __device__ void ringAllReduce(const CollArgs& a) {
   FOR_EACH_PIECE(base, ls, share, loop) {
     const uint64_t cs = (ls + n - 1) / n;  // chunk size, at most one slot
 #define CHUNK(j) const uint64_t off = minU((uint64_t)ringMod(j, n) * cs, ls), len = minU(cs, ls - off), at = base + off
-    { CHUNK(q - 1); p.send(src + at, len); }
-    for (int k = 1; k < n - 1; k++) { CHUNK(q - k - 1); p.recvReduceSend(src + at, len); }
-    { CHUNK(q); p.recvReduceCopySend(src + at, dst + at, len, true); }
-    for (int k = 1; k < n - 1; k++) { CHUNK(q - k); p.recvCopySend(dst + at, len); }
-    { CHUNK(q + 1); p.recv(dst + at, len); }
+    {
+      CHUNK(q - 1);
+      p.send(src + at, len);
+    }
+    for (int k = 1; k < n - 1; k++) {
+      CHUNK(q - k - 1);
+      p.recvReduceSend(src + at, len);
+    }
+    {
+      CHUNK(q);
+      p.recvReduceCopySend(src + at, dst + at, len, true);
+    }
+    for (int k = 1; k < n - 1; k++) {
+      CHUNK(q - k);
+      p.recvCopySend(dst + at, len);
+    }
+    {
+      CHUNK(q + 1);
+      p.recv(dst + at, len);
+    }
 #undef CHUNK
   }
   p.finish();
@@ -62,9 +81,12 @@ static __device__ void ringReduce(const CollArgs& a) {
   if (!joinRing(p, a, c, src, dst, share, true)) return;
   p.handshake();  // the root's inbound link carries no data: check the call first
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
-    if (first) p.send(src + base, len);
-    else if (!last) p.recvReduceSend(src + base, len);
-    else p.recvReduceCopy(src + base, dst + base, len, true);
+    if (first)
+      p.send(src + base, len);
+    else if (!last)
+      p.recvReduceSend(src + base, len);
+    else
+      p.recvReduceCopy(src + base, dst + base, len, true);
   }
   p.finish();
 }
@@ -101,9 +123,12 @@ static __device__ void ringBroadcast(const CollArgs& a) {
   p.streamReceived(share.end - share.begin);
   p.handshake();  // two ranks that both think they are the root must not both send
   FOR_EACH_PIECE(base, len, share, p.slotElems()) {
-    if (first) p.copySend(src + base, dst + base, len);
-    else if (!last) p.recvCopySend(dst + base, len);
-    else p.recv(dst + base, len);
+    if (first)
+      p.copySend(src + base, dst + base, len);
+    else if (!last)
+      p.recvCopySend(dst + base, len);
+    else
+      p.recv(dst + base, len);
   }
   p.finish();
 }
@@ -149,3 +174,5 @@ COMMREF_KERNEL(commref_ring_reduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION
 COMMREF_KERNEL(commref_ring_allgather, CollArgs, args) { ringAllGather(args); }
 COMMREF_KERNEL(commref_ring_broadcast, CollArgs, args) { ringBroadcast(args); }
 COMMREF_KERNEL(commref_ring_alltoall, CollArgs, args) { ringAlltoAll(args); }
+
+}  // namespace commref

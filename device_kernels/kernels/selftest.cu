@@ -1,5 +1,12 @@
 // Kernels that exercise the execution engine itself (tests and bench/engine_bench.py).
 #include "commref/ring.h"
+#if defined(COMMREF_CPU) && defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_THREAD__)
+#include <immintrin.h>
+#endif
+
+// The library's kernels are commref's own code; COMMREF_KERNEL gives each C linkage, so
+// its symbol is its name (the loader looks kernels up by abi.KERNEL_NAMES).
+namespace commref {
 
 // Block b copies its share of the bytes; the threads of a block split that share.
 COMMREF_KERNEL(commref_copy, CopyArgs, args) {
@@ -38,7 +45,6 @@ COMMREF_KERNEL(commref_engine_selftest, CopyArgs, args) {
 
 #ifdef COMMREF_CPU
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_THREAD__)
-#include <immintrin.h>
 #define COMMREF_STREAM_WIDE 1
 #endif
 
@@ -46,21 +52,21 @@ COMMREF_KERNEL(commref_engine_selftest, CopyArgs, args) {
 // input, sums, stores it to every output.
 #define COMMREF_STREAM_LOOP(NAME, W, ATTR, NT_STORE)                                                        \
   ATTR static void NAME(const uint32_t* const* in, int nin, uint32_t* const* out, int nout, uint64_t begin, \
-                        uint64_t end, bool streamed) {                                                        \
-    typedef uint32_t Vec __attribute__((vector_size(4 * W)));                                                \
-    for (uint64_t i = begin; i < end; i += 16) {                                                             \
-      Vec v[16 / W];                                                                                         \
-      for (int u = 0; u < 16 / W; u++) v[u] = *(const Vec*)(in[0] + i + W * u);                              \
-      for (int k = 1; k < nin; k++)                                                                          \
-        for (int u = 0; u < 16 / W; u++) v[u] += *(const Vec*)(in[k] + i + W * u);                           \
-      for (int j = 0; j < nout; j++) {                                                                       \
-        if (streamed) {                                                                                      \
-          for (int u = 0; u < 16 / W; u++) NT_STORE(out[j] + i + W * u, v[u]);                               \
-        } else {                                                                                             \
-          for (int u = 0; u < 16 / W; u++) *(Vec*)(out[j] + i + W * u) = v[u];                               \
-        }                                                                                                    \
-      }                                                                                                      \
-    }                                                                                                        \
+                        uint64_t end, bool streamed) {                                                      \
+    typedef uint32_t Vec __attribute__((vector_size(4 * W)));                                               \
+    for (uint64_t i = begin; i < end; i += 16) {                                                            \
+      Vec v[16 / W];                                                                                        \
+      for (int u = 0; u < 16 / W; u++) v[u] = *(const Vec*)(in[0] + i + W * u);                             \
+      for (int k = 1; k < nin; k++)                                                                         \
+        for (int u = 0; u < 16 / W; u++) v[u] += *(const Vec*)(in[k] + i + W * u);                          \
+      for (int j = 0; j < nout; j++) {                                                                      \
+        if (streamed) {                                                                                     \
+          for (int u = 0; u < 16 / W; u++) NT_STORE(out[j] + i + W * u, v[u]);                              \
+        } else {                                                                                            \
+          for (int u = 0; u < 16 / W; u++) *(Vec*)(out[j] + i + W * u) = v[u];                              \
+        }                                                                                                   \
+      }                                                                                                     \
+    }                                                                                                       \
   }
 
 #ifdef COMMREF_HAVE_STREAM
@@ -86,9 +92,12 @@ static void streamLines(const uint32_t* const* in, int nin, uint32_t* const* out
   static const int width = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") ? 16
                                                   : __builtin_cpu_supports("avx2")  ? 8
                                                                                     : 4);
-  if (width == 16) streamLines16(in, nin, out, nout, begin, end, streamed);
-  else if (width == 8) streamLines8(in, nin, out, nout, begin, end, streamed);
-  else streamLines4(in, nin, out, nout, begin, end, streamed);
+  if (width == 16)
+    streamLines16(in, nin, out, nout, begin, end, streamed);
+  else if (width == 8)
+    streamLines8(in, nin, out, nout, begin, end, streamed);
+  else
+    streamLines4(in, nin, out, nout, begin, end, streamed);
 #else
   streamLines4(in, nin, out, nout, begin, end, streamed);
 #endif
@@ -120,3 +129,5 @@ COMMREF_KERNEL(commref_stream, StreamArgs, args) {
   }
 #endif
 }
+
+}  // namespace commref

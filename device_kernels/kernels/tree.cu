@@ -6,6 +6,10 @@
 // pipelines pieces through the FIFOs.
 #include "commref/ring.h"
 
+// The library's kernels are commref's own code; COMMREF_KERNEL gives each C linkage, so
+// its symbol is its name (the loader looks kernels up by abi.KERNEL_NAMES).
+namespace commref {
+
 template <typename T, typename Op>
 static __device__ void treeAllReduce(const CollArgs& a) {
   const int c = blockIdx.x;
@@ -27,14 +31,20 @@ static __device__ void treeAllReduce(const CollArgs& a) {
   }
   ringHandshake<T, Op>(a, c);  // a rank running another algorithm: CommMismatch, not a timeout
   FOR_EACH_PIECE(base, len, share, up.slotElems()) {
-    if (!hasChildren) up.send(src + base, len);
-    else if (hasParent) up.recvReduceSend(src + base, len);
-    else up.recvReduceCopy(src + base, dst + base, len, true);
+    if (!hasChildren)
+      up.send(src + base, len);
+    else if (hasParent)
+      up.recvReduceSend(src + base, len);
+    else
+      up.recvReduceCopy(src + base, dst + base, len, true);
   }
   FOR_EACH_PIECE(base, len, share, down.slotElems()) {
-    if (!hasParent) down.copySend(dst + base, dst + base, len);
-    else if (hasChildren) down.recvCopySend(dst + base, len);
-    else down.recv(dst + base, len);
+    if (!hasParent)
+      down.copySend(dst + base, dst + base, len);
+    else if (hasChildren)
+      down.recvCopySend(dst + base, len);
+    else
+      down.recv(dst + base, len);
   }
   up.finish();
   down.finish();
@@ -42,3 +52,5 @@ static __device__ void treeAllReduce(const CollArgs& a) {
 
 #define TREE_ALLREDUCE(T, Op) treeAllReduce<T, Op>(args)
 COMMREF_KERNEL(commref_tree_allreduce, CollArgs, args) { COMMREF_DISPATCH_REDUCTION(args, TREE_ALLREDUCE) }
+
+}  // namespace commref

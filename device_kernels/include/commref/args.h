@@ -11,10 +11,12 @@
 #pragma once
 #include "port.h"
 
+namespace commref {
+
 #define COMMREF_MAX_CHANNELS 16
 #define COMMREF_DIRECT_MAX_RANKS 64  // ranks a direct kernel reduces over (direct.cu)
-#define COMMREF_CONN_IN 4   // inbound FIFOs per channel: ring-from-prev, tree-from-child0/1, tree-from-parent
-#define COMMREF_CONN_OUT 4  // outbound links per channel: ring-to-next, tree-to-parent, tree-to-child0/1
+#define COMMREF_CONN_IN 4            // inbound FIFOs per channel: ring-from-prev, tree-from-child0/1, tree-from-parent
+#define COMMREF_CONN_OUT 4           // outbound links per channel: ring-to-next, tree-to-parent, tree-to-child0/1
 
 enum ConnIn { kInRing = 0, kInTreeChild0 = 1, kInTreeChild1 = 2, kInTreeParent = 3 };
 enum ConnOut { kOutRing = 0, kOutTreeParent = 1, kOutTreeChild0 = 2, kOutTreeChild1 = 3 };
@@ -52,7 +54,7 @@ struct WindowLayout {
   uint64_t fifoOff, readyOff, creditOff, stateOff, stagingOff;
   uint64_t ginQueueOff, ginSignalsOff, ginCountersOff;
   uint64_t syncOff;
-  uint64_t slotBytes;  // data bytes per slot; a slot occupies slotBytes + COMMREF_SLOT_HEADER
+  uint64_t slotBytes;           // data bytes per slot; a slot occupies slotBytes + COMMREF_SLOT_HEADER
   uint32_t nsteps, flagStride;  // flagStride: COMMREF_FLAG_STRIDE
   // The LL and LL128 regions (proto.h: each protocol's slots are its own, so a flag is
   // only ever compared with lines that protocol wrote). Staging: GIN only (0 bytes else).
@@ -68,9 +70,9 @@ struct WindowLayout {
 struct ChannelPeers {
   int32_t ringPrev, ringNext;
   int32_t treeParent, treeChild0, treeChild1;
-  int32_t treeInAtParent;  // which inbound FIFO of the parent this rank feeds (1 or 2)
-  int32_t treeOutAtParent; // which outbound link of the parent feeds this rank (2 or 3)
-  int32_t ringPos;         // this rank's position in the channel's ring
+  int32_t treeInAtParent;   // which inbound FIFO of the parent this rank feeds (1 or 2)
+  int32_t treeOutAtParent;  // which outbound link of the parent feeds this rank (2 or 3)
+  int32_t ringPos;          // this rank's position in the channel's ring
 };
 
 // The first failure of a kernel, in host-visible memory: the launcher turns it into
@@ -83,18 +85,21 @@ struct ChannelPeers {
 //     every instance; what = 0, peer = -1, channel = the block.
 enum ErrorCode : uint32_t { kOk = 0, kTimeout = 1, kMismatch = 2, kAborted = 3, kNoInstance = 4 };
 enum WaitWhat : uint32_t {
-  kWaitRecvReady = 1,   // data of a step from the sending peer
-  kWaitSendCredit = 2,  // the receiving peer to free a FIFO slot
-  kCallMismatch = 3,    // the peer's call descriptor (collective, algorithm, dtype, op, root) differs
-  kCountMismatch = 4,   // the peer's element count differs
-  kWaitGinQueue = 5,    // a free descriptor slot in the GIN queue (the proxy is behind)
-  kWaitGinFlush = 6,    // the proxy to complete earlier operations (flush)
-  kWaitLsaBarrier = 7,  // the peer to reach the same LSA barrier (direct kernels)
-  kBufferMismatch = 8,  // the peer's symmetric buffer offset differs (direct kernels)
-  kWaitSignal = 9,      // a user kernel's signal to reach a value (device.h)
-  kWaitCounter = 10,    // a user kernel's counter to reach a value (device.h)
-  kWaitBarrier = 11,    // the peer to reach a user kernel's barrier (device.h)
-  kBadArgument = 12     // a user kernel's device-API call out of range (expected: the limit, seen: the value)
+  kWaitRecvReady = 1,     // data of a step from the sending peer
+  kWaitSendCredit = 2,    // the receiving peer to free a FIFO slot
+  kCallMismatch = 3,      // the peer's call descriptor (collective, algorithm, dtype, op, root) differs
+  kCountMismatch = 4,     // the peer's element count differs
+  kWaitGinQueue = 5,      // a free descriptor slot in the GIN queue (the proxy is behind)
+  kWaitGinFlush = 6,      // the proxy to complete earlier operations (flush)
+  kWaitLsaBarrier = 7,    // the peer to reach the same LSA barrier (direct kernels)
+  kBufferMismatch = 8,    // the peer's symmetric buffer offset differs (direct kernels)
+  kWaitSignal = 9,        // a user kernel's signal to reach a value (device.h)
+  kWaitCounter = 10,      // a user kernel's counter to reach a value (device.h)
+  kWaitBarrier = 11,      // the peer to reach a user kernel's barrier (device.h)
+  kBadArgument = 12,      // a user kernel's device-API call out of range (expected: the limit, seen: the value)
+  kWaitP2pAccept = 13,    // a send's receiver to take its first slot (kernels/p2p.cu)
+  kP2pRecvMismatch = 14,  // a recv's sender posted another dtype or count (expected: its count, seen: its descriptor)
+  kP2pSendRejected = 15   // a send's receiver posted another dtype or count (expected: its count, seen: its descriptor)
 };
 struct ErrorRecord {
   uint32_t code, what;
@@ -110,14 +115,14 @@ enum GinProtocol : uint32_t {
   kGinFlushSignal = 3    // each slot: putsPerSlot puts, flush, then a weak signal
 };
 struct GinArgs {
-  uint64_t peerMask;     // bit r set: the link to rank r goes over GIN (else LSA)
-  uint32_t capacity;     // descriptors in the queue
-  uint32_t protocol;     // GinProtocol
+  uint64_t peerMask;  // bit r set: the link to rank r goes over GIN (else LSA)
+  uint32_t capacity;  // descriptors in the queue
+  uint32_t protocol;  // GinProtocol
   uint32_t putsPerSlot;
-  uint32_t checkHeaders; // 0 where the header itself may land late (weak protocols)
+  uint32_t checkHeaders;      // 0 where the header itself may land late (weak protocols)
   uint32_t creditSignalBase;  // ready signals first: (c*4 + k)*nsteps + slot; then credits: base + c*4 + j
-  uint32_t doorbells;    // 1: the proxy decides landings at doorbells (unordered wire): connections ring one
-                         // after each slot's puts and each credit; 0: the wire lands in posted order, none rung
+  uint32_t doorbells;         // 1: the proxy decides landings at doorbells (unordered wire): connections ring one
+                              // after each slot's puts and each credit; 0: the wire lands in posted order, none rung
   // Where this rank's queue (the descriptors, then the header: gin.h) and its counters
   // live, in host memory the proxy polls and the kernels reach: on the CPU engine the
   // window's ginQueueOff and ginCountersOff regions; on a GPU pinned host memory mapped
@@ -143,16 +148,22 @@ struct SymBuffer {
 // packed as X(field, shift, bits): field = (callDesc >> shift) & ((1 << bits) - 1).
 // Kernels only compare whole descriptors (a step's header, an LSA barrier slot); the
 // host packs them (abi.pack_call) and decodes a mismatch (abi.unpack_call).
-#define COMMREF_CALL_FIELDS(X) \
-  X(collective, 0, 4)   /* Collective */ \
-  X(algorithm, 4, 4)    /* Algorithm */ \
-  X(dtype, 8, 8)        /* DataType (reduce.h) */ \
-  X(op, 16, 8)          /* RedOp (reduce.h) */ \
-  X(root, 24, 16)       /* rooted collectives; 0 otherwise */ \
-  X(nchannels, 40, 8)   \
-  X(protocol, 48, 4)    /* Protocol (proto.h) */
+#define COMMREF_CALL_FIELDS(X)                              \
+  X(collective, 0, 4) /* Collective */                      \
+  X(algorithm, 4, 4)  /* Algorithm */                       \
+  X(dtype, 8, 8)      /* DataType (reduce.h) */             \
+  X(op, 16, 8)        /* RedOp (reduce.h) */                \
+  X(root, 24, 16)     /* rooted collectives; 0 otherwise */ \
+  X(nchannels, 40, 8)                                       \
+  X(protocol, 48, 4) /* Protocol (proto.h) */
 enum Collective : uint32_t {
-  kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kReduce = 4, kAlltoAll = 5
+  kAllReduce = 0,
+  kAllGather = 1,
+  kReduceScatter = 2,
+  kBroadcast = 3,
+  kReduce = 4,
+  kAlltoAll = 5,
+  kP2p = 6  // a send or recv (kernels/p2p.cu); its peer's descriptor must be the same
 };
 enum Algorithm : uint32_t { kRing = 0, kTree = 1, kDirect = 2 };
 // How a step's data and its readiness travel through a FIFO slot (proto.h). The direct
@@ -171,10 +182,10 @@ struct CollArgs {
   int64_t timeoutNs;          // deadline of every wait
   WindowLayout layout;
   int32_t rank, nranks, root, dtype, op, nchannels, elemSize;
-  int32_t avgDivisor;         // what the rank that finishes a reduction divides it by: nranks for op
-                              //    avg, 0 for none; a hierarchical phase's final step: the whole job's ranks
-  int32_t streamStores;       // CPU: 1 = stream what another agent reads next past the cache (move.h)
-  int32_t protocol;           // Protocol of every FIFO step of the call (proto.h)
+  int32_t avgDivisor;    // what the rank that finishes a reduction divides it by: nranks for op
+                         //    avg, 0 for none; a hierarchical phase's final step: the whole job's ranks
+  int32_t streamStores;  // CPU: 1 = stream what another agent reads next past the cache (move.h)
+  int32_t protocol;      // Protocol of every FIFO step of the call (proto.h)
   GinArgs gin;
   SymBuffer symSend, symRecv;  // direct kernels only
   ChannelPeers peers[COMMREF_MAX_CHANNELS];
@@ -220,6 +231,24 @@ struct KernelArgs {
   uint32_t nargs, pad;
 };
 
+// One point-to-point operation of commref_p2p (kernels/p2p.cu), which takes CollArgs with
+// sendbuf -> P2pOp[count], the operations of a group on one communicator, in the order
+// they were posted; the launch has one block per (peer, direction), block `block` runs
+// its operations in that order on one link: the window channel `channel` (after the
+// collectives' channels), outbound link `conn` of a send, inbound FIFO `conn` of a recv.
+// `done`: written by the kernel (thread 0, release) once the operation has completed, so
+// that the host can name the one that failed.
+struct P2pOp {
+  uint64_t buf;        // device address: the send's source, the recv's destination
+  uint64_t count;      // elements: the slot header's count, which the peer's must equal
+  uint64_t callDesc;   // kP2p and the dtype (COMMREF_CALL_FIELDS): the peer's must equal it
+  uint64_t bytes;      // count * the dtype's size
+  int32_t peer, send;  // send: 1 sends to peer, 0 receives from it
+  int32_t channel, conn;
+  int32_t block;
+  uint32_t done;
+};
+
 struct CopyArgs {  // engine self-test and benchmark kernels
   uint64_t src, dst, bytes;
 };
@@ -245,13 +274,15 @@ struct LaunchDesc {
 // What this CPU guarantees of the accesses the line protocols rely on (proto.h), as
 // commref_cpu_protocol_support() (cpu/engine.cpp) reports it at run time.
 enum CpuProtocolSupport : uint32_t {
-  kCpuAtomic16 = 1u << 0,    // an aligned 16-byte SSE load or store is single-copy atomic (x86-64 with AVX): LL
-  kCpuStoreOrder = 1u << 1   // stores become visible in program order (x86-64, TSO): GIN lands LL128 lines in order
+  kCpuAtomic16 = 1u << 0,   // an aligned 16-byte SSE load or store is single-copy atomic (x86-64 with AVX): LL
+  kCpuStoreOrder = 1u << 1  // stores become visible in program order (x86-64, TSO): GIN lands LL128 lines in order
 };
 
 // What running a kernel on the CPU engine returns (commref_cpu_launch, cpu/engine.cpp).
 enum LaunchStatus : int32_t {
   kLaunchOk = 0,
-  kLaunchFailed = 1,   // the kernel aborted: its ErrorRecord says why
-  kLaunchRefused = 2   // the engine could not run it: bad grid or block, no thread or stack
+  kLaunchFailed = 1,  // the kernel aborted: its ErrorRecord says why
+  kLaunchRefused = 2  // the engine could not run it: bad grid or block, no thread or stack
 };
+
+}  // namespace commref

@@ -15,6 +15,8 @@
 #pragma once
 #include "port.h"
 
+namespace commref {
+
 #ifdef COMMREF_GPU
 static __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   uint64_t v;
@@ -77,3 +79,5 @@ static inline bool cas_relaxed(uint32_t* p, uint32_t expected, uint32_t desired)
   return __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
 }
 #endif
+
+}  // namespace commref

@@ -46,6 +46,7 @@
 #include "lsa.h"
 #include "proto.h"
 
+namespace commref {
 
 struct SendConnection {
   int peer, channel;
@@ -57,18 +58,18 @@ struct SendConnection {
   uint64_t stagingOff;     // GIN: the staging slots' offset in this rank's window
   uint32_t readySignal;    // GIN: the receiver's ready signal of slot 0 (slot s: + s)
   uint64_t* stepState;
-  int out, inAtPeer;       // this link's outbound index here, its inbound FIFO at the peer (LL, LL128 slots)
+  int out, inAtPeer;  // this link's outbound index here, its inbound FIFO at the peer (LL, LL128 slots)
 };
 
 struct RecvConnection {
   int peer, channel;
   bool gin;
-  const char* slots;       // this rank's FIFO
-  const uint64_t* ready;   // LSA: ready word; GIN: this rank's ready signal of slot 0
-  uint64_t* credit;        // LSA: in the sender's window
-  uint32_t creditSignal;   // GIN: the sender's credit signal index
+  const char* slots;      // this rank's FIFO
+  const uint64_t* ready;  // LSA: ready word; GIN: this rank's ready signal of slot 0
+  uint64_t* credit;       // LSA: in the sender's window
+  uint32_t creditSignal;  // GIN: the sender's credit signal index
   uint64_t* stepState;
-  int in;                  // this rank's inbound FIFO index (LL, LL128 slots)
+  int in;  // this rank's inbound FIFO index (LL, LL128 slots)
 };
 
 static __device__ __forceinline__ bool overGin(const CollArgs& a, int peer) { return (a.gin.peerMask >> peer) & 1; }
@@ -166,7 +167,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
                                 KernelEnv& env) {
   if (env.failed || !connPublishHeader(s, step, a)) return;
   const uint64_t slot = (step % a.layout.nsteps) * slotStride(a);
-  Gin g{a, env};
+  Gin g{a, env, s.channel};  // a connection's context is its channel
   const uint64_t total = COMMREF_SLOT_HEADER + bytes, dst = s.peerFifoOff + slot, src = s.stagingOff + slot;
   const uint64_t readySignal = s.readySignal + step % a.layout.nsteps;
   uint32_t n = a.gin.putsPerSlot;
@@ -176,34 +177,44 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
   }
   for (uint32_t i = 0; i < n; i++) {
     const uint64_t b = total * i / n, e = total * (i + 1) / n;
-    GinRemoteAction r = NoSignal();
+    RemoteAction r = NoSignal();
     if (a.gin.protocol == kGinStrong && i == n - 1)
       r = StrongSignalInc(readySignal);
     else if (a.gin.protocol == kGinSignalPerPut || (a.gin.protocol == kGinWeakLast && i == n - 1))
       r = WeakSignalInc(readySignal);
     if (a.streamStores) r.flags |= kGinBulk;  // the receiver reads the slot after its ready signal
-    g.put(s.channel, s.peer, dst + b, src + b, e - b, r);
+    g.put(s.peer, dst + b, src + b, e - b, r);
   }
   if (a.gin.protocol == kGinFlushSignal) {
-    g.flush(s.channel);
-    g.signal(s.channel, s.peer, WeakSignalInc(readySignal));
+    g.flush();
+    g.signal(s.peer, WeakSignalInc(readySignal));
   }
-  if (a.gin.doorbells) g.doorbell(s.channel, s.peer);
+  if (a.gin.doorbells) g.doorbell(s.peer);
   commref_help_progress(g.helpHook());  // a turn at the queue (gin.h, "Help"): the engine may be off its core
 }
-// Waits for step `step` and checks its header. Thread 0.
-static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
+// Waits for step `step` of the Simple slots; returns whether its header may be checked
+// (false after a failed wait, and over GIN where a weak protocol's header may land after
+// its signal). Thread 0.
+static __device__ bool connWaitSlot(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
   if (r.gin) {
     Gin g{a, env};
     g.wakeEngine();  // the data comes through it (network mpi: it receives it); help it meanwhile (gin.h)
-    waitReached(r.ready + step % a.layout.nsteps, (step / a.layout.nsteps + 1) * signalsPerSlot(a), env,
-                kWaitRecvReady, r.peer, r.channel, g.helpHook());
-    if (!a.gin.checkHeaders) return;
+    waitReached(r.ready + step % a.layout.nsteps, (step / a.layout.nsteps + 1) * signalsPerSlot(a), env, kWaitRecvReady,
+                r.peer, r.channel, g.helpHook());
+    if (!a.gin.checkHeaders) return false;
   } else {
     waitAtLeast(r.ready, step + 1, env, kWaitRecvReady, r.peer, r.channel);
   }
-  if (env.failed) return;  // the slot may hold anything: no header check
-  const uint64_t* h = (const uint64_t*)(r.slots + (step % a.layout.nsteps) * slotStride(a));
+  return !env.failed;  // after a failed wait the slot may hold anything
+}
+// The header (call descriptor, count) of the Simple slot of step `step`.
+static __device__ __forceinline__ uint64_t* connSlotHeader(const RecvConnection& r, uint64_t step, const CollArgs& a) {
+  return (uint64_t*)(r.slots + (step % a.layout.nsteps) * slotStride(a));
+}
+// Waits for step `step` and checks its header. Thread 0.
+static __device__ void connWaitReady(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
+  if (!connWaitSlot(r, step, a, env)) return;
+  const uint64_t* h = connSlotHeader(r, step, a);
   if (h[0] != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, h[0]);
   if (h[1] != a.count) commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, h[1]);
 }
@@ -215,10 +226,10 @@ static __device__ __forceinline__ void connRelease(const RecvConnection& r, uint
                                                    KernelEnv& env) {
   if (env.failed) return;
   if (r.gin) {
-    Gin g{a, env};
+    Gin g{a, env, r.channel};
     // A credit publishes no data, so a weak signal suffices (and every backend has one).
-    g.signal(r.channel, r.peer, WeakSignalInc(r.creditSignal));
-    if (a.gin.doorbells) g.doorbell(r.channel, r.peer);
+    g.signal(r.peer, WeakSignalInc(r.creditSignal));
+    if (a.gin.doorbells) g.doorbell(r.peer);
   } else {
     store_release(r.credit, step + 1);
   }
@@ -270,8 +281,10 @@ static __device__ bool connProbeMismatch(const RecvConnection& r, uint64_t step,
     return false;
   }
   const uint64_t* h = (const uint64_t*)(r.slots + (step % a.layout.nsteps) * slotStride(a));
-  if (h[0] != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, h[0]);
-  else if (h[1] != a.count) commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, h[1]);
+  if (h[0] != a.callDesc)
+    commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, h[0]);
+  else if (h[1] != a.count)
+    commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, h[1]);
   return env.failed;
 }
 
@@ -308,8 +321,10 @@ static __device__ void connWaitHeaderLines(const RecvConnection& r, uint32_t pro
     if (help) commref_help_progress(help);
     commref_spin_pause(spins + 1);
   }
-  if (desc != a.callDesc) commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, desc);
-  else if (count != a.count) commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, count);
+  if (desc != a.callDesc)
+    commref_fail(env, kMismatch, kCallMismatch, r.peer, r.channel, a.callDesc, desc);
+  else if (count != a.count)
+    commref_fail(env, kMismatch, kCountMismatch, r.peer, r.channel, a.count, count);
 }
 
 // Publishes step `step`, whose `lineBytes` of header and data lines the block has
@@ -319,15 +334,17 @@ static __device__ void connPostLines(const SendConnection& s, uint32_t proto, ui
                                      const CollArgs& a, KernelEnv& env) {
   if (env.failed || !connPublishHeader(s, step, a)) return;
   const uint64_t slot = (step % a.layout.nsteps) * slotStride(a);
-  Gin g{a, env};
+  Gin g{a, env, s.channel};  // a connection's context is its channel
   const uint64_t lines = lineSlot(a, proto, step);
-  g.put(s.channel, s.peer, fifoOffset(a, s.channel, s.inAtPeer, proto) + lines,
-        stagingOffset(a, s.channel, s.out, proto) + lines, lineBytes, NoSignal());
+  g.put(s.peer, fifoOffset(a, s.channel, s.inAtPeer, proto) + lines, stagingOffset(a, s.channel, s.out, proto) + lines,
+        lineBytes, NoSignal());
   // The header, with as many ready signals as a Simple step of this slot sends.
   const uint64_t readySignal = s.readySignal + step % a.layout.nsteps;
-  g.put(s.channel, s.peer, s.peerFifoOff + slot, s.stagingOff + slot, COMMREF_SLOT_HEADER,
+  g.put(s.peer, s.peerFifoOff + slot, s.stagingOff + slot, COMMREF_SLOT_HEADER,
         a.gin.protocol == kGinStrong ? StrongSignalInc(readySignal) : WeakSignalInc(readySignal));
-  for (uint32_t i = 1; i < signalsPerSlot(a); i++) g.signal(s.channel, s.peer, WeakSignalInc(readySignal));
-  if (a.gin.doorbells) g.doorbell(s.channel, s.peer);
+  for (uint32_t i = 1; i < signalsPerSlot(a); i++) g.signal(s.peer, WeakSignalInc(readySignal));
+  if (a.gin.doorbells) g.doorbell(s.peer);
   commref_help_progress(g.helpHook());
 }
+
+}  // namespace commref

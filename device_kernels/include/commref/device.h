@@ -3,32 +3,45 @@
 // builds and commref.Kernel.launch passes.
 //
 //   #include "commref/device.h"
+//   using namespace commref;  // or write commref::DeviceComm, commref::WeakSignalInc, ...
 //   COMMREF_KERNEL(my_kernel, KernelArgs, args) {
 //     DeviceComm comm(args);
 //     const float* x = comm.ptr<const float>(0);     // launch argument 0: an array
 //     ...
-//     comm.put(peer, dstOffset, srcOffset, bytes, weakInc(0));
+//     comm.put(peer, dstOffset, srcOffset, bytes, WeakSignalInc(0));
 //     comm.waitSignal(0, comm.launch() * (comm.nranks() - 1));
 //   }
 //
+// Every name is in namespace commref; COMMREF_KERNEL gives the kernel C linkage, so its
+// symbol is its name wherever it is written.
+//
 // Contract:
 //   - Every operation below is block-collective: all threads of the block call it with
-//     the same arguments, and it returns in all of them (a __syncthreads inside). Over
+//     the same arguments, and it returns in all of them (a __syncthreads inside; a wait
+//     returns the same value in all of them). Over
 //     LSA the block's threads copy together; over GIN thread 0 posts. Kernels where
 //     blocks act independently use per-block signals.
 //   - Offsets address the device window: bytes [0, windowBytes) of every rank's window.
 //     local<T>(off) is this rank's; lsaPtr<T>(peer, off) a peer's, for LSA peers only
-//     (nullptr otherwise). Out-of-range offsets, signal, counter and context ids fail
-//     the launch (CommMismatch, "a device-API argument within its limit").
+//     (nullptr otherwise). Out-of-range offsets, signal, counter and context ids, and a
+//     putValue destination that is not a multiple of 8, fail the launch (ValueError,
+//     "a device-API call ... was given V where the limit is L").
+//   - Contexts (GIN ordering domains): comm.gin(ctx) is a handle bound to context ctx
+//     (< the communicator's contexts), with put / countedPut / putValue / signal / get /
+//     flush; DeviceComm's own calls of those names are context 0's. Every call reads
+//     the peer first: put(peer, dst, src, bytes, action, counter), as Gin's (gin.h).
 //   - put / putValue / signal / get reach LSA peers by loads and stores and GIN peers
-//     through the proxy, as connections do. A signal is the same word either way:
-//     signal id i of rank r is GIN signal signalBase + i of r's window.
-//       strong (strongInc/strongAdd): once visible, every earlier put of this rank to
-//         that peer on the context is visible (needs DevComm flag kDevCommStrongSignals);
-//       weak (weakInc/weakAdd): only the put it is attached to is visible.
+//     through the proxy, as connections do. The remote action is gin.h's RemoteAction,
+//     its signal a user signal id: id i of rank r is GIN signal signalBase + i of r's
+//     window, one word whether an LSA peer or the proxy adds to it.
+//       strong (StrongSignalInc/StrongSignalAdd): once visible, every earlier put of this
+//         rank to that peer on the context is visible (needs DevComm flag
+//         kDevCommStrongSignals);
+//       weak (WeakSignalInc/WeakSignalAdd): only the put it is attached to is visible;
+//       NoSignal(): data only. VaSignal is not offered here (user signals are indexed).
 //     Over LSA every signal is strong (the block's stores, then a release add).
-//   - get lands after flush(ctx); a counter (local completion: the source may be
-//     reused) increments once per put that names it, over LSA at once.
+//   - get lands after flush() of its context; a counter (local completion: the source
+//     may be reused) increments once per put that names it, over LSA at once.
 //   - countedPut: a put whose arrival counts one on the target's signal id (a weak
 //     increment over GIN; the gda backend's counting signals), so the sender needs no
 //     fence and flag: the receiver waits for the count, then reads (the wait acquires).
@@ -42,189 +55,103 @@
 //     before a wait is in flight when the wait starts.
 //   - Signals are never reset between launches: launch() (1, 2, ...) gives each launch
 //     its targets (a launch expecting k signals waits for launch() * k).
-//   - coll() is the communicator's launch record: Prims<T, Op>(comm.coll(), c) with
-//     connectRing (ring.h) runs the collectives' own flow primitives on channel c
-//     (c < the communicator's max_channels); connectSend / connectRecv give them a
-//     connection per peer instead (below).
+//   - coll() is the communicator's launch record: commref::Prims<T, Op>(comm.coll(), c)
+//     with commref::connectRing (flow.h) runs the collectives' own flow primitives on
+//     channel c (c < the communicator's max_channels); connectSend / connectRecv give
+//     them a connection per peer instead (below).
 #pragma once
-#include "ring.h"
+#include "flow.h"  // Prims, connectRing (over connection.h, gin.h, lsa.h, move.h)
 
-// A remote action on a user signal id (not a raw GIN index).
-struct Signal {
-  uint32_t flags;  // GinFlags: kGinHasSignal, kGinStrongSignal, kGinSignalAdd
-  uint32_t id;
-  uint64_t value;
+namespace commref {
+
+struct DeviceComm;
+
+// A device communicator's GIN handle, bound to context `ctx` when made (comm.gin(ctx)).
+// The operations of DeviceComm's contract (block-collective; peer first); DeviceComm's
+// own put / countedPut / putValue / signal / get / flush are those of comm.gin(0).
+struct DeviceGin {
+  DeviceComm& comm;
+  int ctx;
+
+  // `bytes` of this rank's window at `src` to the peer's at `dst`, then `r` (a user
+  // signal id) at the peer; `counter` (>= 0) counts one once the source is reusable.
+  __device__ void put(int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r = NoSignal(),
+                      int counter = -1) const;
+  // A counted write: counts one on the target's signal `id` once its data is there
+  // (kDevCommCountedWrites over GIN).
+  __device__ void countedPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t id) const;
+  // The 8 bytes of `value` to the peer's window at `dst`, a multiple of 8: an unaligned
+  // 8-byte store to a peer is a misaligned-address error on a GPU, which ends the CUDA
+  // context (every rank of the process), so it fails the launch first, as a range error
+  // does, on the CPU engine too.
+  __device__ void putValue(int peer, uint64_t dst, uint64_t value, RemoteAction r = NoSignal()) const;
+  // `r` alone; over LSA it publishes every store of the block before it.
+  __device__ void signal(int peer, RemoteAction r) const;
+  // `bytes` of the peer's window at `src` into this rank's at `dst`; over GIN the data
+  // is there after flush().
+  __device__ void get(int peer, uint64_t dst, uint64_t src, uint64_t bytes) const;
+  // Earlier puts' sources are reusable and earlier gets have landed (gin.h: nothing
+  // about remote visibility).
+  __device__ void flush() const;
 };
-static __device__ __forceinline__ Signal noSignal() { return Signal{0, 0, 0}; }
-static __device__ __forceinline__ Signal strongInc(uint32_t id) { return Signal{kGinHasSignal | kGinStrongSignal, id, 1}; }
-static __device__ __forceinline__ Signal strongAdd(uint32_t id, uint64_t v) {
-  return Signal{kGinHasSignal | kGinStrongSignal | kGinSignalAdd, id, v};
-}
-static __device__ __forceinline__ Signal weakInc(uint32_t id) { return Signal{kGinHasSignal, id, 1}; }
-static __device__ __forceinline__ Signal weakAdd(uint32_t id, uint64_t v) { return Signal{kGinHasSignal | kGinSignalAdd, id, v}; }
 
 struct DeviceComm {
-  const KernelArgs& args;
-  const DevComm& dc;
-  const CollArgs& a;
-  KernelEnv env;
-  Gin gin;
-  uint64_t pending[COMMREF_DEVCOMM_MAX_CONTEXTS];  // thread 0: GIN peers posted to and not yet rung, per context
-
-  __device__ explicit DeviceComm(const KernelArgs& k)
-      : args(k), dc(k.comm), a(k.comm.coll), env(kernelEnv(k.comm.coll)), gin{k.comm.coll, env} {
-    for (int c = 0; c < COMMREF_DEVCOMM_MAX_CONTEXTS; c++) pending[c] = 0;
-  }
+  __device__ explicit DeviceComm(const KernelArgs& k);
   // What was posted is delivered even if the kernel waits for nothing more.
-  __device__ ~DeviceComm() {
-    if (threadIdx.x == 0) ringDoorbells();
-  }
+  __device__ ~DeviceComm();
 
   // ---- who ----
-  __device__ int rank() const { return a.rank; }
-  __device__ int nranks() const { return a.nranks; }
-  __device__ int lsaRank() const { return dc.lsaRank; }
-  __device__ int lsaSize() const { return dc.lsaSize; }
-  __device__ int lsaPeer(int i) const { return ((const int32_t*)dc.lsaRanks)[i]; }  // the LSA team's i-th rank
-  __device__ bool isLsaPeer(int peer) const { return !((a.gin.peerMask >> peer) & 1); }
-  __device__ uint64_t launch() const { return dc.launch; }
-  __device__ const CollArgs& coll() const { return a; }
+  __device__ int rank() const;
+  __device__ int nranks() const;
+  __device__ int lsaRank() const;
+  __device__ int lsaSize() const;
+  __device__ int lsaPeer(int i) const;  // the LSA team's i-th rank
+  __device__ bool isLsaPeer(int peer) const;
+  __device__ uint64_t launch() const;  // 1, 2, ...: this launch's number
+  __device__ const CollArgs& coll() const;
 
   // ---- launch arguments (commref.Kernel.launch packs them in order) ----
-  __device__ uint64_t u64(int i) {
-    if (!argumentOk(i < (int)args.nargs && i >= 0, args.nargs, (uint64_t)i)) return 0;
-    return args.arg[i];
-  }
-  __device__ int64_t i64(int i) { return (int64_t)u64(i); }
-  __device__ double f64(int i) {
-    const uint64_t bits = u64(i);
-    double d;
-    memcpy(&d, &bits, sizeof d);
-    return d;
-  }
+  __device__ uint64_t u64(int i);
+  __device__ int64_t i64(int i);
+  __device__ double f64(int i);
   template <typename T>
-  __device__ T* ptr(int i) { return (T*)u64(i); }
+  __device__ T* ptr(int i);
 
   // ---- the device window ----
   template <typename T>
-  __device__ T* local(uint64_t off) const { return (T*)(windowOf(a, a.rank) + dc.windowOff + off); }
+  __device__ T* local(uint64_t off) const;  // this rank's
   template <typename T>
-  __device__ T* lsaPtr(int peer, uint64_t off) const {
-    return isLsaPeer(peer) ? (T*)(windowOf(a, peer) + dc.windowOff + off) : nullptr;
-  }
+  __device__ T* lsaPtr(int peer, uint64_t off) const;  // an LSA peer's; nullptr for a GIN peer
 
-  // ---- one-sided operations (block-collective) ----
-  __device__ void put(int peer, uint64_t dst, uint64_t src, uint64_t bytes, Signal s = noSignal(), int counter = -1,
-                      int ctx = 0) {
-    if (checkPut(peer, dst, src, bytes, s, counter, ctx)) {
-      if (isLsaPeer(peer)) {
-        copyOwnShare<uint8_t>(lsaPtr<uint8_t>(peer, dst), local<uint8_t>(src), bytes);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          if (s.flags) fetch_add_release(signalWord(peer, s.id), s.value);
-          if (counter >= 0) fetch_add_release(counterWord(counter), 1);
-        }
-      } else if (threadIdx.x == 0) {
-        gin.put(ctx, peer, dc.windowOff + dst, dc.windowOff + src, bytes, ginAction(s), counter);
-        pending[ctx] |= 1ull << peer;
-      }
-    }
-    sync();
-  }
-  // A counted write: the put counts one on the target's signal `id` once its data is there.
-  __device__ void countedPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t id, int ctx = 0) {
-    if (threadIdx.x == 0 && !isLsaPeer(peer))
-      argumentOk(dc.flags & kDevCommCountedWrites, kDevCommCountedWrites, dc.flags);
-    put(peer, dst, src, bytes, weakInc(id), -1, ctx);
-  }
-  __device__ void putValue(int peer, uint64_t dst, uint64_t value, Signal s = noSignal(), int ctx = 0) {
-    if (threadIdx.x == 0 && checkPut(peer, dst, 0, 8, s, -1, ctx)) {
-      if (isLsaPeer(peer)) {
-        store_relaxed(lsaPtr<uint64_t>(peer, dst), value);
-        if (s.flags) fetch_add_release(signalWord(peer, s.id), s.value);
-      } else {
-        gin.putValue(ctx, peer, dc.windowOff + dst, value, ginAction(s));
-        pending[ctx] |= 1ull << peer;
-      }
-    }
-    sync();
-  }
-  // A signal alone; over LSA it publishes every store of the block before it.
-  __device__ void signal(int peer, Signal s, int ctx = 0) {
-    __syncthreads();
-    if (threadIdx.x == 0 && checkPut(peer, 0, 0, 0, s, -1, ctx)) {
-      if (isLsaPeer(peer)) fetch_add_release(signalWord(peer, s.id), s.value);
-      else {
-        gin.signal(ctx, peer, ginAction(s));
-        pending[ctx] |= 1ull << peer;
-      }
-    }
-    sync();
-  }
-  // Copies `bytes` of the peer's window at src into this rank's at dst; over GIN the
-  // data is there after flush(ctx).
-  __device__ void get(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int ctx = 0) {
-    if (checkPut(peer, src, dst, bytes, noSignal(), -1, ctx)) {
-      if (isLsaPeer(peer)) copyOwnShare<uint8_t>(local<uint8_t>(dst), lsaPtr<const uint8_t>(peer, src), bytes);
-      else if (threadIdx.x == 0) {
-        gin.get(ctx, peer, dc.windowOff + dst, dc.windowOff + src, bytes);
-        pending[ctx] |= 1ull << peer;
-      }
-    }
-    sync();
-  }
-  // Earlier puts' sources are reusable and earlier gets have landed (gin.h: nothing
-  // about remote visibility).
-  __device__ void flush(int ctx = 0) {
-    if (threadIdx.x == 0 && contextOk(ctx) && a.gin.capacity) {
-      ringDoorbells();
-      gin.flush(ctx);
-    }
-    sync();
-  }
+  // ---- one-sided operations (block-collective; DeviceGin's contract) ----
+  __device__ DeviceGin gin(int ctx);  // a handle bound to context ctx
+  __device__ void put(int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r = NoSignal(),
+                      int counter = -1);
+  __device__ void countedPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t id);
+  __device__ void putValue(int peer, uint64_t dst, uint64_t value, RemoteAction r = NoSignal());
+  __device__ void signal(int peer, RemoteAction r);
+  __device__ void get(int peer, uint64_t dst, uint64_t src, uint64_t bytes);
+  __device__ void flush();
 
-  // ---- signals and counters ----
-  __device__ uint64_t readSignal(uint32_t id) { return signalOk(id) ? load_acquire(signalWord(a.rank, id)) : 0; }
-  // Waits until this rank's signal `id` reaches `least` (wrap-around compare); `peer`
-  // names, in a failure, whom the signal was expected from (-1: any).
-  __device__ uint64_t waitSignal(uint32_t id, uint64_t least, int peer = -1) {
-    __shared__ uint64_t seen;
-    if (threadIdx.x == 0 && signalOk(id)) {
-      ringDoorbells();
-      if (a.gin.capacity) gin.wakeEngine();
-      seen = waitReached(signalWord(a.rank, id), least, env, kWaitSignal, peer, blockIdx.x, help());
-    }
-    sync();
-    return seen;
-  }
+  // ---- signals and counters (this rank's) ----
+  __device__ uint64_t readSignal(uint32_t id);
+  // Waits until signal `id` reaches `least` (wrap-around compare); `peer` names, in a
+  // failure, whom the signal was expected from (-1: any). Every thread of the block gets
+  // the value thread 0 saw.
+  __device__ uint64_t waitSignal(uint32_t id, uint64_t least, int peer = -1);
   // Only when no peer can still be signalling `id`.
-  __device__ void resetSignal(uint32_t id) {
-    if (threadIdx.x == 0 && signalOk(id)) store_relaxed(signalWord(a.rank, id), 0);
-    sync();
-  }
-  __device__ uint64_t readCounter(uint32_t id) { return counterOk(id) ? load_acquire(counterWord(id)) : 0; }
-  __device__ uint64_t waitCounter(uint32_t id, uint64_t least) {
-    __shared__ uint64_t seen;
-    if (threadIdx.x == 0 && counterOk(id)) {
-      ringDoorbells();
-      if (a.gin.capacity) gin.wakeEngine();
-      seen = waitReached(counterWord(id), least, env, kWaitCounter, -1, blockIdx.x, help());
-    }
-    sync();
-    return seen;
-  }
-  __device__ void resetCounter(uint32_t id) {
-    if (threadIdx.x == 0 && counterOk(id)) store_relaxed(counterWord(id), 0);
-    sync();
-  }
+  __device__ void resetSignal(uint32_t id);
+  __device__ uint64_t readCounter(uint32_t id);
+  __device__ uint64_t waitCounter(uint32_t id, uint64_t least);
+  __device__ void resetCounter(uint32_t id);
 
   // ---- barriers (block-collective; one block of each rank takes part) ----
   // Every rank: afterwards every put a peer made before its barrier is visible here
   // (over GIN a strong signal, or, on weak-only backends, a flush then a weak signal:
   // gda declares that local completion orders later writes).
-  __device__ void barrier() { barrierOver(false); }
+  __device__ void barrier();
   // The LSA team only, by loads and stores.
-  __device__ void lsaBarrier() { barrierOver(true); }
+  __device__ void lsaBarrier();
 
   // ---- a connection per peer: the flow primitives between any two ranks ----
   // The link from rank s to rank r, d = (r - s) mod n, is channel (d - 1) / 4's outbound
@@ -235,100 +162,43 @@ struct DeviceComm {
   //   Prims<T, Op> rx(comm.coll(), comm.recvChannel(peer)); comm.connectRecv(rx, peer);
   // A device communicator's FIFOs serve either these links or the ring and tree
   // (connectRing, its collectives), not both: step counters persist per FIFO.
-  __device__ int sendChannel(int peer) const { return (distance(a.rank, peer) - 1) / 4; }
-  __device__ int recvChannel(int peer) const { return (distance(peer, a.rank) - 1) / 4; }
+  __device__ int sendChannel(int peer) const;
+  __device__ int recvChannel(int peer) const;
   template <typename T, typename Op>
-  __device__ void connectSend(Prims<T, Op>& p, int peer) {
-    const int d = distance(a.rank, peer);
-    if (linkOk(peer, d, p.channel())) p.addSend((d - 1) % 4, peer, (d - 1) % 4);
-    sync();
-  }
+  __device__ void connectSend(Prims<T, Op>& p, int peer);
   template <typename T, typename Op>
-  __device__ void connectRecv(Prims<T, Op>& p, int peer) {
-    const int d = distance(peer, a.rank);
-    if (linkOk(peer, d, p.channel())) p.addRecv((d - 1) % 4, peer, (d - 1) % 4);
-    sync();
-  }
+  __device__ void connectRecv(Prims<T, Op>& p, int peer);
 
   // Fails the launch with kBadArgument unless `ok`; returns ok.
-  __device__ bool argumentOk(bool ok, uint64_t limit, uint64_t value) {
-    if (!ok) commref_fail(env, kMismatch, kBadArgument, -1, blockIdx.x, limit, value);
-    return ok;
-  }
+  __device__ bool argumentOk(bool ok, uint64_t limit, uint64_t value);
 
  private:
-  __device__ void sync() { leaveIfFailed(env.failed); }
-  __device__ const uint64_t* help() const { return a.gin.capacity ? gin.helpHook() : nullptr; }
-  __device__ uint64_t* signalWord(int r, uint32_t id) const {
-    return (uint64_t*)(windowOf(a, r) + a.layout.ginSignalsOff) + dc.signalBase + id;
-  }
-  __device__ uint64_t* counterWord(uint32_t id) const { return (uint64_t*)dc.counters + id; }
-  __device__ GinRemoteAction ginAction(Signal s) const {
-    return GinRemoteAction{s.flags, s.flags ? dc.signalBase + s.id : 0, s.value};
-  }
-  __device__ int distance(int from, int to) const { return ((to - from) % a.nranks + a.nranks) % a.nranks; }
-  __device__ bool linkOk(int peer, int d, int channel) {
-    const int want = (d - 1) / 4;
-    return argumentOk(peer >= 0 && peer < a.nranks && d != 0, a.nranks, (uint64_t)peer) &&
-           argumentOk(want < a.nchannels, a.nchannels, (uint64_t)want) &&
-           argumentOk(channel == want, want, (uint64_t)channel);
-  }
-  __device__ bool signalOk(uint32_t id) { return argumentOk(id < dc.nsignals, dc.nsignals, id); }
-  __device__ bool counterOk(uint32_t id) { return argumentOk(id < dc.ncounters, dc.ncounters, id); }
-  __device__ bool contextOk(int ctx) {
-    return argumentOk(ctx >= 0 && ctx < (int)dc.ncontexts && ctx < COMMREF_DEVCOMM_MAX_CONTEXTS, dc.ncontexts,
-                      (uint64_t)ctx);
-  }
-  __device__ bool checkPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, Signal s, int counter, int ctx) {
-    const uint64_t w = dc.windowBytes;
-    return argumentOk(peer >= 0 && peer < a.nranks, a.nranks, (uint64_t)peer) &&
-           argumentOk(dst <= w && bytes <= w - dst, w, dst + bytes) &&
-           argumentOk(src <= w && bytes <= w - src, w, src + bytes) && (!s.flags || signalOk(s.id)) &&
-           (counter < 0 || counterOk(counter)) && contextOk(ctx) &&
-           argumentOk(!(s.flags & kGinStrongSignal) || isLsaPeer(peer) || (dc.flags & kDevCommStrongSignals),
-                      kDevCommStrongSignals, dc.flags);
-  }
-  __device__ void ringDoorbells() {
-    if (!a.gin.doorbells) return;
-    for (int c = 0; c < COMMREF_DEVCOMM_MAX_CONTEXTS; c++) {
-      for (int peer = 0; peer < a.nranks && pending[c]; peer++)
-        if ((pending[c] >> peer) & 1) gin.doorbell(c, peer);
-      pending[c] = 0;
-    }
-  }
-  // Barrier words (args.h): after the user's signals, a word per peer of the world
-  // barrier, then of the LSA barrier, then each barrier's epoch (this rank's count).
-  __device__ uint64_t* barrierWord(int r, bool lsa, int from) const {
-    return signalWord(r, dc.nsignals + (lsa ? a.nranks : 0) + from);
-  }
-  __device__ void barrierOver(bool lsaOnly) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint64_t* epochWord = signalWord(a.rank, dc.nsignals + 2 * a.nranks + (lsaOnly ? 1 : 0));
-      const uint64_t epoch = load_relaxed(epochWord) + 1;
-      store_relaxed(epochWord, epoch);
-      const bool strong = dc.flags & kDevCommStrongSignals;
-      if (!lsaOnly && !strong && a.gin.peerMask) {  // weak only: this rank's puts complete before its signals
-        ringDoorbells();
-        gin.flush(0);
-      }
-      for (int k = 1; k < a.nranks; k++) {
-        const int peer = (a.rank + k) % a.nranks;
-        if (isLsaPeer(peer)) fetch_add_release(barrierWord(peer, lsaOnly, a.rank), 1);
-        else if (!lsaOnly) {
-          const uint64_t id = dc.signalBase + dc.nsignals + a.rank;
-          gin.signal(0, peer, strong ? StrongSignalInc(id) : WeakSignalInc(id));
-          pending[0] |= 1ull << peer;
-        }
-      }
-      ringDoorbells();
-      for (int k = 1; k < a.nranks && !env.failed; k++) {
-        const int peer = (a.rank + a.nranks - k) % a.nranks;
-        if (lsaOnly && !isLsaPeer(peer)) continue;
-        if (a.gin.capacity) gin.wakeEngine();
-        waitReached(barrierWord(a.rank, lsaOnly, peer), epoch, env, kWaitBarrier, peer, blockIdx.x, help());
-      }
-    }
-    sync();
-  }
+  friend struct DeviceGin;
+  const KernelArgs& args;
+  const DevComm& dc;
+  const CollArgs& a;
+  KernelEnv env;
+  uint64_t pending[COMMREF_DEVCOMM_MAX_CONTEXTS];  // thread 0: GIN peers posted to and not yet rung, per context
+
+  __device__ void sync();
+  // `word` (__shared__, written by thread 0 before the call) in every thread.
+  __device__ uint64_t shared(const uint64_t& word);
+  __device__ Gin ginOn(int ctx);  // the queue handle of context ctx
+  __device__ const uint64_t* help();
+  __device__ uint64_t* signalWord(int r, uint32_t id) const;
+  __device__ uint64_t* counterWord(uint32_t id) const;
+  __device__ RemoteAction ginAction(RemoteAction r) const;  // user signal id -> GIN signal index
+  __device__ int distance(int from, int to) const;
+  __device__ bool linkOk(int peer, int d, int channel);
+  __device__ bool signalOk(uint32_t id);
+  __device__ bool counterOk(uint32_t id);
+  __device__ bool contextOk(int ctx);
+  __device__ bool checkPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r, int counter, int ctx);
+  __device__ void ringDoorbells();
+  __device__ uint64_t* barrierWord(int r, bool lsa, int from) const;
+  __device__ void barrierOver(bool lsaOnly);
 };
+
+}  // namespace commref
+
+#include "impl/device__funcs.h"

@@ -42,11 +42,18 @@
 #include "connection.h"
 #include "move.h"
 
+namespace commref {
+
 template <typename T, typename Op>
 class Prims {
  public:
   __device__ Prims(const CollArgs& args, int channel)
-      : a(args), env(kernelEnv(args)), channel_(channel), nrecv(0), nsend(0), streamReceived_(false),
+      : a(args),
+        env(kernelEnv(args)),
+        channel_(channel),
+        nrecv(0),
+        nsend(0),
+        streamReceived_(false),
         proto_((uint32_t)args.protocol) {}
 
   // `bytes`: what this channel's receive steps store into the recvbuf over the whole
@@ -110,8 +117,10 @@ class Prims {
         }
       }
       for (int i = 0; i < nrecv; i++) {
-        if (proto == kProtoSimple) connWaitReady(rx[i], rxStep[i], a, env);
-        else connWaitHeaderLines(rx[i], proto, rxStep[i], a, env);
+        if (proto == kProtoSimple)
+          connWaitReady(rx[i], rxStep[i], a, env);
+        else
+          connWaitHeaderLines(rx[i], proto, rxStep[i], a, env);
         connRelease(rx[i], rxStep[i], a, env);
       }
     }
@@ -124,10 +133,14 @@ class Prims {
   __device__ void recv(T* dst, uint64_t n) { step(true, false, nullptr, dst, n, false); }
   __device__ void recvReduceSend(const T* src, uint64_t n) { step(true, true, src, nullptr, n, false); }
   __device__ void recvReduceCopy(const T* src, T* dst, uint64_t n, bool last) { step(true, false, src, dst, n, last); }
-  __device__ void recvReduceCopySend(const T* src, T* dst, uint64_t n, bool last) { step(true, true, src, dst, n, last); }
+  __device__ void recvReduceCopySend(const T* src, T* dst, uint64_t n, bool last) {
+    step(true, true, src, dst, n, last);
+  }
   __device__ void recvCopySend(T* dst, uint64_t n) { step(true, true, nullptr, dst, n, false); }
   __device__ void recvSend(uint64_t n) { step(true, true, nullptr, nullptr, n, false); }
-  __device__ void copySend(const T* src, T* dst, uint64_t n) { step(false, true, src, dst == src ? nullptr : dst, n, false); }
+  __device__ void copySend(const T* src, T* dst, uint64_t n) {
+    step(false, true, src, dst == src ? nullptr : dst, n, false);
+  }
   __device__ void copy(const T* src, T* dst, uint64_t n, bool last) { step(false, false, src, dst, n, last); }
 
  private:
@@ -152,8 +165,7 @@ class Prims {
     // Outputs from `handoff` on are streamed (see the top of this file).
     const int handoff = dst && !(streamReceived_ && !src) ? 1 : 0;
     if (nin > 0 && nout > 0)
-      reduceCopy<T, Op>(in, nin, out, nout, n, last ? a.avgDivisor : 0, handoff,
-                        handoffStreamMin(a.streamStores));
+      reduceCopy<T, Op>(in, nin, out, nout, n, last ? a.avgDivisor : 0, handoff, handoffStreamMin(a.streamStores));
     __syncthreads();
     if (threadIdx.x == 0) {
       for (int i = 0; i < ns; i++) connPost(tx[i], txStep[i], n * sizeof(T), a, env);
@@ -164,8 +176,7 @@ class Prims {
   }
 
   // One LL or LL128 step (see the top of this file and proto.h).
-  __device__ COMMREF_NOINLINE void stepLines(bool useRecv, bool useSend, const T* src, T* dst, uint64_t n,
-                                             bool last) {
+  __device__ COMMREF_NOINLINE void stepLines(bool useRecv, bool useSend, const T* src, T* dst, uint64_t n, bool last) {
     const int nr = useRecv ? nrecv : 0, ns = useSend ? nsend : 0;
     const uint32_t proto = proto_;
     if (threadIdx.x == 0) {
@@ -184,8 +195,8 @@ class Prims {
       lineBytes = COMMREF_LL_HEADER + (nbytes + 7) / 8 * COMMREF_LL_LINE;
     } else {
       moveLL128(nr, ns, (const char*)src, (char*)dst, nbytes, divisor);
-      lineBytes = COMMREF_LL128_LINE +
-                  (nbytes + COMMREF_LL128_LINE_DATA - 1) / COMMREF_LL128_LINE_DATA * COMMREF_LL128_LINE;
+      lineBytes =
+          COMMREF_LL128_LINE + (nbytes + COMMREF_LL128_LINE_DATA - 1) / COMMREF_LL128_LINE_DATA * COMMREF_LL128_LINE;
     }
     leaveIfFailed(env.failed);  // a line wait failed: the block leaves before posting anything
     if (threadIdx.x == 0) {
@@ -218,7 +229,7 @@ class Prims {
   // where to poll), but a sender's thread stores its lines in order, so the batch is then
   // usually all there; a reader that polled each line as it came would pull every cache
   // line back while the writer still fills it (a 1 MiB LL AllReduce on 2 ranks: 3.9 ms
-  // without batches, 1.2 ms with them; docs/performance.md).
+  // without batches, 1.2 ms with them, measured 2026-11).
   static constexpr uint64_t kLLBatch = 64, kLL128Batch = 8;  // 1 KiB of lines each
   __device__ void moveLL(int nr, int ns, const char* src, char* dst, uint64_t nbytes, int divisor) {
     const char* in0 = nr > 0 ? inLines(0, kProtoLL) : nullptr;
@@ -355,3 +366,12 @@ class Prims {
   bool streamReceived_;
   uint32_t proto_;  // Protocol (args.h) of every step
 };
+
+// Connects p to channel c's ring: inbound from ringPrev, outbound to ringNext.
+template <typename T, typename Op>
+__device__ inline void connectRing(Prims<T, Op>& p, const CollArgs& a, int c) {
+  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
+  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
+}
+
+}  // namespace commref

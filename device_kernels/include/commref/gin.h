@@ -27,12 +27,14 @@
 #pragma once
 #include "wait.h"
 
+namespace commref {
+
 // The queue region (GinArgs.queue: host memory, args.h): `capacity` descriptors, then a header of
 // COMMREF_GIN_QUEUE_HEADER bytes that holds two uint64 counters and the engine's idle
 // word, a cache line apart, at these byte offsets from the end of the descriptors.
 //
 // The idle word (uint32) is how a sleeping progress engine is rung (the native engine,
-// native_engine.cpp): the engine stores 1 there, a sequentially consistent fence, looks
+// native_engine/engine.cpp): the engine stores 1 there, a sequentially consistent fence, looks
 // at the next slot once more, and only then sleeps on the word (a futex); a producer
 // publishes its descriptor, a sequentially consistent fence, and wakes the word if it
 // reads 1 (commref_wake_sleeper, port.h). One of the two sees the other's store, so no
@@ -50,11 +52,11 @@
 // (peer, context) FIFO. On a handful of cores this saves the handoff to the engine
 // thread, which may be waiting for the very core the kernel spins on. GPU kernels do
 // not call it.
-#define COMMREF_GIN_QUEUE_CLAIMED 0    // slots claimed by producers (fetch-add)
-#define COMMREF_GIN_QUEUE_CONSUMED 64  // slots the proxy has completed (it alone stores)
-#define COMMREF_GIN_QUEUE_IDLE 128     // 1 while the engine sleeps or is about to (it alone stores)
-#define COMMREF_GIN_QUEUE_HELP_FN 136  // the help hook: int (*)(void*), 0 when none (the engine alone stores)
-#define COMMREF_GIN_QUEUE_HELP_CTX 144 // ... and its argument
+#define COMMREF_GIN_QUEUE_CLAIMED 0     // slots claimed by producers (fetch-add)
+#define COMMREF_GIN_QUEUE_CONSUMED 64   // slots the proxy has completed (it alone stores)
+#define COMMREF_GIN_QUEUE_IDLE 128      // 1 while the engine sleeps or is about to (it alone stores)
+#define COMMREF_GIN_QUEUE_HELP_FN 136   // the help hook: int (*)(void*), 0 when none (the engine alone stores)
+#define COMMREF_GIN_QUEUE_HELP_CTX 144  // ... and its argument
 #define COMMREF_GIN_QUEUE_HEADER 192
 static_assert(COMMREF_GIN_QUEUE_CONSUMED >= COMMREF_GIN_QUEUE_CLAIMED + 8 &&
                   COMMREF_GIN_QUEUE_IDLE >= COMMREF_GIN_QUEUE_CONSUMED + 8 &&
@@ -95,7 +97,7 @@ struct GinDescriptor {
   uint64_t signal;                // signal index, or VA offset in the peer's window
   uint64_t signalValue;           // for add
   uint32_t counter;
-  uint32_t windows;               // which windows the offsets address: ginWindows(src, dst)
+  uint32_t windows;  // which windows the offsets address: ginWindows(src, dst)
 };
 
 // Windows (GinDescriptor.windows): a put or get addresses its source and its
@@ -104,101 +106,124 @@ struct GinDescriptor {
 // collectives/symmetric.py assigns the ids, the same on every rank). A put's source is
 // here and its destination at the peer; a get's source at the peer and its destination
 // here. Signals always live in the connection window. Only the native engine carries
-// ids other than 0 (transports/gin/native_engine.cpp); the other proxies refuse them.
+// ids other than 0 (transports/gin/native_engine/); the other proxies refuse them.
 #define COMMREF_GIN_MAX_WINDOWS 1024
 static __host__ __device__ __forceinline__ uint32_t ginWindows(uint32_t src, uint32_t dst) { return src | dst << 16; }
 static __host__ __device__ __forceinline__ uint32_t ginSrcWindow(uint32_t windows) { return windows & 0xffffu; }
 static __host__ __device__ __forceinline__ uint32_t ginDstWindow(uint32_t windows) { return windows >> 16; }
 
-// A remote action, as the device API names them.
-struct GinRemoteAction {
-  uint32_t flags;
+// Why an engine refuses a descriptor, and which of its accesses (device_kernels/abi.py's
+// GIN_REFUSALS and GIN_ACCESSES, which list the conditions in the order every engine
+// tests them). An engine that refuses records a GinRefusal and ends; the host formats
+// its message from one table (transports/gin/engine.py), so every engine says the same.
+enum GinRefusalCode : uint32_t {
+  kGinRefusePeerOutside = 1,     // peer outside [0, nranks)
+  kGinRefusePeerUnmapped = 2,    // network shm: the peer's connection window is not mapped here
+  kGinRefuseWindowUnknown = 3,   // a window id the engine was not given
+  kGinRefuseOutsideWindow = 4,   // [offset, offset + bytes) reaches past the window's size
+  kGinRefuseWindowUnmapped = 5,  // rank `owner`'s copy of the window is not mapped here
+  kGinRefuseStrongSignal = 6,    // a strong signal on a backend of weak signals only
+  kGinRefuseVaSignal = 7,        // a VA signal on a backend without VA signals
+  kGinRefuseSignalAdd = 8,       // an add where signals count completed writes
+  kGinRefuseUnknownOp = 9
+};
+enum GinAccess : uint32_t {
+  kGinAccessPutSource = 1,
+  kGinAccessPutDestination = 2,
+  kGinAccessGetSource = 3,
+  kGinAccessGetDestination = 4,
+  kGinAccessSignal = 5,
+  kGinAccessLanding = 6,
+  kGinAccessGetRequest = 7
+};
+struct GinRefusal {
+  uint32_t code, access;         // GinRefusalCode, GinAccess (0 where none)
+  uint32_t op;                   // the descriptor's op
+  int32_t peer;                  // its peer (the source, for the MPI network's landing and get_request)
+  int32_t owner;                 // window_unmapped: whose copy
+  uint32_t window;               // the window id an access names
+  uint64_t offset, bytes, size;  // the range, and the window's size (outside_window)
+};
+
+// ---- remote actions: what a put or signal does at the peer, besides its data ----
+// One vocabulary for Gin (here) and DeviceComm (device.h): `id` is a signal slot of the
+// peer, a raw GIN signal index here and a user signal id on a DeviceComm (which adds its
+// signalBase). Strong: once visible at the peer, this operation and every earlier put of
+// this rank to that peer on the same context are visible. Weak: only its own put is.
+struct RemoteAction {
+  uint32_t flags;  // GinFlags: kGinHasSignal, kGinStrongSignal, kGinSignalAdd, kGinVaSignal
   uint64_t signal, value;
 };
-static __device__ __forceinline__ GinRemoteAction StrongSignalInc(uint64_t id) { return GinRemoteAction{kGinHasSignal | kGinStrongSignal, id, 1}; }
-static __device__ __forceinline__ GinRemoteAction StrongSignalAdd(uint64_t id, uint64_t v) { return GinRemoteAction{kGinHasSignal | kGinStrongSignal | kGinSignalAdd, id, v}; }
-static __device__ __forceinline__ GinRemoteAction WeakSignalInc(uint64_t id) { return GinRemoteAction{kGinHasSignal, id, 1}; }
-static __device__ __forceinline__ GinRemoteAction WeakSignalAdd(uint64_t id, uint64_t v) { return GinRemoteAction{kGinHasSignal | kGinSignalAdd, id, v}; }
-static __device__ __forceinline__ GinRemoteAction VaSignal(GinRemoteAction r) { r.flags |= kGinVaSignal; return r; }
-static __device__ __forceinline__ GinRemoteAction NoSignal() { return GinRemoteAction{0, 0, 0}; }
+__device__ RemoteAction NoSignal();                                // data only
+__device__ RemoteAction StrongSignalInc(uint64_t id);              // signal id += 1, strong
+__device__ RemoteAction StrongSignalAdd(uint64_t id, uint64_t v);  // signal id += v, strong
+__device__ RemoteAction WeakSignalInc(uint64_t id);                // signal id += 1, weak
+__device__ RemoteAction WeakSignalAdd(uint64_t id, uint64_t v);    // signal id += v, weak
+// The same action on the 64-bit word at window offset `id` of the peer (not a signal slot).
+__device__ RemoteAction VaSignal(RemoteAction r);
 
+// ---- Gin: a handle on this rank's GIN queue, bound to one context when made ----
+// Every operation reads the peer first. Operations are posted by the calling thread
+// alone (one descriptor each); on the same (context, peer) they are carried in post
+// order, on different ones independently.
 // Failure (wait.h): once env.failed is set, post() writes no descriptor and the waits
 // return at once. A slot claimed before a failed queue wait stays unpublished.
 struct Gin {
   const CollArgs& a;
   KernelEnv& env;
+  int ctx;  // the context every operation of this handle is posted on
 
-  __device__ GinDescriptor* ring() const { return (GinDescriptor*)a.gin.queue; }
-  __device__ char* queueHeader() const { return (char*)a.gin.queue + (uint64_t)a.gin.capacity * sizeof(GinDescriptor); }
-  __device__ uint64_t* claimed() const { return (uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CLAIMED); }
-  __device__ const uint64_t* consumed() const { return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CONSUMED); }
+  __device__ Gin(const CollArgs& a, KernelEnv& env, int ctx = 0);
+
+  // Copies `bytes` from this rank's window at `src` to the peer's at `dst` (window ids:
+  // ginWindows); `r` at the peer once the data is there; `counter` (>= 0) of this rank
+  // counts one once the source is reusable. Returns the descriptor's slot.
+  __device__ uint64_t put(int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r = NoSignal(),
+                          int counter = -1, uint32_t windows = 0) const;
+  // A put of the 8 bytes of `value` to the peer's window at `dst`.
+  __device__ uint64_t putValue(int peer, uint64_t dst, uint64_t value, RemoteAction r = NoSignal()) const;
+  // A put of no data: only `r`.
+  __device__ uint64_t signal(int peer, RemoteAction r) const;
+  // Copies `bytes` of the peer's window at `src` into this rank's at `dst`; landed only
+  // after flush().
+  __device__ uint64_t get(int peer, uint64_t dst, uint64_t src, uint64_t bytes) const;
+  // "What this handle posted to `peer` so far is a batch; deliver it" (kGinDoorbell).
+  __device__ void doorbell(int peer) const;
+  // Waits until every operation posted before it (on any context) is locally complete:
+  // sources reusable, gets landed. Nothing about remote visibility.
+  __device__ void flush() const;
+
+  // This rank's GIN signal `id` and counter `id` (raw indices).
+  __device__ uint64_t readSignal(uint64_t id) const;
+  // Waits until signal `id` has reached `least` (wrap-around compare); `peer` and
+  // `channel` name the wait in a failure.
+  __device__ uint64_t waitSignal(uint64_t id, uint64_t least, int peer, int channel) const;
+  // Only when no peer can still be signalling `id`.
+  __device__ void resetSignal(uint64_t id) const;
+  __device__ uint64_t readCounter(uint64_t id) const;
+  __device__ uint64_t waitCounter(uint64_t id, uint64_t least) const;
+  __device__ void resetCounter(uint64_t id) const;
+
+  // The queue's parts, for the flow primitives' waits.
   // Rings the engine if it sleeps (see COMMREF_GIN_QUEUE_IDLE): after a publish, and
   // before a wait on what the engine delivers (on network mpi it receives it).
-  __device__ void wakeEngine() const { commref_wake_sleeper((uint32_t*)(queueHeader() + COMMREF_GIN_QUEUE_IDLE)); }
-  __device__ const uint64_t* helpHook() const { return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_HELP_FN); }
-  __device__ uint64_t* signals() const { return (uint64_t*)(windowOfGin() + a.layout.ginSignalsOff); }
-  __device__ uint64_t* counters() const { return (uint64_t*)a.gin.counters; }
-  __device__ char* windowOfGin() const { return (char*)((const uint64_t*)a.peerWindows)[a.rank]; }
+  __device__ void wakeEngine() const;
+  __device__ const uint64_t* helpHook() const;  // the help hook's two words
+  __device__ uint64_t* signals() const;         // this rank's GIN signal words
+  __device__ uint64_t* counters() const;        // this rank's GIN counters
 
-  // Posts one descriptor; returns its slot.
-  __device__ uint64_t post(uint32_t op, uint32_t flags, int peer, int ctx, uint64_t dst, uint64_t src, uint64_t bytes,
-                           uint64_t signal, uint64_t value, uint32_t counter, uint32_t windows = 0) const {
-    if (env.failed) return 0;
-    const uint64_t slot = fetch_add_relaxed(claimed(), 1);
-    if (slot >= a.gin.capacity) {
-      waitAtLeast(consumed(), slot + 1 - a.gin.capacity, env, kWaitGinQueue, peer, ctx, helpHook());
-      if (env.failed) return slot;
-    }
-    GinDescriptor* d = ring() + slot % a.gin.capacity;
-    d->op = op;
-    d->flags = flags;
-    d->peer = peer;
-    d->ctx = ctx;
-    d->dstOffset = dst;
-    d->srcOffset = src;
-    d->bytes = bytes;
-    d->signal = signal;
-    d->signalValue = value;
-    d->counter = counter;
-    d->windows = windows;
-    store_release(&d->seq, slot + 1);
-    wakeEngine();
-    return slot;
-  }
+  // Posts one descriptor on this handle's context; returns its slot.
+  __device__ uint64_t post(uint32_t op, uint32_t flags, int peer, uint64_t dst, uint64_t src, uint64_t bytes,
+                           uint64_t signal, uint64_t value, uint32_t counter, uint32_t windows = 0) const;
 
-  __device__ uint64_t put(int ctx, int peer, uint64_t dst, uint64_t src, uint64_t bytes, GinRemoteAction r,
-                          int counter = -1, uint32_t windows = 0) const {
-    return post(kGinPut, r.flags | (counter >= 0 ? kGinHasCounter : 0), peer, ctx, dst, src, bytes, r.signal, r.value,
-                (uint32_t)counter, windows);
-  }
-  __device__ uint64_t putValue(int ctx, int peer, uint64_t dst, uint64_t value, GinRemoteAction r) const {
-    return post(kGinPutValue, r.flags, peer, ctx, dst, 0, value, r.signal, r.value, 0);
-  }
-  __device__ uint64_t signal(int ctx, int peer, GinRemoteAction r) const {
-    return post(kGinSignal, r.flags, peer, ctx, 0, 0, 0, r.signal, r.value, 0);
-  }
-  __device__ uint64_t get(int ctx, int peer, uint64_t dst, uint64_t src, uint64_t bytes) const {
-    return post(kGinGet, 0, peer, ctx, dst, src, bytes, 0, 0, 0);
-  }
-  __device__ void doorbell(int ctx, int peer) const { post(kGinDoorbell, 0, peer, ctx, 0, 0, 0, 0, 0, 0); }
-  // Waits until every operation posted before it (on any context) is locally complete.
-  __device__ void flush(int ctx) const {
-    const uint64_t slot = post(kGinFlush, 0, -1, ctx, 0, 0, 0, 0, 0, 0);
-    if (env.failed) return;
-    waitAtLeast(consumed(), slot + 1, env, kWaitGinFlush, -1, ctx, helpHook());
-  }
-
-  __device__ uint64_t readSignal(uint64_t id) const { return load_acquire(signals() + id); }
-  // Waits until signal `id` has reached `least` (wrap-around compare).
-  __device__ uint64_t waitSignal(uint64_t id, uint64_t least, int peer, int channel) const {
-    wakeEngine();
-    return waitReached(signals() + id, least, env, kWaitRecvReady, peer, channel, helpHook());
-  }
-  __device__ void resetSignal(uint64_t id) const { store_relaxed(signals() + id, 0); }
-  __device__ uint64_t readCounter(uint64_t id) const { return load_acquire(counters() + id); }
-  __device__ uint64_t waitCounter(uint64_t id, uint64_t least) const {
-    wakeEngine();
-    return waitReached(counters() + id, least, env, kWaitGinFlush, -1, -1, helpHook());
-  }
-  __device__ void resetCounter(uint64_t id) const { store_relaxed(counters() + id, 0); }
+ private:
+  __device__ GinDescriptor* ring() const;
+  __device__ char* queueHeader() const;
+  __device__ uint64_t* claimed() const;
+  __device__ const uint64_t* consumed() const;
+  __device__ char* windowOfGin() const;
 };
+
+}  // namespace commref
+
+#include "impl/gin__funcs.h"

@@ -1,14 +1,18 @@
 // commref/land.h — how host code lands bytes that another agent reads next: landLines, a
 // GIN proxy's put into a window that kernels poll (transports/gin: host_atomics.cpp for the
-// Python proxy, native_engine.cpp; the line protocols it serves are described in proto.h),
+// Python proxy, native_engine/shm_net.h; the line protocols it serves are described in proto.h),
 // and streamBytes, a copy with non-temporal stores (the CPU kernels' streamed stores,
 // move.h, and the native engine's bulk puts, gin.h kGinBulk). Host code only.
 #pragma once
 #include <stdint.h>
 #include <string.h>
-
 #if defined(__x86_64__)
 #include <emmintrin.h>
+#endif
+
+namespace commref {
+
+#if defined(__x86_64__)
 // Copies n bytes from src to dst so that every 16-byte aligned line of dst is written by
 // one MOVDQA (inline assembly: the compiler neither splits nor merges it), lines in
 // ascending address order, the bytes before the first line and after the last one by
@@ -35,7 +39,6 @@ static inline void landLines(void* to, const void* from, uint64_t n) { memcpy(to
 
 // ThreadSanitizer does not see non-temporal stores: its builds copy with memcpy.
 #if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
-#include <emmintrin.h>
 #define COMMREF_HAVE_STREAM 1
 // memcpy with non-temporal stores; ends with a store fence, so that the flag that
 // publishes the bytes is ordered after them.
@@ -47,7 +50,8 @@ static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
   uint64_t i = 0;
   for (; i + 64 <= bytes; i += 64) {
     const __m128i a = _mm_loadu_si128((const __m128i*)(src + i)), b = _mm_loadu_si128((const __m128i*)(src + i + 16));
-    const __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32)), d = _mm_loadu_si128((const __m128i*)(src + i + 48));
+    const __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32)),
+                  d = _mm_loadu_si128((const __m128i*)(src + i + 48));
     _mm_stream_si128((__m128i*)(dst + i), a);
     _mm_stream_si128((__m128i*)(dst + i + 16), b);
     _mm_stream_si128((__m128i*)(dst + i + 32), c);
@@ -57,3 +61,5 @@ static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
   _mm_sfence();
 }
 #endif
+
+}  // namespace commref

@@ -13,12 +13,13 @@
 #pragma once
 #include "wait.h"
 
+namespace commref {
+
 static __device__ __forceinline__ char* windowOf(const CollArgs& a, int rank) {
   return (char*)((const uint64_t*)a.peerWindows)[rank];
 }
 static __device__ __forceinline__ uint64_t* stepStateOf(const CollArgs& a, int channel, int index) {
-  return (uint64_t*)(windowOf(a, a.rank) + a.layout.stateOff) +
-         channel * (COMMREF_CONN_IN + COMMREF_CONN_OUT) + index;
+  return (uint64_t*)(windowOf(a, a.rank) + a.layout.stateOff) + channel * (COMMREF_CONN_IN + COMMREF_CONN_OUT) + index;
 }
 static __device__ __forceinline__ uint64_t slotStride(const CollArgs& a) {
   return a.layout.slotBytes + COMMREF_SLOT_HEADER;
@@ -33,21 +34,24 @@ static __device__ __forceinline__ uint64_t protoSlotStride(const CollArgs& a, ui
 // Offsets, within a window, of inbound FIFO (c, k) and of outbound staging (c, j) of
 // protocol `proto` (Simple by default).
 static __device__ __forceinline__ uint64_t fifoOffset(const CollArgs& a, int c, int k, uint32_t proto = kProtoSimple) {
-  const uint64_t base = proto == kProtoLL ? a.layout.llFifoOff : proto == kProtoLL128 ? a.layout.ll128FifoOff
-                                                                                      : a.layout.fifoOff;
+  const uint64_t base = proto == kProtoLL      ? a.layout.llFifoOff
+                        : proto == kProtoLL128 ? a.layout.ll128FifoOff
+                                               : a.layout.fifoOff;
   return base + ((uint64_t)c * COMMREF_CONN_IN + k) * a.layout.nsteps * protoSlotStride(a, proto);
 }
 static __device__ __forceinline__ uint64_t stagingOffset(const CollArgs& a, int c, int j,
                                                          uint32_t proto = kProtoSimple) {
-  const uint64_t base = proto == kProtoLL ? a.layout.llStagingOff : proto == kProtoLL128 ? a.layout.ll128StagingOff
-                                                                                         : a.layout.stagingOff;
+  const uint64_t base = proto == kProtoLL      ? a.layout.llStagingOff
+                        : proto == kProtoLL128 ? a.layout.ll128StagingOff
+                                               : a.layout.stagingOff;
   return base + ((uint64_t)c * COMMREF_CONN_OUT + j) * a.layout.nsteps * protoSlotStride(a, proto);
 }
 static __device__ __forceinline__ uint64_t* readyWord(const CollArgs& a, int rank, int c, int k) {
   return (uint64_t*)(windowOf(a, rank) + a.layout.readyOff + ((uint64_t)c * COMMREF_CONN_IN + k) * a.layout.flagStride);
 }
 static __device__ __forceinline__ uint64_t* creditWord(const CollArgs& a, int rank, int c, int j) {
-  return (uint64_t*)(windowOf(a, rank) + a.layout.creditOff + ((uint64_t)c * COMMREF_CONN_OUT + j) * a.layout.flagStride);
+  return (uint64_t*)(windowOf(a, rank) + a.layout.creditOff +
+                     ((uint64_t)c * COMMREF_CONN_OUT + j) * a.layout.flagStride);
 }
 
 // ---- LSA barrier (NCCL's ncclLsaBarrierSession), for the direct kernels ----
@@ -131,3 +135,5 @@ static __device__ void lsaBarrier(const CollArgs& a, int c, KernelEnv& env, bool
 static __device__ __forceinline__ char* symPeer(const SymBuffer& b, int rank) {
   return (char*)(((const uint64_t*)b.peerTable)[rank] + b.offset);
 }
+
+}  // namespace commref

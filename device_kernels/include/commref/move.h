@@ -14,8 +14,8 @@
 // agent: a peer's FIFO slot, GIN staging (the proxy). With streamStores they are
 // written with non-temporal stores (streamBytes) from COMMREF_HANDOFF_STREAM_MIN_BYTES
 // per thread on, and stores into user buffers (this rank's or, in the direct kernels, a
-// peer's) from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination); a ring's receive steps, which store into the
-// recvbuf a step at a time, go by the call's received bytes per thread instead, from
+// peer's) from COMMREF_STREAM_MIN_BYTES on (skipping the read of the destination); a ring's receive steps, which store
+// into the recvbuf a step at a time, go by the call's received bytes per thread instead, from
 // COMMREF_RECEIVED_STREAM_MIN_BYTES on (Prims::streamReceived). Whether that pays
 // depends on where the cores sit: a core hands lines dirty in its cache to a core that
 // shares its L3 quickly, and to one across the machine slowly, and a virtual machine's
@@ -25,7 +25,7 @@
 #pragma once
 #include "reduce.h"
 
-#define COMMREF_STREAM_MIN_BYTES (1u << 20)          // user buffers
+#define COMMREF_STREAM_MIN_BYTES (1u << 20)           // user buffers
 #define COMMREF_HANDOFF_STREAM_MIN_BYTES (16u << 10)  // outputs another agent reads next
 #define COMMREF_RECEIVED_STREAM_MIN_BYTES (4u << 20)  // a ring's received bytes (flow.h)
 
@@ -33,6 +33,8 @@
 #if defined(COMMREF_CPU)
 #include "land.h"
 #endif
+
+namespace commref {
 
 #ifdef COMMREF_GPU
 // The block's threads together: thread t moves vectors t, t + blockDim.x, ... of
@@ -80,10 +82,14 @@ static __device__ COMMREF_NOINLINE void copyBytesToAll(const char* in, char* con
   for (uint64_t i = tail + t; i < bytes; i += B)
     for (int k = 0; k < nout; k++)
       if (out[k] != in) out[k][i] = in[i];
-  if (width == 16) copyVectors<uint4>(in, out, nout, head, nvec);
-  else if (width == 8) copyVectors<uint2>(in, out, nout, head, nvec);
-  else if (width == 4) copyVectors<uint32_t>(in, out, nout, head, nvec);
-  else copyVectors<uint8_t>(in, out, nout, head, nvec);
+  if (width == 16)
+    copyVectors<uint4>(in, out, nout, head, nvec);
+  else if (width == 8)
+    copyVectors<uint2>(in, out, nout, head, nvec);
+  else if (width == 4)
+    copyVectors<uint32_t>(in, out, nout, head, nvec);
+  else
+    copyVectors<uint8_t>(in, out, nout, head, nvec);
 }
 #endif
 
@@ -161,9 +167,12 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
       if (k > 0) src[m++] = piece;
       while (m < 3 && k < nin) src[m++] = in[k++] + base;
       const int div = k == nin ? divisor : 0;
-      if (m == 1) foldRange<T, Op, 1>(src, piece, 0, len, 1, div);
-      else if (m == 2) foldRange<T, Op, 2>(src, piece, 0, len, 1, div);
-      else foldRange<T, Op, 3>(src, piece, 0, len, 1, div);
+      if (m == 1)
+        foldRange<T, Op, 1>(src, piece, 0, len, 1, div);
+      else if (m == 2)
+        foldRange<T, Op, 2>(src, piece, 0, len, 1, div);
+      else
+        foldRange<T, Op, 3>(src, piece, 0, len, 1, div);
     }
     for (int k = 0; k < nout; k++) moveBytes(out[k] + base, piece, len * sizeof(T), stream);
   }
@@ -255,9 +264,12 @@ static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, 
     return;
   }
   T* out0 = out[0];
-  if (nin == 1) copyOwnShare(out0, in[0], n);
-  else if (nin == 2) reduceInto<T, Op, 2>(in, out0, n);
-  else reduceInto<T, Op, 3>(in, out0, n);
+  if (nin == 1)
+    copyOwnShare(out0, in[0], n);
+  else if (nin == 2)
+    reduceInto<T, Op, 2>(in, out0, n);
+  else
+    reduceInto<T, Op, 3>(in, out0, n);
   if (divisor != 0) {  // a second pass: the sum is stored as T, then divided (reduce.h)
     const T* sum[1] = {out0};
     ElemRange r = elemRange(n);
@@ -266,3 +278,5 @@ static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, 
   copyToAll((const T*)out0, out + 1, nout - 1, n, handoff - 1, streamMin);
 #endif
 }
+
+}  // namespace commref

@@ -90,6 +90,8 @@ typedef long long int64_t;
 // (dtype, op) instance into every kernel multiplies code size and compile time.
 #define COMMREF_NOINLINE __noinline__
 
+namespace commref {
+
 static __device__ __forceinline__ uint64_t commref_now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -106,6 +108,8 @@ static __device__ __forceinline__ void commref_spin_pause(uint32_t spins) {
 }
 static __device__ __forceinline__ void commref_wake_sleeper(uint32_t*) {}
 static __device__ __forceinline__ void commref_help_progress(const uint64_t*) {}
+
+}  // namespace commref
 
 #else  // COMMREF_CPU
 
@@ -160,18 +164,20 @@ const KernelInfo& kernel_at(unsigned i);
 #define COMMREF_NOINLINE
 
 // The engine calls every kernel through one signature: void(const void* args).
-#define COMMREF_KERNEL(name, ArgsType, args)                                                   \
-  static void name##__body(const ArgsType& args);                                              \
-  extern "C" __attribute__((visibility("default"))) void name(const void* p) {                \
-    name##__body(*static_cast<const ArgsType*>(p));                                            \
-  }                                                                                            \
-  [[maybe_unused]] static const bool name##__registered =                                      \
-      commref_cpu::register_kernel(commref_cpu::KernelInfo{#name, #ArgsType, name});           \
+#define COMMREF_KERNEL(name, ArgsType, args)                                         \
+  static void name##__body(const ArgsType& args);                                    \
+  extern "C" __attribute__((visibility("default"))) void name(const void* p) {       \
+    name##__body(*static_cast<const ArgsType*>(p));                                  \
+  }                                                                                  \
+  [[maybe_unused]] static const bool name##__registered =                            \
+      commref_cpu::register_kernel(commref_cpu::KernelInfo{#name, #ArgsType, name}); \
   static void name##__body(const ArgsType& args)
 
 // CPU threads of a block take contiguous element ranges (see elemRange in flow.h),
 // so the inner loops have unit stride and vectorize.
 #define COMMREF_ELEM_STRIDE 1
+
+namespace commref {
 
 static inline uint64_t commref_now_ns() { return commref_cpu::now_ns(); }
 static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(spins); }
@@ -182,8 +188,10 @@ static inline void commref_help_progress(const uint64_t* hook) {
   const uint64_t fn = __atomic_load_n(hook, __ATOMIC_ACQUIRE);
   if (fn) reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
 }
+}  // namespace commref
 #endif
 
+namespace commref {
 // A thread's share of n elements: for (i = begin; i < n_end; i += COMMREF_ELEM_STRIDE).
 struct ElemRange {
   uint64_t begin, end;
@@ -196,3 +204,5 @@ static __device__ __forceinline__ ElemRange elemRange(uint64_t n) {
   return ElemRange{n * t / nt, n * (t + 1) / nt};
 #endif
 }
+
+}  // namespace commref

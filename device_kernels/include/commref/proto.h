@@ -60,6 +60,8 @@
 #define COMMREF_LL_X86 1
 #endif
 
+namespace commref {
+
 // The flag of step `step` of a connection (stepState: steps completed before it).
 static __device__ __forceinline__ uint64_t stepFlag(uint64_t step) { return step + 1; }
 
@@ -233,11 +235,13 @@ static __device__ __forceinline__ void ll128StoreHeader(char* line, uint64_t des
   llStoreLine(line, desc, flag);
   llStoreLine(line + COMMREF_LL_LINE, count, flag);
 }
-static __device__ __forceinline__ bool ll128ReadHeader(const char* line, uint64_t flag, uint64_t& desc,
-                                                       uint64_t& count, uint64_t& seen) {
+static __device__ __forceinline__ bool ll128ReadHeader(const char* line, uint64_t flag, uint64_t& desc, uint64_t& count,
+                                                       uint64_t& seen) {
   uint64_t f1;
   llLoadLine(line, desc, seen);
   llLoadLine(line + COMMREF_LL_LINE, count, f1);
   return seen == flag && f1 == flag;
 }
 #endif
+
+}  // namespace commref

@@ -11,15 +11,19 @@
 #pragma once
 #include "port.h"
 
+namespace commref {
+
 // The element types, X(enumerator, code, C++ type, numpy name, ...): the DataType enum,
 // the dispatch below and the ABI table (cpu/abi.cpp) all expand this one list. Extra
 // arguments are passed on to X. half_t and bf16_t are defined below.
+// clang-format off: the X-macro tables keep one entry per line or group by hand
 #define COMMREF_DATA_TYPES(X, ...)                                                     \
   X(kInt8, 0, int8_t, int8, __VA_ARGS__) X(kUint8, 1, uint8_t, uint8, __VA_ARGS__)         \
   X(kInt32, 2, int32_t, int32, __VA_ARGS__) X(kUint32, 3, uint32_t, uint32, __VA_ARGS__)   \
   X(kInt64, 4, int64_t, int64, __VA_ARGS__) X(kUint64, 5, uint64_t, uint64, __VA_ARGS__)   \
   X(kFloat16, 6, half_t, float16, __VA_ARGS__) X(kFloat32, 7, float, float32, __VA_ARGS__) \
   X(kFloat64, 8, double, float64, __VA_ARGS__) X(kBfloat16, 9, bf16_t, bfloat16, __VA_ARGS__)
+// clang-format on
 #define COMMREF_DATA_TYPE_ENUMERATOR(K, code, T, name, ...) K = code,
 enum DataType : int32_t { COMMREF_DATA_TYPES(COMMREF_DATA_TYPE_ENUMERATOR) };
 // The reduction operators, X(enumerator, code, name): the RedOp enum and the ABI
@@ -33,14 +37,18 @@ static COMMREF_HD __forceinline__ uint32_t commref_f2u(float f) {
 #ifdef COMMREF_GPU
   return __float_as_uint(f);
 #else
-  uint32_t u; memcpy(&u, &f, 4); return u;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
 #endif
 }
 static COMMREF_HD __forceinline__ float commref_u2f(uint32_t u) {
 #ifdef COMMREF_GPU
   return __uint_as_float(u);
 #else
-  float f; memcpy(&f, &u, 4); return f;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
 #endif
 }
 
@@ -52,7 +60,10 @@ struct half_t {
     if (exp == 0) {
       if (mant == 0) return commref_u2f(sign);
       int e = -14;
-      while (!(mant & 0x400)) { mant <<= 1; e--; }
+      while (!(mant & 0x400)) {
+        mant <<= 1;
+        e--;
+      }
       mant &= 0x3ff;
       return commref_u2f(sign | ((uint32_t)(e + 127) << 23) | (mant << 13));
     }
@@ -91,61 +102,106 @@ struct bf16_t {
 };
 
 // How a stored element becomes a value to reduce, and back.
-template <typename T> struct Arith {
+template <typename T>
+struct Arith {
   typedef T Compute;
   static COMMREF_HD __forceinline__ Compute load(T v) { return v; }
   static COMMREF_HD __forceinline__ T store(Compute v) { return v; }
 };
-template <> struct Arith<half_t> {
+template <>
+struct Arith<half_t> {
   typedef float Compute;
   static COMMREF_HD __forceinline__ float load(half_t v) { return half_t::toFloat(v.bits); }
-  static COMMREF_HD __forceinline__ half_t store(float v) { half_t h; h.bits = half_t::fromFloat(v); return h; }
+  static COMMREF_HD __forceinline__ half_t store(float v) {
+    half_t h;
+    h.bits = half_t::fromFloat(v);
+    return h;
+  }
 };
-template <> struct Arith<bf16_t> {
+template <>
+struct Arith<bf16_t> {
   typedef float Compute;
   static COMMREF_HD __forceinline__ float load(bf16_t v) { return bf16_t::toFloat(v.bits); }
-  static COMMREF_HD __forceinline__ bf16_t store(float v) { bf16_t h; h.bits = bf16_t::fromFloat(v); return h; }
+  static COMMREF_HD __forceinline__ bf16_t store(float v) {
+    bf16_t h;
+    h.bits = bf16_t::fromFloat(v);
+    return h;
+  }
 };
 
-template <typename C> struct Unsigned { typedef C type; };
-template <> struct Unsigned<int8_t> { typedef uint8_t type; };
-template <> struct Unsigned<int32_t> { typedef uint32_t type; };
-template <> struct Unsigned<int64_t> { typedef uint64_t type; };
+template <typename C>
+struct Unsigned {
+  typedef C type;
+};
+template <>
+struct Unsigned<int8_t> {
+  typedef uint8_t type;
+};
+template <>
+struct Unsigned<int32_t> {
+  typedef uint32_t type;
+};
+template <>
+struct Unsigned<int64_t> {
+  typedef uint64_t type;
+};
 
 struct OpSum {
-  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) {
+  template <typename C>
+  static COMMREF_HD __forceinline__ C apply(C a, C b) {
     typedef typename Unsigned<C>::type U;
     return (C)(U)((U)a + (U)b);
   }
 };
 struct OpProd {
-  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) {
+  template <typename C>
+  static COMMREF_HD __forceinline__ C apply(C a, C b) {
     typedef typename Unsigned<C>::type U;
     return (C)(U)((U)a * (U)b);
   }
 };
 struct OpMax {
-  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) { return a < b ? b : a; }
+  template <typename C>
+  static COMMREF_HD __forceinline__ C apply(C a, C b) {
+    return a < b ? b : a;
+  }
 };
 struct OpMin {
-  template <typename C> static COMMREF_HD __forceinline__ C apply(C a, C b) { return b < a ? b : a; }
+  template <typename C>
+  static COMMREF_HD __forceinline__ C apply(C a, C b) {
+    return b < a ? b : a;
+  }
 };
 // Integer sum and prod go through the unsigned type (no signed overflow); for floats
 // Unsigned<C> is C itself.
 
 // avg's final division: truncation toward zero for integers (C++ semantics).
-template <typename C> static COMMREF_HD __forceinline__ C divideBy(C v, int n) { return (C)(v / (C)n); }
+template <typename C>
+static COMMREF_HD __forceinline__ C divideBy(C v, int n) {
+  return (C)(v / (C)n);
+}
 
 // Calls BODY with the C++ element type and operator for (dtype, op), or FAIL for an
 // unknown op; avg reduces with OpSum and divides once at the end (the caller passes the
 // op code on).
-#define COMMREF_FOR_OP(T, op, BODY, FAIL)            \
-  switch (op) {                                      \
-    case kSum: case kAvg: BODY(T, OpSum); break;     \
-    case kProd: BODY(T, OpProd); break;              \
-    case kMax: BODY(T, OpMax); break;                \
-    case kMin: BODY(T, OpMin); break;                \
-    default: FAIL; break;                            \
+#define COMMREF_FOR_OP(T, op, BODY, FAIL) \
+  switch (op) {                           \
+    case kSum:                            \
+    case kAvg:                            \
+      BODY(T, OpSum);                     \
+      break;                              \
+    case kProd:                           \
+      BODY(T, OpProd);                    \
+      break;                              \
+    case kMax:                            \
+      BODY(T, OpMax);                     \
+      break;                              \
+    case kMin:                            \
+      BODY(T, OpMin);                     \
+      break;                              \
+    default:                              \
+      FAIL;                               \
+      break;                              \
   }
 // COMMREF_DISPATCH_REDUCTION(args, BODY): BODY(T, Op) for the launch's (args.dtype,
 // args.op). Where the kernel has no instance for them it does not run silently short:
@@ -156,20 +212,26 @@ template <typename C> static COMMREF_HD __forceinline__ C divideBy(C v, int n) {
 // operator, because every instance costs seconds of ptxas time): only the requested
 // instance exists; a launch with any other (dtype, op) fails with kNoInstance.
 #define COMMREF_INSTANCES ((uint64_t)(uint32_t)(COMMREF_ONLY_DTYPE) | (uint64_t)(uint32_t)(COMMREF_ONLY_OPMASK) << 32)
-#define COMMREF_DISPATCH_REDUCTION(args, BODY)                                                   \
-  if ((args).dtype == COMMREF_ONLY_DTYPE && (uint32_t)(args).op < 32 &&                          \
-      (((uint32_t)COMMREF_ONLY_OPMASK >> (args).op) & 1)) {                                     \
-    BODY(COMMREF_ONLY_T, COMMREF_ONLY_OP);                                                       \
-  } else {                                                                                       \
-    commref_fail_no_instance(args, COMMREF_INSTANCES);                                           \
+#define COMMREF_DISPATCH_REDUCTION(args, BODY)                          \
+  if ((args).dtype == COMMREF_ONLY_DTYPE && (uint32_t)(args).op < 32 && \
+      (((uint32_t)COMMREF_ONLY_OPMASK >> (args).op) & 1)) {             \
+    BODY(COMMREF_ONLY_T, COMMREF_ONLY_OP);                              \
+  } else {                                                              \
+    commref_fail_no_instance(args, COMMREF_INSTANCES);                  \
   }
 #else
 #define COMMREF_INSTANCES (~0ull)  // every (dtype, op)
-#define COMMREF_DATA_TYPE_CASE(K, code, T, name, args, BODY) \
-  case K: COMMREF_FOR_OP(T, (args).op, BODY, commref_fail_no_instance(args, COMMREF_INSTANCES)) break;
-#define COMMREF_DISPATCH_REDUCTION(args, BODY)                          \
-  switch ((args).dtype) {                                               \
-    COMMREF_DATA_TYPES(COMMREF_DATA_TYPE_CASE, args, BODY)              \
-    default: commref_fail_no_instance(args, COMMREF_INSTANCES); break; \
+#define COMMREF_DATA_TYPE_CASE(K, code, T, name, args, BODY)                              \
+  case K:                                                                                 \
+    COMMREF_FOR_OP(T, (args).op, BODY, commref_fail_no_instance(args, COMMREF_INSTANCES)) \
+    break;
+#define COMMREF_DISPATCH_REDUCTION(args, BODY)             \
+  switch ((args).dtype) {                                  \
+    COMMREF_DATA_TYPES(COMMREF_DATA_TYPE_CASE, args, BODY) \
+    default:                                               \
+      commref_fail_no_instance(args, COMMREF_INSTANCES);   \
+      break;                                               \
   }
 #endif
+
+}  // namespace commref

@@ -3,6 +3,8 @@
 #pragma once
 #include "flow.h"
 
+namespace commref {
+
 static __device__ __forceinline__ int ringMod(int x, int n) { return ((x % n) + n) % n; }
 static __device__ __forceinline__ uint64_t minU(uint64_t x, uint64_t y) { return x < y ? x : y; }
 
@@ -21,13 +23,6 @@ static __device__ __forceinline__ Share channelShare(uint64_t n, int c, int ncha
   s.begin = n * c / nchannels;
   s.end = n * (c + 1) / nchannels;
   return s;
-}
-
-// Connects p to channel c's ring: inbound from ringPrev, outbound to ringNext.
-template <typename T, typename Op>
-static __device__ void connectRing(Prims<T, Op>& p, const CollArgs& a, int c) {
-  p.addRecv(kInRing, a.peers[c].ringPrev, kOutRing);
-  p.addSend(kOutRing, a.peers[c].ringNext, kInRing);
 }
 
 // Connects p to channel c's ring and returns true; with a single rank there is no ring:
@@ -57,7 +52,8 @@ static __device__ void ringHandshake(const CollArgs& a, int c) {
 
 // Pieces of at most `piece` items covering [begin, end); there is always at least one
 // piece (possibly empty) so that every call makes at least one checked step.
-#define FOR_EACH_PIECE(base, len, share, piece)                                         \
-  for (uint64_t base = (share).begin, _first = 1; _first || base < (share).end;        \
-       base += (piece), _first = 0)                                                     \
+#define FOR_EACH_PIECE(base, len, share, piece)                                                              \
+  for (uint64_t base = (share).begin, _first = 1; _first || base < (share).end; base += (piece), _first = 0) \
     for (uint64_t len = minU((piece), (share).end - base), _once = 1; _once; _once = 0)
+
+}  // namespace commref

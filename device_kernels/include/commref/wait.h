@@ -35,6 +35,8 @@
 #include "args.h"
 #include "atomics.h"
 
+namespace commref {
+
 // The code of a record that a failing thread has claimed and is still filling.
 #define COMMREF_RECORD_CLAIMED 0x80000000u
 
@@ -90,14 +92,15 @@ static __device__ __forceinline__ void leaveIfFailed(bool failed) {
 static __device__ COMMREF_NOINLINE void commref_fail_no_instance(const CollArgs& a, uint64_t instances) {
   KernelEnv env = kernelEnv(a);
   if (threadIdx.x == 0)
-    commref_fail(env, kNoInstance, 0, -1, blockIdx.x, instances, (uint64_t)(uint32_t)a.dtype | (uint64_t)(uint32_t)a.op << 32);
+    commref_fail(env, kNoInstance, 0, -1, blockIdx.x, instances,
+                 (uint64_t)(uint32_t)a.dtype | (uint64_t)(uint32_t)a.op << 32);
   leaveIfFailed(true);
 }
 
 // The slow path of the waits below, every 64 spins: false once the wait must end
 // (env.failed is then set; the record names it unless another block's failure did).
-static __device__ __forceinline__ bool keepWaiting(KernelEnv& env, uint64_t start, uint32_t what, int peer,
-                                                   int channel, uint64_t expected, uint64_t seen) {
+static __device__ __forceinline__ bool keepWaiting(KernelEnv& env, uint64_t start, uint32_t what, int peer, int channel,
+                                                   uint64_t expected, uint64_t seen) {
   if (load_relaxed(env.abortFlag) != 0) {
     commref_fail(env, kAborted, what, peer, channel, expected, seen);
     return false;
@@ -146,3 +149,5 @@ static __device__ COMMREF_NOINLINE uint64_t waitReached(const uint64_t* flag, ui
     if ((spins & 63) == 0 && !keepWaiting(env, start, what, peer, channel, least, v)) return v;
   }
 }
+
+}  // namespace commref

@@ -1,5 +1,5 @@
-// examples/ep.cu — MoE dispatch and combine (DeepEP's two modes) on the device API
-// (include/commref/device.h) alone. commref.ep (collectives/ep.py) builds the buffer and
+// kernels/device_api/ep.cu — MoE dispatch and combine (DeepEP's two modes) on the device API
+// (include/commref/device.h) alone. commref.ep (collectives/device_api/ep_buffer.py) builds the buffer and
 // launches these kernels; its module docstring is the user's view.
 //
 // Kernels (one block; every rank launches the same ones in the same order):
@@ -15,7 +15,7 @@
 // each over GIN, stored in place over LSA), and in dispatch a count message (the counts
 // as ~count = -count-1, so that 0 is never a count: the receiver zeroes them after
 // reading). How the receiver knows a message has landed is the buffer's protocol, each a
-// cell of the ordering study (transports/gin/study/protocols.py; collectives/ep.py
+// cell of the ordering study (transports/gin/study/signaling.py; collectives/device_api/ep_buffer.py
 // refuses a cell the study finds unsafe on the wire unless told otherwise):
 //   strong          rows without signals, the last put (count message; in combine the
 //                   last row) with a strong signal: "last-put [strong]"
@@ -45,8 +45,9 @@
 // in the next dispatch does not touch. A combine that follows a combine (the same handle
 // again, or the other mode's) begins with a barrier instead (argument syncFirst).
 #include "commref/device.h"
+using namespace commref;
 
-// Launch argument 0 of every kernel: int64 words in the order of ep.py CONFIG_FIELDS.
+// Launch argument 0 of every kernel: int64 words in the order of ep_buffer.py CONFIG_FIELDS.
 struct EpConfig {
   int64_t hidden, elemSize, dtype, topk, experts, localExperts, maxTokens, protocol;
   int64_t xBytes, xPad;
@@ -77,7 +78,11 @@ struct Ep {
   const int dataIds;  // the data signals of this kind of operation: dataIds + source
 
   __device__ Ep(DeviceComm& cm, uint64_t epoch, bool combine)
-      : comm(cm), c(*cm.ptr<const EpConfig>(0)), n(cm.nranks()), me(cm.rank()), tag(epoch << 32),
+      : comm(cm),
+        c(*cm.ptr<const EpConfig>(0)),
+        n(cm.nranks()),
+        me(cm.rank()),
+        tag(epoch << 32),
         dataIds(combine ? 2 * cm.nranks() : 0) {}
   __device__ int data(int source) const { return dataIds + source; }
 
@@ -90,23 +95,23 @@ struct Ep {
   __device__ char* rowAt(int peer, uint64_t dst, uint64_t stage) {
     return overGin(peer) ? comm.local<char>(stage) : comm.lsaPtr<char>(peer, dst);
   }
-  __device__ Signal rowSignal() const {
-    return c.protocol == kEpSignalPerPut || c.protocol == kEpHeaders ? weakInc(data(me)) : noSignal();
+  __device__ RemoteAction rowSignal() const {
+    return c.protocol == kEpSignalPerPut || c.protocol == kEpHeaders ? WeakSignalInc(data(me)) : NoSignal();
   }
   // The last put of a message (dispatch: its count message; combine: its last row).
-  __device__ Signal lastSignal(bool countMessage) const {
-    if (c.protocol == kEpStrong) return strongInc(data(me));
-    if (c.protocol == kEpSignalPerPut && countMessage) return weakInc(n + me);
-    return weakInc(data(me));
+  __device__ RemoteAction lastSignal(bool countMessage) const {
+    if (c.protocol == kEpStrong) return StrongSignalInc(data(me));
+    if (c.protocol == kEpSignalPerPut && countMessage) return WeakSignalInc(n + me);
+    return WeakSignalInc(data(me));
   }
   // A row built at rowAt(): over GIN put with `s`; over LSA it is already there.
-  __device__ void sendRow(int peer, uint64_t dst, uint64_t stage, uint64_t bytes, Signal s) {
+  __device__ void sendRow(int peer, uint64_t dst, uint64_t stage, uint64_t bytes, RemoteAction s) {
     __syncthreads();
     if (overGin(peer)) comm.put(peer, dst, stage, bytes, s);
   }
   // The end of a message over LSA: one release add publishes the block's stores.
   __device__ void endLsaMessage(int peer) {
-    if (!overGin(peer)) comm.signal(peer, weakInc(data(me)));
+    if (!overGin(peer)) comm.signal(peer, WeakSignalInc(data(me)));
   }
   // A count message of `words` words staged at `stage` (this rank's counts, ~count).
   __device__ void sendCounts(int peer, uint64_t dst, uint64_t stage, int words) {
@@ -368,21 +373,20 @@ COMMREF_KERNEL(ep_ht_dispatch, KernelArgs, args) {
   int64_t start = 0;  // where source s's rows go in the flat buffer
   for (int s = 0; s < n; s++) {
     const int64_t rows = (int64_t)~matrix[s * n + me];
-    ep.receive(
-        s, rows, true, SlotRows{comm.local<const char>(c.htRecv + (uint64_t)s * T * c.htRow), c.htRow, rows},
-        [&](int, int i, const char* row) {
-          const int64_t pos = start + i;
-          blockCopy(recvX + pos * c.xBytes, row + 8, c.xBytes);
-          if (threadIdx.x == 0) {
-            recvSrc[pos] = (int32_t)(uint32_t)*(const uint64_t*)row;
-            const int32_t* pairs = (const int32_t*)(row + 8 + c.xPad);
-            for (int64_t j = 0; j < K; j++) {
-              recvTopk[pos * K + j] = pairs[2 * j];
-              memcpy(&recvWeights[pos * K + j], &pairs[2 * j + 1], 4);
-              if (pairs[2 * j] >= 0) perExpert[pairs[2 * j]]++;
-            }
-          }
-        });
+    ep.receive(s, rows, true, SlotRows{comm.local<const char>(c.htRecv + (uint64_t)s * T * c.htRow), c.htRow, rows},
+               [&](int, int i, const char* row) {
+                 const int64_t pos = start + i;
+                 blockCopy(recvX + pos * c.xBytes, row + 8, c.xBytes);
+                 if (threadIdx.x == 0) {
+                   recvSrc[pos] = (int32_t)(uint32_t)*(const uint64_t*)row;
+                   const int32_t* pairs = (const int32_t*)(row + 8 + c.xPad);
+                   for (int64_t j = 0; j < K; j++) {
+                     recvTopk[pos * K + j] = pairs[2 * j];
+                     memcpy(&recvWeights[pos * K + j], &pairs[2 * j + 1], 4);
+                     if (pairs[2 * j] >= 0) perExpert[pairs[2 * j]]++;
+                   }
+                 }
+               });
     start += rows;
   }
   __syncthreads();
@@ -422,9 +426,12 @@ static __device__ void sumRows(char* out, const char* const* srcs, const float* 
 }
 static __device__ void sumRowsOf(int64_t dtype, char* out, const char* const* srcs, const float* w, int m,
                                  int64_t hidden) {
-  if (dtype == kEpBfloat16) sumRows<bf16_t>(out, srcs, w, m, hidden);
-  else if (dtype == kEpFloat16) sumRows<half_t>(out, srcs, w, m, hidden);
-  else sumRows<float>(out, srcs, w, m, hidden);
+  if (dtype == kEpBfloat16)
+    sumRows<bf16_t>(out, srcs, w, m, hidden);
+  else if (dtype == kEpFloat16)
+    sumRows<half_t>(out, srcs, w, m, hidden);
+  else
+    sumRows<float>(out, srcs, w, m, hidden);
 }
 
 #define EP_MAX_RANKS 64
@@ -487,7 +494,6 @@ COMMREF_KERNEL(ep_ht_combine, KernelArgs, args) {
       }
   }
   // No barrier: see the top (combine).
-
 }
 
 // ---- low-latency ----
@@ -557,17 +563,16 @@ COMMREF_KERNEL(ep_ll_dispatch, KernelArgs, args) {
   for (int s = 0; s < n; s++) {
     int64_t rows = 0;
     for (int64_t e = 0; e < per; e++) rows += (int64_t)~counts[s * per + e];
-    ep.receive(
-        s, rows, true, ExpertRows{recv, c.llRow, T, n, s, per, counts + s * per},
-        [&](int e, int i, const char* row) {
-          const int64_t pos = e * n * T + (range[e * n + s] >> 32) + i;
-          blockCopy(recvX + pos * c.xBytes, row + 8, c.xBytes);
-          if (threadIdx.x == 0) {
-            const uint64_t h = *(const uint64_t*)row;
-            srcInfo[pos] = (int32_t)((h >> 8) & 0xffffff);
-            srcTopk[pos] = (int32_t)(h & 0xff);
-          }
-        });
+    ep.receive(s, rows, true, ExpertRows{recv, c.llRow, T, n, s, per, counts + s * per},
+               [&](int e, int i, const char* row) {
+                 const int64_t pos = e * n * T + (range[e * n + s] >> 32) + i;
+                 blockCopy(recvX + pos * c.xBytes, row + 8, c.xBytes);
+                 if (threadIdx.x == 0) {
+                   const uint64_t h = *(const uint64_t*)row;
+                   srcInfo[pos] = (int32_t)((h >> 8) & 0xffffff);
+                   srcTopk[pos] = (int32_t)(h & 0xff);
+                 }
+               });
   }
   __syncthreads();
   if (threadIdx.x == 0)
@@ -629,5 +634,4 @@ COMMREF_KERNEL(ep_ll_combine, KernelArgs, args) {
     sumRowsOf(c.dtype, out + t * c.xBytes, srcs, w, m, c.hidden);
   }
   // No barrier: see the top (combine).
-
 }

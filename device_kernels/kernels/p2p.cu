@@ -1,0 +1,126 @@
+// Point-to-point: the sends and receives of a group on one communicator in one launch
+// (collectives/p2p.py builds it). CollArgs.sendbuf -> P2pOp[count] (args.h); block b
+// runs, in posted order, the operations whose `block` is b: all of one (peer, direction),
+// so every operation of the group is in flight at once and a group posted in any order
+// on any rank cannot wait on itself.
+//
+// Links. The link from rank s to rank r, d = (r - s) mod n, is outbound link (d - 1) % 4
+// of window channel max_channels + (d - 1) / 4 at s and inbound FIFO (d - 1) % 4 of that
+// channel at r (the device API's per-peer mapping, device.h, on channels of their own:
+// the collectives' FIFOs and step counters are never touched). Each link is LSA or GIN
+// by bit `peer` of CollArgs.gin.peerMask, as for the ring kernels (connection.h).
+//
+// An operation is Prims::send or Prims::recv (flow.h) over its link, in the Simple
+// protocol, in steps of at most one slot; count 0 is one step of no data. Each step's
+// header carries the operation's call descriptor (kP2p and the dtype) and its element
+// count, which the receiver compares with its own:
+//   - recv: thread 0 waits for the first step and checks its header. If the sender
+//     posted another dtype or count, it writes its verdict (its own descriptor, its
+//     count, and the step + 1) into words 2..4 of that slot's header on the sender's
+//     side of the link (over LSA its own FIFO slot, which the sender maps; over GIN the
+//     sender's staging slot, by a put whose weak signal is the link's credit), raises
+//     the credit and fails with kP2pRecvMismatch (expected: the sender's count, seen: its
+//     descriptor).
+//   - send: after the first step, thread 0 waits for that step's credit (kWaitP2pAccept:
+//     the receiver took the slot, or rejected it) and then reads the verdict words: a
+//     verdict for this step fails with kP2pSendRejected (expected: the receiver's count,
+//     seen: its descriptor). So a send completes only once its receiver has accepted it,
+//     and a mismatch fails both ranks. Over GIN with a weak protocol (GinArgs.checkHeaders
+//     0) headers are not checked, and a mismatch is not detected.
+// After each operation thread 0 sets its `done` word, so that the host can name the
+// operation that failed.
+#include "commref/ring.h"
+
+namespace commref {
+
+// Words 2..4 of a Simple slot's header: a receiver's verdict on the step (above).
+enum : int { kVerdictDesc = 2, kVerdictCount = 3, kVerdictStep = 4 };
+
+// The receiver's check of step `step`, the first of `op` (thread 0, see the top).
+static __device__ void p2pCheckFirst(const CollArgs& a, const P2pOp& op, uint64_t step, KernelEnv& env) {
+  const RecvConnection r = makeRecv(a, op.channel, op.conn, op.peer, op.conn);
+  if (!connWaitSlot(r, step, a, env)) return;
+  uint64_t* h = connSlotHeader(r, step, a);
+  const uint64_t desc = h[0], count = h[1];
+  if (desc == a.callDesc && count == a.count) return;
+  h[kVerdictDesc] = a.callDesc;
+  h[kVerdictCount] = a.count;
+  if (r.gin) {
+    h[kVerdictStep] = step + 1;
+    Gin g{a, env, r.channel};
+    const uint64_t slot = (step % a.layout.nsteps) * slotStride(a) + kVerdictDesc * 8;
+    g.put(r.peer, stagingOffset(a, op.channel, op.conn) + slot, fifoOffset(a, op.channel, op.conn) + slot, 24,
+          WeakSignalInc(r.creditSignal));
+    if (a.gin.doorbells) g.doorbell(r.peer);
+  } else {
+    store_release(&h[kVerdictStep], step + 1);
+    store_release(r.credit, step + 1);
+  }
+  commref_fail(env, kMismatch, kP2pRecvMismatch, op.peer, op.channel, count, desc);
+}
+
+// The sender's wait for the receiver's verdict on step `step`, the first of `op` (thread 0).
+static __device__ void p2pAwaitAccept(const CollArgs& a, const P2pOp& op, uint64_t step, KernelEnv& env) {
+  const SendConnection s = makeSend(a, op.channel, op.conn, op.peer, op.conn);
+  const uint64_t* help = nullptr;
+  if (s.gin) {  // the credit comes through the engine: help it meanwhile (gin.h)
+    Gin g{a, env};
+    g.wakeEngine();
+    help = g.helpHook();
+  }
+  waitAtLeast(s.credit, step + 1, env, kWaitP2pAccept, op.peer, op.channel, help);
+  if (env.failed) return;
+  const uint64_t* h = (const uint64_t*)(s.slots + (step % a.layout.nsteps) * slotStride(a));
+  if (load_acquire(&h[kVerdictStep]) == step + 1)
+    commref_fail(env, kMismatch, kP2pSendRejected, op.peer, op.channel, h[kVerdictCount], h[kVerdictDesc]);
+}
+
+// One operation. `a`: the launch's record with this operation's descriptor and count.
+static __device__ void p2pRun(const CollArgs& a, const P2pOp& op) {
+  const int c = op.channel, j = op.conn;
+  const uint64_t first = load_relaxed(stepStateOf(a, c, op.send ? COMMREF_CONN_IN + j : j));
+  const Share all{0, op.bytes};
+  Prims<uint8_t, OpSum> p(a, c);
+  KernelEnv env = kernelEnv(a);
+  if (op.send) {
+    const uint8_t* src = (const uint8_t*)op.buf;
+    p.addSend(j, op.peer, j);
+    FOR_EACH_PIECE(base, len, all, p.slotElems()) {
+      p.send(src + base, len);
+      if (base == 0) {
+        if (threadIdx.x == 0) p2pAwaitAccept(a, op, first, env);
+        leaveIfFailed(env.failed);
+      }
+    }
+  } else {
+    uint8_t* dst = (uint8_t*)op.buf;
+    p.addRecv(j, op.peer, j);
+    if (threadIdx.x == 0) p2pCheckFirst(a, op, first, env);
+    leaveIfFailed(env.failed);
+    FOR_EACH_PIECE(base, len, all, p.slotElems()) p.recv(dst + base, len);
+  }
+  p.finish();
+}
+
+static __device__ void p2pBlock(const CollArgs& args) {
+  const P2pOp* ops = (const P2pOp*)args.sendbuf;
+  __shared__ CollArgs a;  // the launch's record with the running operation's descriptor and count
+  for (uint64_t i = 0; i < args.count; i++) {
+    if (ops[i].block != (int32_t)blockIdx.x) continue;
+    if (threadIdx.x == 0) {
+      a = args;
+      a.callDesc = ops[i].callDesc;
+      a.count = ops[i].count;
+      a.protocol = kProtoSimple;
+      a.streamStores = 0;
+    }
+    __syncthreads();
+    p2pRun(a, ops[i]);
+    if (threadIdx.x == 0) store_release_u32((uint32_t*)&ops[i].done, 1);
+    __syncthreads();  // thread 0 rewrites `a` for the next operation only after every thread is done with it
+  }
+}
+
+COMMREF_KERNEL(commref_p2p, CollArgs, args) { p2pBlock(args); }
+
+}  // namespace commref
