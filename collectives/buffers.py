@@ -34,7 +34,7 @@ class Buffer:
     nbytes: int
     writeable: bool
 
-    def overlaps(self, other: "Buffer") -> bool:
+    def overlaps(self, other: Buffer) -> bool:
         return self.address < other.address + other.nbytes and other.address < self.address + self.nbytes
 
 
@@ -52,8 +52,10 @@ class BufferChecker:
             if type(obj) is not np.ndarray:
                 kind = type(obj).__module__.split(".")[0]
                 if hasattr(obj, "__cuda_array_interface__") or kind == "cupy":
-                    raise TypeError(f"rank {self.rank}: {name} is device memory ({type(obj).__name__}) "
-                                    f"but this communicator runs on the CPU")
+                    raise TypeError(
+                        f"rank {self.rank}: {name} is device memory ({type(obj).__name__}) "
+                        f"but this communicator runs on the CPU"
+                    )
                 if not isinstance(obj, np.ndarray):
                     raise TypeError(f"rank {self.rank}: {name} must be a numpy array, got {type(obj).__name__}")
             flags = obj.flags
@@ -87,8 +89,7 @@ class BufferChecker:
         root passes (spec.root_only) is not looked at on other ranks: the other
         buffer stands in for it. (On every call's path: kept lean.)"""
         if spec.rooted and self.rank != root and spec.root_only:
-            b = (self.buffer(recvbuf, RECV, write=True) if spec.root_only == SEND
-                 else self.buffer(sendbuf, SEND))
+            b = self.buffer(recvbuf, RECV, write=True) if spec.root_only == SEND else self.buffer(sendbuf, SEND)
             return b, b, b.count
         s = self.buffer(sendbuf, SEND)
         r = self.buffer(recvbuf, RECV, write=True)
@@ -107,19 +108,24 @@ class BufferChecker:
             self._count_error(spec, s, r, count)
         if s.overlaps(r):
             if not spec.in_place_ok:
-                raise ValueError(f"rank {self.rank}: {spec.name} buffers overlap, and {spec.name} has no in-place "
-                                 f"form ({spec.in_place_layout})")
+                raise ValueError(
+                    f"rank {self.rank}: {spec.name} buffers overlap, and {spec.name} has no in-place "
+                    f"form ({spec.in_place_layout})"
+                )
             at = spec.in_place_at(self.rank, count) * s.dtype.itemsize
             if not (r.address == s.address + at if scaled == SEND else s.address == r.address + at):
-                raise ValueError(f"rank {self.rank}: {spec.name} buffers overlap but are not in place "
-                                 f"({spec.in_place_layout})")
+                raise ValueError(
+                    f"rank {self.rank}: {spec.name} buffers overlap but are not in place ({spec.in_place_layout})"
+                )
         return s, r, count
 
     def _count_error(self, spec: catalogue.Collective, s: Buffer, r: Buffer, count: int):
         n = self.nranks
         if spec.scaled == BOTH:
-            what = (f"sendbuf and recvbuf of nranks * count elements each, the same multiple of nranks = {n}, "
-                    f"got {s.count} and {r.count}")
+            what = (
+                f"sendbuf and recvbuf of nranks * count elements each, the same multiple of nranks = {n}, "
+                f"got {s.count} and {r.count}"
+            )
         elif spec.scaled == SEND:
             what = f"sendbuf of nranks * recvcount = {n} * {count} = {n * count} elements, got {s.count}"
         elif spec.scaled == RECV:
@@ -157,8 +163,9 @@ class BufferChecker:
         import cupy
 
         if isinstance(obj, np.ndarray):
-            raise TypeError(f"rank {self.rank}: {name} is host memory (numpy) but this communicator runs on "
-                            f"cuda:{self.device_id}")
+            raise TypeError(
+                f"rank {self.rank}: {name} is host memory (numpy) but this communicator runs on cuda:{self.device_id}"
+            )
         if isinstance(obj, cupy.ndarray):
             arr = obj
         elif hasattr(obj, "__cuda_array_interface__"):
@@ -166,11 +173,18 @@ class BufferChecker:
         elif hasattr(obj, "__dlpack__"):
             arr = cupy.from_dlpack(obj)
         else:
-            raise TypeError(f"rank {self.rank}: {name} must be a CuPy array or expose __cuda_array_interface__ "
-                            f"or __dlpack__, got {type(obj).__name__}")
+            raise TypeError(
+                f"rank {self.rank}: {name} must be a CuPy array or expose __cuda_array_interface__ "
+                f"or __dlpack__, got {type(obj).__name__}"
+            )
         if arr.device.id != self.device_id:
-            raise ValueError(f"rank {self.rank}: {name} is on cuda:{arr.device.id} but this communicator runs on "
-                             f"cuda:{self.device_id}")
-        readonly = bool(getattr(obj, "__cuda_array_interface__", {}).get("data", (0, False))[1]) \
-            if hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, cupy.ndarray) else False
+            raise ValueError(
+                f"rank {self.rank}: {name} is on cuda:{arr.device.id} but this communicator runs on "
+                f"cuda:{self.device_id}"
+            )
+        readonly = (
+            bool(getattr(obj, "__cuda_array_interface__", {}).get("data", (0, False))[1])
+            if hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, cupy.ndarray)
+            else False
+        )
         return arr, int(arr.data.ptr), not readonly

@@ -1,5 +1,7 @@
 """The verification sweep behind `commref check`: run collectives on exact-checkable
-inputs and count wrong elements against the numpy references, per case."""
+inputs and count wrong elements against the numpy references, per case; and the group
+cases (group_check.py: collectives, composed collectives and sends/receives mixed in
+one group)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import catalogue, tuner, verify
+from . import catalogue, group_check, p2p_collectives, tuner, verify
 from .memory import Memory, SymmetricMemory, array_module
+from .p2p_collectives import P2P
 from .verify import DTYPES, OPS
 
 DEFAULT_COUNTS = (0, 1, 7, 1001)
@@ -20,8 +23,9 @@ def algorithms_for(coll: str, direct: bool = True, hierarchical: bool = False) -
     (Communicator.direct_kernels says where they run); without
     `hierarchical`, not the hierarchical algorithm (it needs several nodes of
     several ranks each)."""
-    return tuple(a for a in catalogue.get(coll).algorithms
-                 if (direct or a != "direct") and (hierarchical or a != "hierarchical"))
+    return tuple(
+        a for a in catalogue.get(coll).algorithms if (direct or a != "direct") and (hierarchical or a != "hierarchical")
+    )
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,22 @@ class Case:
         return f"{self.algorithm}/{self.protocol}" if self.protocol else self.algorithm
 
 
-def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, in_place=(False, True),
-          direct: bool = True, denormals: bool = True, hierarchical: bool = False, protocols=(),
-          pushed: bool = False):
+def cases(
+    collectives,
+    dtypes,
+    ops,
+    algorithms,
+    counts,
+    nranks: int,
+    seed: int,
+    in_place=(False, True),
+    direct: bool = True,
+    denormals: bool = True,
+    hierarchical: bool = False,
+    protocols=(),
+    pushed: bool = False,
+    device: str = "cpu",
+):
     """Every case of the sweep, in a fixed order (all ranks enumerate the same list).
     `direct`: include the direct kernels (Communicator.direct_kernels); `pushed`: they
     push over GIN, so only the calls that can (catalogue.Collective.gin_windows, and
@@ -56,13 +73,19 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
     where the dtype and op have them (verify.has_denormal_case). A collective without an
     in-place form (catalogue.Collective.in_place_ok) runs out of place only.
     `protocols`: the cases of the ring and tree algorithms once per protocol (the other
-    algorithms' once, with none); empty: once, in the communicator's protocol."""
+    algorithms' once, with none); empty: once, in the communicator's protocol. A
+    collective that refuses `nranks` or `device` has none (skipped() says why)."""
     out = []
     for coll in collectives:
         spec = catalogue.get(coll)
+        if _refusal(spec, nranks, device):
+            continue  # skipped(): the reason is reported
         placements = [ip for ip in in_place if not ip or spec.in_place_ok]
-        for algo, protocol in [(a, p) for a in algorithms_for(coll, direct, hierarchical)
-                               for p in (protocols if protocols and a in tuner.PROTOCOL_ALGORITHMS else [None])]:
+        for algo, protocol in [
+            (a, p)
+            for a in algorithms_for(coll, direct, hierarchical)
+            for p in (protocols if protocols and a in tuner.PROTOCOL_ALGORITHMS else [None])
+        ]:
             if algorithms and algo not in algorithms:
                 continue
             pushing = pushed and algo == "direct"
@@ -73,12 +96,34 @@ def cases(collectives, dtypes, ops, algorithms, counts, nranks: int, seed: int, 
                 for oi, op in enumerate(ops if spec.reducing else [None]):
                     for count in dict.fromkeys(c - c % nranks for c in counts) if even else counts:
                         root = (count + di + oi) % nranks
-                        for ip in placements if not even else [False]:
-                            out.append(Case(coll, algo, dtype, op, count, ip, root, seed * 1_000_003 + len(out),
-                                            protocol=protocol))
+                        runs = [(ip, "small") for ip in (placements if not even else [False])]
                         if denormals and verify.has_denormal_case(DTYPES[dtype], op):
-                            out.append(Case(coll, algo, dtype, op, count, False, root, seed * 1_000_003 + len(out),
-                                            "denormal", protocol))
+                            runs.append((False, "denormal"))
+                        for ip, values in runs:
+                            seed_of = seed * 1_000_003 + len(out)
+                            out.append(Case(coll, algo, dtype, op, count, ip, root, seed_of, values, protocol))
+    return out
+
+
+def _refusal(spec: catalogue.Collective, nranks: int, device: str) -> str | None:
+    """Why `spec` cannot run on `nranks` ranks on `device` (hypercube: powers of two; the
+    collectives of sends and receives: the CPU engine), or None."""
+    if P2P in spec.composed and p2p_collectives.device_refusal(device):
+        return p2p_collectives.device_refusal(device)
+    return spec.rank_refusal(nranks) if spec.rank_refusal is not None else None
+
+
+def skipped(collectives, nranks: int, device: str = "cpu") -> list[str]:
+    """Why some of `collectives` have no cases (group_check.GROUP: the group cases)."""
+    out = []
+    for c in collectives:
+        why = (
+            p2p_collectives.device_refusal(device)
+            if c == group_check.GROUP
+            else _refusal(catalogue.get(c), nranks, device)
+        )
+        if why:
+            out.append(f"{c} skipped: {why}")
     return out
 
 
@@ -87,6 +132,8 @@ def run_case(comm, case: Case, stream=None, memory: Memory | None = None) -> int
     come from `memory` (a direct case's from a SymmetricMemory, reset here); where the
     collective must leave this rank's recvbuf alone, it must still hold what it held."""
     n, r = comm.nranks, comm.rank
+    if isinstance(case, group_check.GroupCase):
+        return group_check.run(comm, case, memory or Memory(array_module(comm.device)))
     spec = catalogue.get(case.coll)
     dt = DTYPES[case.dtype]
     if memory is None:
@@ -114,11 +161,20 @@ def _direct_bytes(case: Case, nranks: int) -> int:
 def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
     """Runs the cases in order on every rank; returns wrong elements per case, summed
     over ranks (one allgather at the end)."""
-    comm.prepare({comm.kernel_spec(c.coll, c.dtype, c.op) for c in case_list})
+    comm.prepare(
+        {
+            spec
+            for c in case_list
+            for spec in (
+                c.kernel_specs(comm)
+                if isinstance(c, group_check.GroupCase)
+                else [comm.kernel_spec(c.coll, c.dtype, c.op)]
+            )
+        }
+    )
     direct = [c for c in case_list if c.algorithm == "direct"]
     plain = Memory(array_module(comm.device))
-    symmetric = (SymmetricMemory(comm, plain.xp, max(_direct_bytes(c, comm.nranks) for c in direct))
-                 if direct else None)
+    symmetric = SymmetricMemory(comm, plain.xp, max(_direct_bytes(c, comm.nranks) for c in direct)) if direct else None
     wrong = []
     for i, case in enumerate(case_list):
         with stream if stream is not None else contextlib.nullcontext():
@@ -146,8 +202,11 @@ def format_table(rows, nranks: int, device: str) -> str:
     cols = list(OPS) + ["copy"]
     width = max([8] + [len(algo) + 1 for _, algo, _, _ in rows])
     head = f"{'collective':<15}{'algo':<{width}}{'dtype':<18}" + "".join(f"{c:>9}" for c in cols)
-    lines = [f"# commref check: {nranks} ranks, device {device}; wrong elements per collective x dtype x op",
-             head, "-" * len(head)]
+    lines = [
+        f"# commref check: {nranks} ranks, device {device}; wrong elements per collective x dtype x op",
+        head,
+        "-" * len(head),
+    ]
     for coll, algo, dtype, cells in rows:
         vals = "".join(f"{(str(cells[c][1]) if c in cells else '-'):>9}" for c in cols)
         lines.append(f"{coll:<15}{algo:<{width}}{dtype:<18}{vals}")

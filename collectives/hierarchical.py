@@ -42,6 +42,7 @@ phase's intra-node work.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,9 +89,7 @@ class Hierarchy:
 
     def close(self) -> None:
         for child in (self.inter, self.intra):
-            child.close()
-        for child in (self.inter, self.intra):
-            child.world.free()
+            child.close()  # each frees its split world
 
     def _phase(self, what: str, child, fn, *args, **kwargs) -> None:
         """One phase's call on `child`; a failure gets a note naming the phase and the
@@ -98,56 +97,113 @@ class Hierarchy:
         try:
             fn(*args, **kwargs)
         except Exception as e:
-            e.add_note(f"in the hierarchical algorithm's {what} (child communicator of job ranks "
-                       f"{child.world.members}; its rank k is job rank members[k])")
+            e.add_note(
+                f"in the hierarchical algorithm's {what} (child communicator of job ranks "
+                f"{child.world.members}; its rank k is job rank members[k])"
+            )
             raise
 
-    def scratch(self, xp, count: int, dtype) -> object:
-        """`count` elements of `dtype` the phases may use until the call returns."""
+    def scratch(self, xp, count: int, dtype, stream=None) -> object:
+        """`count` elements of `dtype` the phases may use until their kernels end.
+
+        GPU: taken from CuPy's pool on the stream the phases are ordered by, the call's
+        `stream` (None: the current one; a CuPy stream or a CUstream handle). The array is
+        freed when the call returns, while the phases may still run; the pool hands a freed
+        block only to later allocations on the stream it was allocated on, and every phase
+        joined that stream (Communicator.enqueue: the stream waits for the phase's done
+        event), so its next user runs after them. Allocated on another stream (the current
+        one, when the caller passed stream=), the block could go to an allocation whose
+        kernels run while the phases still read it."""
         if xp is not np:
-            return xp.empty(count, dtype)  # the caller's stream orders its reuse (CuPy's pool)
+            with _on_stream(xp, stream):
+                return xp.empty(count, dtype)
         nbytes = count * np.dtype(dtype).itemsize
         if self._scratch is None or self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
         return self._scratch[:nbytes].view(dtype)
 
     def allreduce(self, send, recv, op: str, stream, flat) -> None:
-        L, l, count = self.shape.per_node, self.shape.local, recv.size
+        L, l, count = self.shape.per_node, self.shape.local, recv.size  # noqa: E741 (L ranks per node, l this rank: the docs' names)
         shard = count // L
         if shard == 0:  # fewer elements than ranks per node: the flat algorithm
             flat(send, recv)
             return
         m, reducing, divisor = L * shard, _phase_op(op), self._divisor(op)
-        mine = recv[l * shard:(l + 1) * shard]
-        self._phase("intra-node ReduceScatter", self.intra, self.intra.reduce_scatter, send[:m], mine, reducing,
-                    stream=stream)
-        self._phase("inter-node AllReduce", self.inter, self.inter._collective, "allreduce", mine, mine, op, 0,
-                    stream, None, divisor)
+        mine = recv[l * shard : (l + 1) * shard]
+        self._phase(
+            "intra-node ReduceScatter", self.intra, self.intra.reduce_scatter, send[:m], mine, reducing, stream=stream
+        )
+        self._phase(
+            "inter-node AllReduce",
+            self.inter,
+            self.inter._collective,
+            "allreduce",
+            mine,
+            mine,
+            op,
+            0,
+            stream,
+            None,
+            divisor,
+        )
         self._phase("intra-node AllGather", self.intra, self.intra.allgather, mine, recv[:m], stream=stream)
         if m < count:
             flat(send[m:], recv[m:])
 
     def reduce_scatter(self, send, recv, op: str, stream, xp) -> None:
         N, L, count = self.shape.nodes, self.shape.per_node, recv.size
-        partial = self.scratch(xp, N * count, recv.dtype)
+        partial = self.scratch(xp, N * count, recv.dtype, stream)
         for j in range(N):
-            self._phase(f"intra-node ReduceScatter of node {j}'s blocks", self.intra, self.intra.reduce_scatter,
-                        send[j * L * count:(j + 1) * L * count], partial[j * count:(j + 1) * count], _phase_op(op),
-                        stream=stream)
-        self._phase("inter-node ReduceScatter", self.inter, self.inter._collective, "reduce_scatter", partial, recv,
-                    op, 0, stream, None, self._divisor(op))
+            self._phase(
+                f"intra-node ReduceScatter of node {j}'s blocks",
+                self.intra,
+                self.intra.reduce_scatter,
+                send[j * L * count : (j + 1) * L * count],
+                partial[j * count : (j + 1) * count],
+                _phase_op(op),
+                stream=stream,
+            )
+        self._phase(
+            "inter-node ReduceScatter",
+            self.inter,
+            self.inter._collective,
+            "reduce_scatter",
+            partial,
+            recv,
+            op,
+            0,
+            stream,
+            None,
+            self._divisor(op),
+        )
 
     def allgather(self, send, recv, stream, xp) -> None:
         N, L, count = self.shape.nodes, self.shape.per_node, send.size
-        blocks = self.scratch(xp, N * count, send.dtype)
+        blocks = self.scratch(xp, N * count, send.dtype, stream)
         self._phase("inter-node AllGather", self.inter, self.inter.allgather, send, blocks, stream=stream)
         for j in range(N):
-            self._phase(f"intra-node AllGather of node {j}'s blocks", self.intra, self.intra.allgather,
-                        blocks[j * count:(j + 1) * count], recv[j * L * count:(j + 1) * L * count], stream=stream)
+            self._phase(
+                f"intra-node AllGather of node {j}'s blocks",
+                self.intra,
+                self.intra.allgather,
+                blocks[j * count : (j + 1) * count],
+                recv[j * L * count : (j + 1) * L * count],
+                stream=stream,
+            )
 
     def _divisor(self, op: str) -> int | None:
         """avg's one division, by the job's ranks, in the last reducing phase."""
         return self.nranks if op == "avg" else None
+
+
+def _on_stream(cupy, stream):
+    """A context in which `stream` (a CuPy stream, a CUstream handle, or None: the
+    current one) is CuPy's current stream."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if isinstance(stream, int):
+        return cupy.cuda.ExternalStream(stream)
+    return stream
 
 
 def _phase_op(op: str) -> str:

@@ -5,7 +5,8 @@ through these, in the layouts of catalogue.Collective.buffers."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -46,8 +47,10 @@ class Memory:
 
     def restorer(self, dst, x: np.ndarray) -> Callable[[], None]:
         """A function that copies host input x back into dst."""
+
         def restore() -> None:
             dst[...] = self.asarray(x)
+
         return restore
 
     def to_host(self, a) -> np.ndarray:

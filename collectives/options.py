@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError
 from commref.transports.gin.options import GinOptions
-from commref.transports.options import Choice, OptionError, bounded, choice, seconds
+from commref.transports.option_types import Choice, OptionError, bounded, choice, seconds
 
 MAX_THREADS = 1024  # threads per block (CUDA's limit; the CPU engine's too)
 
@@ -80,7 +80,7 @@ class CommOptions:
     nsteps: int | None = None  # FIFO slots per connection
     threads: int | None = None  # per block
     timeout: float | None = None  # seconds, every wait
-    device_id: int | None = None  # CUDA device (default: the current one)
+    device_id: int | None = None  # CUDA device (default: local_rank % GPUs, communicator.use_rank_gpu)
     stream_stores: StreamStores = StreamStores.AUTO
     protocol: Protocol | None = None  # None: COMMREF_PROTO, else auto
     # The device communicator's requirements (device_api.DeviceComm): bytes of each rank's
@@ -94,8 +94,11 @@ class CommOptions:
         fix(self, "device", choice(Device, self.device, "device"))
         fix(self, "algorithm", choice(Algorithm, self.algorithm, "algorithm"))
         fix(self, "stream_stores", choice(StreamStores, self.stream_stores, "stream_stores"))
-        fix(self, "protocol", default_protocol() if self.protocol is None else choice(Protocol, self.protocol,
-                                                                                     "protocol"))
+        fix(
+            self,
+            "protocol",
+            default_protocol() if self.protocol is None else choice(Protocol, self.protocol, "protocol"),
+        )
         if self.max_channels is not None:
             fix(self, "max_channels", bounded(self.max_channels, "max_channels", 1, abi.MAX_CHANNELS))
         if self.slot_bytes is not None:
@@ -115,7 +118,7 @@ class CommOptions:
             raise OptionError(f"gin must be a GinOptions, not {type(self.gin).__name__}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "CommOptions":
+    def from_kwargs(cls, **kwargs) -> CommOptions:
         """The record for Communicator's flat keywords (see KEYWORDS); None leaves a
         field at its default. An unknown keyword raises TypeError."""
         unknown = sorted(set(kwargs) - set(KEYWORDS))
@@ -129,7 +132,7 @@ class CommOptions:
             (gin if where == "gin" else mine)[name] = value
         return cls(**mine, gin=GinOptions(**gin))
 
-    def replace(self, **kwargs) -> "CommOptions":
+    def replace(self, **kwargs) -> CommOptions:
         """A copy with these flat keywords changed."""
         flat = {k: getattr(self.gin if w == "gin" else self, n) for k, (w, n) in KEYWORDS.items()}
         return CommOptions.from_kwargs(**(flat | kwargs))
@@ -168,7 +171,7 @@ def cuda_available() -> bool:
 
 
 def resolve_device(device) -> str:
-    """"cpu" or "cuda" for a Device choice: auto is cuda where CuPy sees a GPU. Raises
+    """ "cpu" or "cuda" for a Device choice: auto is cuda where CuPy sees a GPU. Raises
     CapabilityError when cuda is asked for and cannot be had."""
     device = choice(Device, device, "device")
     if device == Device.AUTO:

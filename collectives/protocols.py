@@ -17,17 +17,22 @@ PROTOCOLS = ("simple", "ll", "ll128")
 
 def cpu_refusals(support: int, machine: str | None = None) -> dict[str, str]:
     """What the CPU engine cannot run on a CPU with `support` (abi.CPU_ATOMIC_16 |
-    abi.CPU_STORE_ORDER, from cpuid at run time: loader.CpuKernels.protocol_support). LL
+    abi.CPU_STORE_ORDER, from cpuid at run time: cpu_loader.CpuKernels.protocol_support). LL
     writes and reads a line with one 16-byte access each and needs it single-copy atomic;
     LL128 orders its flags after its data with release and acquire, which holds on every
     CPU (proto.h)."""
     if support & abi.CPU_ATOMIC_16:
         return {}
     machine = machine or platform.machine()
-    why = ("this x86-64 CPU does not enumerate AVX" if machine in ("x86_64", "AMD64")
-           else f"commref relies on that on x86-64 only, and this CPU is {machine}")
-    return {"ll": f"LL needs aligned 16-byte loads and stores that are single-copy atomic (x86-64 CPUs with AVX "
-                  f"guarantee it: Intel SDM vol. 3A, AMD APM vol. 2); {why}"}
+    why = (
+        "this x86-64 CPU does not enumerate AVX"
+        if machine in ("x86_64", "AMD64")
+        else f"commref relies on that on x86-64 only, and this CPU is {machine}"
+    )
+    return {
+        "ll": f"LL needs aligned 16-byte loads and stores that are single-copy atomic (x86-64 CPUs with AVX "
+        f"guarantee it: Intel SDM vol. 3A, AMD APM vol. 2); {why}"
+    }
 
 
 def _bus(bus_id) -> tuple[int, int, int, int] | None:

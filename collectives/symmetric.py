@@ -13,7 +13,7 @@ import numpy as np
 
 from commref.device_kernels import abi
 
-from .launch import address_of
+from .launch_record import address_of
 
 
 def describe_unmapped(rank: int, everyone: list[dict]) -> str:
@@ -23,8 +23,10 @@ def describe_unmapped(rank: int, everyone: list[dict]) -> str:
     by_why: dict[str, list[int]] = {}
     for peer, why in everyone[first].items():
         by_why.setdefault(why, []).append(peer)
-    text = "; ".join(f"rank {first} cannot map the window of rank{'s' if len(ps) > 1 else ''} "
-                     f"{', '.join(map(str, ps))}: {why}" for why, ps in by_why.items())
+    text = "; ".join(
+        f"rank {first} cannot map the window of rank{'s' if len(ps) > 1 else ''} {', '.join(map(str, ps))}: {why}"
+        for why, ps in by_why.items()
+    )
     others = [r for r, m in enumerate(everyone) if m and r != first]
     return text + (f" (ranks {others} cannot map some peers' windows either)" if others else "")
 
@@ -52,8 +54,9 @@ class SymmetricArena:
         nbytes = int(count) * dt.itemsize
         at = -(-self.used // self.ALIGN) * self.ALIGN
         if at + nbytes > self.window.nbytes:
-            raise MemoryError(f"symmetric arena of {self.window.nbytes} bytes: {nbytes} more bytes at offset {at} "
-                              f"do not fit")
+            raise MemoryError(
+                f"symmetric arena of {self.window.nbytes} bytes: {nbytes} more bytes at offset {at} do not fit"
+            )
         self.used = at + nbytes
         return self.window[at : at + nbytes].view(dt)
 
@@ -97,13 +100,17 @@ class SymmetricWindows:
         nbytes = int(count) * dt.itemsize
         win = register_window(self.world, max(nbytes, 64), self.device, self.device_id)
         peers = self._connection.peer_addresses
-        unmapped = {r: win.unmapped.get(r, "not mapped") for r in range(self.world.size)
-                    if peers[r] and not win.peer_addresses[r]}
+        unmapped = {
+            r: win.unmapped.get(r, "not mapped")
+            for r in range(self.world.size)
+            if peers[r] and not win.peer_addresses[r]
+        }
         everyone = self.world.allgather(unmapped, what="symmetric window mappings")
         if any(everyone):
             self._release(win)
-            raise CapabilityError(f"rank {self.rank}: a symmetric window could not be mapped: "
-                                  f"{describe_unmapped(self.rank, everyone)}")
+            raise CapabilityError(
+                f"rank {self.rank}: a symmetric window could not be mapped: {describe_unmapped(self.rank, everyone)}"
+            )
         gin_id = next(i for i in range(1, len(self._ids) + 2) if i not in self._ids)
         if gin_id >= abi.GIN_MAX_WINDOWS:
             self._release(win)
@@ -123,8 +130,10 @@ class SymmetricWindows:
         mine = next((i for i, w in enumerate(self.windows) if w.address == address), None)
         every = self.world.allgather(mine, what="free_symmetric")  # also: every rank's kernels are done
         if mine is None or len(set(every)) != 1:
-            raise ValueError(f"rank {self.rank}: free_symmetric needs the same array from alloc_symmetric on every "
-                             f"rank; allocation indices by rank (None: not such an array): {every}")
+            raise ValueError(
+                f"rank {self.rank}: free_symmetric needs the same array from alloc_symmetric on every "
+                f"rank; allocation indices by rank (None: not such an array): {every}"
+            )
         self._cache.clear()
         gin_id = self._ids.pop(mine)
         if self._engine is not None:

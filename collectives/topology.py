@@ -46,7 +46,7 @@ def rings(groups: list[list[int]], nchannels: int) -> list[list[int]]:
     """The rank at each position of each channel's ring (module docstring)."""
     out = []
     for c in range(nchannels):
-        order = [r for g in groups for r in g[c % len(g):] + g[:c % len(g)]]
+        order = [r for g in groups for r in g[c % len(g) :] + g[: c % len(g)]]
         start = order.index(min(order))
         out.append(order[start:] + order[:start])
     return out

@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from commref.transports.errors import CapabilityError
+
 from . import catalogue
 from .hierarchical import HIERARCHICAL, NodeShape
+from .routes import needs_symmetric
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,8 @@ class Defaults:
 
 # FIFO slot bytes on the CPU when GIN peers are reached over network "mpi": each step is
 # a message to the peer's engine, whose fixed cost (matching, rendezvous, a wake of the
-# engine) 256 KiB slots do not amortize (docs/gin.md, "Network mpi": 0.2-0.4x MPICH's
-# 16 MiB AllReduce with 256 KiB slots), while 4 MiB ones leave a 16 MiB call two steps per
+# engine) 256 KiB slots do not amortize (0.2-0.4x MPICH's 16 MiB AllReduce with 256 KiB
+# slots), while 4 MiB ones leave a 16 MiB call two steps per
 # phase to overlap the messages with the reductions. Measured on today's engines, 2 ranks,
 # 16 MiB, only the two communicators alive, alternating: 1 MiB slots 5.08-5.67 ms against
 # 4 MiB ones' 6.25-6.47 ms in three runs (docs/gin.md, "Slots for network mpi"). NCCL's
@@ -88,6 +91,14 @@ def auto_protocols(refused, gin: bool) -> tuple[str, ...]:
     return ("simple",) if gin else tuple(p for p in PROTOCOLS if p not in refused)
 
 
+def protocol_refusal(protocol: str, refused) -> str | None:
+    """Why `protocol`, asked for by name, cannot run on a communicator some rank of which
+    cannot run `refused` (protocol -> why: collectives/protocols.py), or None. Asked of
+    the communicator's protocol option when it is built, and of every call's (plan)."""
+    why = refused.get(protocol) if refused else None
+    return None if why is None else f"protocol {protocol!r} cannot run on this communicator: {why}"
+
+
 def pick_protocol(nbytes: int, device: str, allowed=PROTOCOLS) -> str:
     """The protocol "auto" takes for a ring or tree call of `nbytes` (plan's measure)."""
     if device == "cpu":
@@ -98,42 +109,80 @@ def pick_protocol(nbytes: int, device: str, allowed=PROTOCOLS) -> str:
     return "simple"
 
 
-def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_channels: int,
-         symmetric: bool = False, nodes: NodeShape | str | None = None, slow_network: bool = False,
-         protocol: str = "auto", allowed=PROTOCOLS) -> Plan:
+def choose_protocol(protocol: str, algorithm: str, nbytes: int, device: str, allowed=PROTOCOLS) -> str:
+    """The protocol a call of `algorithm` and `nbytes` runs, asked for as `protocol`
+    ("auto": by size among `allowed`, pick_protocol). Protocols are the ring and tree
+    kernels': the other algorithms use no FIFO, so their calls run Simple."""
+    if algorithm not in PROTOCOL_ALGORITHMS:
+        return "simple"
+    return pick_protocol(nbytes, device, allowed) if protocol == "auto" else protocol
+
+
+def plan(
+    coll: str,
+    algorithm: str,
+    nbytes: int,
+    nranks: int,
+    device: str,
+    max_channels: int,
+    symmetric: bool = False,
+    nodes: NodeShape | str | None = None,
+    slow_network: bool = False,
+    protocol: str = "auto",
+    allowed=PROTOCOLS,
+    why_not_direct: str | None = None,
+    refused=None,
+) -> Plan:
     """Algorithm, channel count and protocol for one call. `nbytes` is the size of the
     full (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
-    that the direct kernels can run (symmetric buffers; with GIN peers,
-    Communicator._direct_buffers' conditions); `nodes`
+    that the direct kernels can run (the call's route: routes.DirectRouter), and
+    `why_not_direct` why not (the ValueError of algorithm "direct"; default:
+    routes.needs_symmetric); `nodes`
     is the job's NodeShape where the hierarchical algorithm can run, else why not
     (hierarchical.node_shape) or None; `slow_network`: GIN runs slower than memory (a
     real network between hosts, or the wire model), where "auto" takes the hierarchical
     algorithm from HIERARCHICAL_MIN_BYTES. `protocol`: "auto" (by size, among `allowed`:
-    the protocols the communicator can run) or one of PROTOCOLS. Protocols are the ring
+    the protocols the communicator can run) or one of PROTOCOLS; one in `refused`
+    (protocol_refusal) raises CapabilityError. Protocols are the ring
     and tree kernels': the direct kernels use no FIFO, so a call of algorithm "direct"
     runs without one (its plan says simple), and auto does not pick direct for LL or
     LL128. A hierarchical plan has no channels: its children plan their own calls."""
+    refusal = protocol_refusal(protocol, refused)
+    if refusal:
+        raise CapabilityError(refusal)
     if protocol != "auto" and protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; choose from auto, {', '.join(PROTOCOLS)}")
     spec = catalogue.get(coll)
     if algorithm != "auto" and algorithm not in catalogue.ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose from auto, {', '.join(catalogue.ALGORITHMS)}")
     if algorithm != "auto" and algorithm not in spec.algorithms:
-        raise ValueError(f"algorithm {algorithm!r} is implemented for "
-                         f"{', '.join(catalogue.with_algorithm(algorithm))} only, not {coll}")
+        raise ValueError(
+            f"algorithm {algorithm!r} is implemented for "
+            f"{', '.join(catalogue.with_algorithm(algorithm))} only, not {coll}"
+        )
     if algorithm == "direct" and not symmetric:
-        raise ValueError(f"algorithm 'direct' needs buffers from Communicator.alloc_symmetric ({coll}: "
-                         f"{' and '.join(spec.peer_accessed)})")
+        raise ValueError(why_not_direct or needs_symmetric(spec))
     if algorithm == HIERARCHICAL and not isinstance(nodes, NodeShape):
-        raise ValueError(f"algorithm 'hierarchical' cannot run on this communicator: "
-                         f"{nodes or 'it needs ranks on several nodes'}")
-    if algorithm == "auto" and slow_network and isinstance(nodes, NodeShape) and HIERARCHICAL in spec.algorithms \
-            and nbytes >= HIERARCHICAL_MIN_BYTES:
+        raise ValueError(
+            f"algorithm 'hierarchical' cannot run on this communicator: {nodes or 'it needs ranks on several nodes'}"
+        )
+    if (
+        algorithm == "auto"
+        and slow_network
+        and isinstance(nodes, NodeShape)
+        and HIERARCHICAL in spec.algorithms
+        and nbytes >= HIERARCHICAL_MIN_BYTES
+    ):
         algorithm = HIERARCHICAL
     if algorithm == HIERARCHICAL:
         return Plan(HIERARCHICAL, 0, protocol)
-    if algorithm == "auto" and symmetric and protocol in ("auto", "simple") and "direct" in spec.algorithms \
-            and nbytes >= DIRECT_MIN_BYTES:
+    if (
+        algorithm == "auto"
+        and symmetric
+        and protocol in ("auto", "simple")
+        and "direct" in spec.algorithms
+        and nbytes >= DIRECT_MIN_BYTES
+    ):
         algorithm = "direct"
     if algorithm == "auto":
         algorithm = "tree" if "tree" in spec.algorithms and nranks > 2 and nbytes <= TREE_MAX_BYTES else "ring"
@@ -143,11 +192,7 @@ def plan(coll: str, algorithm: str, nbytes: int, nranks: int, device: str, max_c
         nchannels = max(1, min(max_channels, nbytes // BYTES_PER_CHANNEL))
     if algorithm == "tree" and max_channels >= 2:
         nchannels = max(2, nchannels)  # both trees of the double binary tree
-    if algorithm not in PROTOCOL_ALGORITHMS:
-        protocol = "simple"
-    elif protocol == "auto":
-        protocol = pick_protocol(nbytes, device, allowed)
-    return Plan(algorithm, nchannels, protocol)
+    return Plan(algorithm, nchannels, choose_protocol(protocol, algorithm, nbytes, device, allowed))
 
 
 # ---- streamed stores on the CPU (CollArgs.streamStores, include/commref/move.h) ----
@@ -243,10 +288,20 @@ class StoreChooser:
 # ---- residency of co-located ranks on one GPU ----
 
 
-def residency_problem(kernel: str, ranks: int, channels: int, threads: int, blocks_per_sm: int,
-                      sms: int) -> str | None:
+def residency_problem(
+    kernel: str,
+    ranks: int,
+    channels: int,
+    threads: int,
+    blocks_per_sm: int,
+    sms: int,
+    unit: str = "channels",
+    knob: str = "max_channels",
+) -> str | None:
     """Why `ranks` ranks of one process on one GPU cannot each run `kernel` with
-    `channels` blocks of `threads` threads at once, or None when they can.
+    `channels` blocks of `threads` threads at once, or None when they can. `unit` names
+    a rank's blocks in the message and `knob` what sets their number (a user's kernel:
+    "blocks", "grid").
 
     The rule: every block of a rank's launch spins on the same channel of its peers. When
     peers are ranks of this process on this device, their launches run concurrently on
@@ -260,13 +315,14 @@ def residency_problem(kernel: str, ranks: int, channels: int, threads: int, bloc
     fit at least one block of `threads` threads (blocks_per_sm > 0). Blocks of other
     kernels on the device (the user's, other communicators') are not counted."""
     if blocks_per_sm <= 0:
-        return (f"{kernel} cannot run {threads} threads per block on this GPU (0 blocks fit an SM); "
-                f"use fewer threads")
+        return f"{kernel} cannot run {threads} threads per block on this GPU (0 blocks fit an SM); use fewer threads"
     if ranks <= 1:
         return None
     need, room = ranks * channels, blocks_per_sm * sms
     if room >= need:
         return None
-    return (f"{ranks} ranks of this process share this GPU: {ranks} ranks x {channels} channels = {need} blocks of "
-            f"{threads} threads must be resident at once, but {kernel} fits {blocks_per_sm} blocks per SM x {sms} "
-            f"SMs = {room}; use fewer max_channels or threads, or fewer ranks per GPU")
+    return (
+        f"{ranks} ranks of this process share this GPU: {ranks} ranks x {channels} {unit} = {need} blocks of "
+        f"{threads} threads must be resident at once, but {kernel} fits {blocks_per_sm} blocks per SM x {sms} "
+        f"SMs = {room}; use fewer {knob} or threads, or fewer ranks per GPU"
+    )

@@ -10,6 +10,9 @@ integers chosen so that every reduction is exact in every dtype and in any order
   for up to 8 ranks (exact in every float type; int8/uint8 wrap exactly like numpy);
 - allgather and broadcast move data only: integers that use the whole type (integers)
   or its exactly representable range (floats), so a misplaced shard shows;
+- gather, scatter, sendrecv and hypercube move data: the same values, each rank's its
+  own; alltoallv's are alltoall's, and the part of each recvbuf block its pair does not
+  send (catalogue.Collective.pair_count) must still hold the unwritten buffer's bytes;
 - alltoall (a personalized exchange, catalogue.BOTH): the same kinds of values, and each
   block names its route: element i of the block rank s sends to rank d is
   tag + nranks**2 * h(seed, s, d * count + i) with tag = s * nranks + d, so every
@@ -34,6 +37,7 @@ import numpy as np
 from commref.device_kernels import abi
 
 from . import catalogue
+from .memory import SENTINEL
 
 # NCCL's ncclDataType_t codes.
 DTYPES: dict[str, np.dtype] = {
@@ -174,8 +178,9 @@ def reduce_reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
     return acc.astype(dt)
 
 
-def make_input(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int,
-               values: str = "small") -> np.ndarray:
+def make_input(
+    coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int, values: str = "small"
+) -> np.ndarray:
     """Rank `rank`'s sendbuf for a call of `coll` with NCCL count `count`."""
     c = catalogue.get(coll)
     if c.scaled == catalogue.BOTH:
@@ -183,8 +188,17 @@ def make_input(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: i
     return input_values(dtype, op if c.reducing else None, seed, rank, c.counts(count, nranks)[0], values)
 
 
-def expected_output(coll: str, dtype, op: str | None, seed: int, rank: int, nranks: int, count: int,
-                    root: int = 0, values: str = "small") -> np.ndarray | None:
+def expected_output(
+    coll: str,
+    dtype,
+    op: str | None,
+    seed: int,
+    rank: int,
+    nranks: int,
+    count: int,
+    root: int = 0,
+    values: str = "small",
+) -> np.ndarray | None:
     """What rank `rank`'s recvbuf must hold; None where the collective leaves it alone
     (the recvbuf of a non-root rank where only the root's counts)."""
     c = catalogue.get(coll)
@@ -197,9 +211,24 @@ def expected_output(coll: str, dtype, op: str | None, seed: int, rank: int, nran
         return out[at : at + c.counts(count, nranks)[1]]
     if c.scaled == catalogue.RECV:  # every rank's input, in rank order
         return np.concatenate(ins) if ins else np.zeros(0, dtype)
+    if c.scaled == catalogue.SEND:  # scatter: block `rank` of the root's input
+        return ins[root][rank * count : (rank + 1) * count]
     if c.scaled == catalogue.BOTH:  # block `rank` of every rank's input, in rank order
-        return np.concatenate([x[rank * count : (rank + 1) * count] for x in ins])
+        blocks = [x[rank * count : (rank + 1) * count] for x in ins]
+        if c.pair_count is not None:  # alltoallv: the first pair_count of each, the rest left alone
+            blocks = [_left_alone(b, c.pair_count(i, rank, count)) for i, b in enumerate(blocks)]
+        return np.concatenate(blocks)
+    if c.received_from is not None:  # sendrecv: a neighbour's input
+        return ins[c.received_from(rank, nranks)]
     return ins[root if c.rooted else rank]
+
+
+def _left_alone(block: np.ndarray, written: int) -> np.ndarray:
+    """`block` with its elements from `written` on holding the unwritten recvbuf's bytes
+    (memory.SENTINEL)."""
+    out = block.copy()
+    out[written:].view(np.uint8)[...] = SENTINEL
+    return out
 
 
 def count_wrong(got: np.ndarray, expected: np.ndarray) -> int:

@@ -29,13 +29,21 @@ def index_columns(hidden: int) -> int:
     return max(1, min(128, hidden // 4))
 
 
-def make_inputs(rank: int, nranks: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
-                seed: int = 0, dtype: str = "bfloat16"):
+def make_inputs(
+    rank: int,
+    nranks: int,
+    num_tokens: int,
+    hidden: int,
+    num_experts: int,
+    num_topk: int,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+):
     """(x [tokens, hidden], topk_idx int64 [tokens, topk], topk_weights float32) of `rank`."""
     rng = np.random.default_rng([seed, rank, 0xE9])
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     x = np.full((num_tokens, hidden), rank - VALUE_OFFSET, np.float32)
-    x[:, hidden - index_columns(hidden):] = (np.arange(num_tokens) % 256)[:, None]
+    x[:, hidden - index_columns(hidden) :] = (np.arange(num_tokens) % 256)[:, None]
     scores = rng.random((num_tokens, num_experts))
     topk = np.argsort(-scores, axis=1, kind="stable")[:, :num_topk].astype(np.int64)
     for _ in range(max(1, num_tokens // 4)):  # DeepEP masks a few random entries
@@ -68,7 +76,7 @@ def _expected_rows(values: np.ndarray, source: int, tokens: np.ndarray, ncol: in
     """What the rows of `source`'s `tokens` hold: source - 128, the token index (mod
     256) in the last ncol columns."""
     want = np.full(values.shape, source - VALUE_OFFSET, np.float32)
-    want[:, values.shape[1] - ncol:] = (tokens % 256)[:, None]
+    want[:, values.shape[1] - ncol :] = (tokens % 256)[:, None]
     return want
 
 
@@ -107,8 +115,7 @@ def _sent_tokens(topk: np.ndarray, dest: int, per: int) -> np.ndarray:
     return np.nonzero(((topk >= 0) & (topk // per == dest)).any(axis=1))[0]
 
 
-def check_ht_dispatch(rank: int, nranks: int, num_experts: int, all_topk: list, all_weights: list,
-                      result) -> list[str]:
+def check_ht_dispatch(rank: int, nranks: int, num_experts: int, all_topk: list, all_weights: list, result) -> list[str]:
     """A high-throughput dispatch's result on `rank` against every rank's inputs."""
     p = _Problems()
     per = num_experts // nranks
@@ -129,27 +136,40 @@ def check_ht_dispatch(rank: int, nranks: int, num_experts: int, all_topk: list, 
         seg = slice(start, start + len(tokens))
         start += len(tokens)
         if not np.array_equal(src_idx[seg], tokens):
-            p.add(f"rank {rank}: rows {seg.start}..{seg.stop - 1} from rank {s}: source tokens "
-                  f"{src_idx[seg].tolist()} != {tokens.tolist()}")
+            p.add(
+                f"rank {rank}: rows {seg.start}..{seg.stop - 1} from rank {s}: source tokens "
+                f"{src_idx[seg].tolist()} != {tokens.tolist()}"
+            )
         want = _expected_rows(x[seg], s, tokens, ncol)
         for i in np.nonzero((x[seg] != want).any(axis=1))[0]:
-            p.add(f"rank {rank}: row {seg.start + i} (rank {s}'s token {tokens[i]}): "
-                  f"{_row_problem(x[seg][i], want[i])}")
+            p.add(
+                f"rank {rank}: row {seg.start + i} (rank {s}'s token {tokens[i]}): {_row_problem(x[seg][i], want[i])}"
+            )
         topk = all_topk[s][tokens]
         mine = (topk >= rank * per) & (topk < (rank + 1) * per)
         want_idx = np.where(mine, topk - rank * per, -1)
         want_w = np.where(mine, all_weights[s][tokens], 0).astype(np.float32)
         for i in np.nonzero((recv_topk[seg] != want_idx).any(axis=1) | (recv_w[seg] != want_w).any(axis=1))[0]:
-            p.add(f"rank {rank}: row {seg.start + i}: top-k {recv_topk[seg][i].tolist()} / "
-                  f"{recv_w[seg][i].tolist()} != {want_idx[i].tolist()} / {want_w[i].tolist()}")
+            p.add(
+                f"rank {rank}: row {seg.start + i}: top-k {recv_topk[seg][i].tolist()} / "
+                f"{recv_w[seg][i].tolist()} != {want_idx[i].tolist()} / {want_w[i].tolist()}"
+            )
     want_expert = [int(sum(((t >= 0) & (t == rank * per + e)).sum() for t in all_topk)) for e in range(per)]
     if list(per_expert) != want_expert:
         p.add(f"rank {rank}: tokens per local expert {list(per_expert)} != {want_expert}")
     return p
 
 
-def check_ht_combine(rank: int, nranks: int, num_experts: int, x, topk_idx: np.ndarray, topk_weights: np.ndarray,
-                     combined_x, combined_w=None) -> list[str]:
+def check_ht_combine(
+    rank: int,
+    nranks: int,
+    num_experts: int,
+    x,
+    topk_idx: np.ndarray,
+    topk_weights: np.ndarray,
+    combined_x,
+    combined_w=None,
+) -> list[str]:
     """Combine of the received rows unchanged: each token times the number of ranks it
     reached (rounded once to the dtype); the weights' copies sum to the weights."""
     p = _Problems()
@@ -162,13 +182,14 @@ def check_ht_combine(rank: int, nranks: int, num_experts: int, x, topk_idx: np.n
     if combined_w is not None:
         want_w = np.where(topk_idx >= 0, topk_weights, 0).astype(np.float32)
         for t in np.nonzero((_host(combined_w) != want_w).any(axis=1))[0]:
-            p.add(f"rank {rank}: combined top-k weights of token {t}: {_host(combined_w)[t].tolist()} != "
-                  f"{want_w[t].tolist()}")
+            p.add(
+                f"rank {rank}: combined top-k weights of token {t}: {_host(combined_w)[t].tolist()} != "
+                f"{want_w[t].tolist()}"
+            )
     return p
 
 
-def check_ll_dispatch(rank: int, nranks: int, num_experts: int, max_tokens: int, all_topk: list,
-                      result) -> list[str]:
+def check_ll_dispatch(rank: int, nranks: int, num_experts: int, max_tokens: int, all_topk: list, result) -> list[str]:
     """A low-latency dispatch's result on `rank`: per local expert, the rows of each
     source's tokens that chose it, packed by source rank, tokens ascending."""
     p = _Problems()
@@ -185,15 +206,19 @@ def check_ll_dispatch(rank: int, nranks: int, num_experts: int, max_tokens: int,
             tokens, slots = np.nonzero(all_topk[s] == expert)
             want_range = begin << 32 | len(tokens)
             if ranges[e, s] != want_range:
-                p.add(f"rank {rank}: expert {e}, source {s}: layout range {ranges[e, s] >> 32}+"
-                      f"{ranges[e, s] & 0xffffffff} != {begin}+{len(tokens)}")
+                p.add(
+                    f"rank {rank}: expert {e}, source {s}: layout range {ranges[e, s] >> 32}+"
+                    f"{ranges[e, s] & 0xFFFFFFFF} != {begin}+{len(tokens)}"
+                )
             seg = slice(begin, begin + len(tokens))
             if not (np.array_equal(info[e, seg], tokens) and np.array_equal(topk_slot[e, seg], slots)):
                 p.add(f"rank {rank}: expert {e}, source {s}: tokens {info[e, seg].tolist()} != {tokens.tolist()}")
             want = _expected_rows(x[e, seg], s, tokens, ncol)
             for i in np.nonzero((x[e, seg] != want).any(axis=1))[0]:
-                p.add(f"rank {rank}: expert {e} row {begin + i} (rank {s}'s token {tokens[i]}): "
-                      f"{_row_problem(x[e, seg][i], want[i])}")
+                p.add(
+                    f"rank {rank}: expert {e} row {begin + i} (rank {s}'s token {tokens[i]}): "
+                    f"{_row_problem(x[e, seg][i], want[i])}"
+                )
             begin += len(tokens)
         if count[e] != begin:
             p.add(f"rank {rank}: expert {e}: count {count[e]} != {begin}")
@@ -226,11 +251,12 @@ def ll_received(result) -> list:
     """The valid rows of a low-latency dispatch (per expert, the first count rows), for digest()."""
     packed, count, handle = result
     count = _host(count)
-    return [a[e, :count[e]] for e in range(len(count)) for a in (packed, handle.recv_src_info, handle.recv_src_topk)]
+    return [a[e, : count[e]] for e in range(len(count)) for a in (packed, handle.recv_src_info, handle.recv_src_topk)]
 
 
-def checked_round(buf, inputs, all_topk: list, all_weights: list, device_inputs=None,
-                  combine_twice: bool = False) -> tuple[list[str], str]:
+def checked_round(
+    buf, inputs, all_topk: list, all_weights: list, device_inputs=None, combine_twice: bool = False
+) -> tuple[list[str], str]:
     """One round as DeepEP's tests run it on `buf` (a commref.ep Buffer in low-latency
     mode): the layout, high-throughput dispatch and combine, low-latency dispatch and
     combine, each checked. `inputs`: this rank's (x, topk_idx, topk_weights) from
@@ -256,10 +282,21 @@ def checked_round(buf, inputs, all_topk: list, all_weights: list, device_inputs=
         problems += check_ll_combine(r, x, topk, w, again)
         cx2, cw2 = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
         problems += check_ht_combine(r, n, E, x, topk, w, cx2, cw2)
-    received = digest(res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx, cx, cw,
-                      *ll_received(ll), out)
+    received = digest(
+        res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx, cx, cw, *ll_received(ll), out
+    )
     return problems, received
 
 
-__all__ = ["make_inputs", "index_columns", "check_layout", "check_ht_dispatch", "check_ht_combine",
-           "check_ll_dispatch", "check_ll_combine", "checked_round", "digest", "ll_received"]
+__all__ = [
+    "make_inputs",
+    "index_columns",
+    "check_layout",
+    "check_ht_dispatch",
+    "check_ht_combine",
+    "check_ll_dispatch",
+    "check_ll_combine",
+    "checked_round",
+    "digest",
+    "ll_received",
+]

@@ -28,16 +28,34 @@ from pathlib import Path
 
 import numpy as np
 
-from commref.device_kernels import abi, loader
-from commref.device_kernels.loader import CompileError, KernelError
-from commref.transports.errors import CapabilityError, CommAborted
-from commref.transports.gin.plan import counted_writes_refusal
+from commref.device_kernels import abi, build, cpu_loader, gpu_loader
+from commref.device_kernels.build import CompileError, KernelError
+from commref.transports.errors import CapabilityError
+from commref.transports.gin.study.cells import counted_writes_refusal
 
-from .communicator import Communicator
-from .launch import address_of
+from .. import tuner
+from ..communicator import Communicator
+from ..launch_record import address_of
 
 
-class DeviceComm:
+class _EndsOwned:
+    """close() and the with-statement end what the object owns (_owned()), as that one's
+    own do."""
+
+    def _owned(self):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._owned().close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._owned().__exit__(*exc)
+
+
+class DeviceComm(_EndsOwned):
     """A device communicator over the ranks of `world`.
 
     Requirements: `window_bytes` (each rank's device window, a multiple of 8),
@@ -47,10 +65,22 @@ class DeviceComm:
     backend qualifies, and the connections publish with weak signals, gin_protocol
     "signal-per-put", unless told otherwise), `counted_writes` (device.h countedPut over
     GIN: refused where the ordering study finds counted writes unsafe on the wire).
-    Other keywords are Communicator options (path, backend, wire, network, ...)."""
+    Other keywords are Communicator options (path, backend, wire, network, device_id: by
+    default this rank's GPU, world.local_rank % the visible GPUs, communicator.use_rank_gpu)."""
 
-    def __init__(self, world, *, window_bytes: int, signals: int = 0, counters: int = 0, contexts: int = 1,
-                 strong_signals: bool = True, counted_writes: bool = False, device: str = "auto", **options):
+    def __init__(
+        self,
+        world,
+        *,
+        window_bytes: int,
+        signals: int = 0,
+        counters: int = 0,
+        contexts: int = 1,
+        strong_signals: bool = True,
+        counted_writes: bool = False,
+        device: str = "auto",
+        **options,
+    ):
         if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 8 or window_bytes % 8:
             raise ValueError(f"window_bytes must be a positive multiple of 8, not {window_bytes!r}")
         if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= abi.DEVCOMM_MAX_CONTEXTS:
@@ -59,10 +89,13 @@ class DeviceComm:
         if not strong_signals:
             options.setdefault("gin_protocol", "signal-per-put")
         elif options.get("gin_protocol", "strong") != "strong":
-            raise ValueError("strong_signals=True needs the connections' gin_protocol 'strong' (the requirement "
-                             "that makes backend selection insist on strong signals)")
-        self.comm = Communicator(world, device, device_window=window_bytes, device_signals=signals,
-                                 gin_counters=counters, **options)
+            raise ValueError(
+                "strong_signals=True needs the connections' gin_protocol 'strong' (the requirement "
+                "that makes backend selection insist on strong signals)"
+            )
+        self.comm = Communicator(
+            world, device, device_window=window_bytes, device_signals=signals, gin_counters=counters, **options
+        )
         try:
             self._setup(window_bytes, signals, counters, strong_signals, counted_writes)
         except BaseException:
@@ -81,21 +114,23 @@ class DeviceComm:
         if counted_writes and refusal:
             raise CapabilityError(f"rank {self.rank}: {refusal}")
         self.lsa_ranks = [r for r in range(self.nranks) if not (comm.peer_mask >> r) & 1]
-        self._lsa_table = comm._device_table(np.array(self.lsa_ranks, np.int32))
+        self._lsa_table = comm.device_table(np.array(self.lsa_ranks, np.int32))
         self.args = np.zeros(1, dtype=abi.KERNEL_ARGS)
         d = self.args[0]["comm"]
-        d["coll"] = comm._record.record
+        d["coll"] = comm.launch_record.record
         coll = d["coll"]
         coll["nchannels"], coll["elemSize"] = comm.max_channels, 1
         coll["protocol"] = abi.PROTOCOL_CODES["simple"]
         d["windowOff"], d["windowBytes"] = comm.device_window_offset, window_bytes
-        d["counters"] = (int(coll["gin"]["counters"]) if comm.gin.used
-                         else comm.window.address + int(comm.layout["ginCountersOff"]))
+        d["counters"] = (
+            int(coll["gin"]["counters"]) if comm.gin.used else comm.window.address + int(comm.layout["ginCountersOff"])
+        )
         d["lsaRanks"] = address_of(self._lsa_table)
-        d["signalBase"] = abi.gin_signals(comm.max_channels, comm.nsteps)[1]
+        d["signalBase"] = abi.gin_signals(comm.window_channels, comm.nsteps)[1]
         d["nsignals"], d["ncounters"] = signals, counters
-        d["flags"] = ((abi.DEVCOMM_STRONG_SIGNALS if self.strong_signals else 0)
-                      | (abi.DEVCOMM_COUNTED_WRITES if self.counted_writes else 0))
+        d["flags"] = (abi.DEVCOMM_STRONG_SIGNALS if self.strong_signals else 0) | (
+            abi.DEVCOMM_COUNTED_WRITES if self.counted_writes else 0
+        )
         d["lsaRank"], d["lsaSize"] = self.lsa_ranks.index(self.rank), len(self.lsa_ranks)
         d["ncontexts"] = self.contexts
         self.record_bytes = self.args.tobytes()  # each launch copies it and writes its own fields (Kernel.launch)
@@ -116,39 +151,28 @@ class DeviceComm:
             raise ValueError(f"offset {offset} must be >= 0 and a multiple of {dtype.name}'s {dtype.itemsize} bytes")
         count = (self.window_bytes - offset) // dtype.itemsize if count is None else count
         if count < 0 or offset + count * dtype.itemsize > self.window_bytes:
-            raise ValueError(f"{count} {dtype.name} at offset {offset} exceed the device window "
-                             f"({self.window_bytes} bytes)")
+            raise ValueError(
+                f"{count} {dtype.name} at offset {offset} exceed the device window ({self.window_bytes} bytes)"
+            )
         start = self.comm.device_window_offset + offset
-        return self.comm.window.local[start:start + count * dtype.itemsize].view(dtype)
+        return self.comm.window.local[start : start + count * dtype.itemsize].view(dtype)
 
     def synchronize(self, stream=None) -> None:
         """GPU: waits for this communicator's kernels, raising a kernel's failure."""
         self.comm.synchronize(stream)
 
-    def close(self) -> None:
-        self.comm.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.comm.__exit__(*exc)
+    def _owned(self) -> Communicator:
+        return self.comm
 
 
-class UsesDeviceComm:
-    """What owns a device communicator `dc` (the examples' handles: rmsnorm.FusedRMSNorm,
-    ep.Buffer): close() and the with-statement end it as DeviceComm's own do."""
+class UsesDeviceComm(_EndsOwned):
+    """What owns a device communicator `dc` (the handles built on it: rmsnorm.FusedRMSNorm,
+    ep_buffer.Buffer): close() and the with-statement end it as DeviceComm's own do."""
 
     dc: DeviceComm
 
-    def close(self) -> None:
-        self.dc.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.dc.__exit__(*exc)
+    def _owned(self) -> DeviceComm:
+        return self.dc
 
 
 _KERNEL_NAME = re.compile(r"^[A-Za-z_]\w*$")
@@ -169,7 +193,7 @@ class Kernel:
     def __init__(self, source: str, name: str, filename: str | None = None):
         if not _KERNEL_NAME.match(name):
             raise ValueError(f"kernel name {name!r} is not a C identifier")
-        if not re.search(rf"COMMREF_KERNEL\(\s*{name}\s*,\s*KernelArgs\s*,", source):
+        if not re.search(rf"COMMREF_KERNEL\(\s*{name}\s*,\s*(?:commref::)?KernelArgs\s*,", source):
             raise ValueError(f"the source defines no COMMREF_KERNEL({name}, KernelArgs, ...)")
         self.source, self.name = source, name
         self.filename = filename or f"{name}.cu"
@@ -179,13 +203,16 @@ class Kernel:
         self._lock = threading.Lock()
         self._cpu = None
         self._gpu: dict[int, int] = {}  # device id -> CUfunction
+        self._occupancy: dict[
+            tuple[int, int], tuple[int, int]
+        ] = {}  # (device id, block) -> (blocks per SM, max threads)
         self._modules: list = []
 
     @property
     def path(self) -> Path:
         """The source as the compilers see it: cache_dir()/user/<hash>/<filename>."""
         digest = hashlib.sha256(self.source.encode()).hexdigest()[:16]
-        path = loader.cache_dir() / "user" / digest / self.filename
+        path = build.cache_dir() / "user" / digest / self.filename
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
@@ -207,7 +234,7 @@ class Kernel:
             try:
                 if device == "cpu":
                     if self._cpu is None:
-                        self._cpu = loader.CpuKernels(loader.build_user_cpu_library(path))
+                        self._cpu = cpu_loader.CpuKernels(cpu_loader.build_user_cpu_library(path))
                         self._cpu.entry(self.name)
                     return self._cpu
                 if device_id not in self._gpu:
@@ -217,8 +244,8 @@ class Kernel:
                     with cupy.cuda.Device(device_id):
                         cc = int(cupy.cuda.Device(device_id).compute_capability)
                         module = function.Module()
-                        module.load(loader.build_user_gpu_image(path, cc).read_bytes())
-                        self._gpu[device_id] = int(module.get_function(self.name).ptr)
+                        module.load(gpu_loader.build_user_gpu_image(path, cc).read_bytes())
+                        self._gpu[device_id] = gpu_loader.load_function(module, self.name, device_id)
                         self._modules.append(module)
                 return self._gpu[device_id]
             except CompileError as e:
@@ -232,9 +259,7 @@ class Kernel:
         returns when the kernel ends; on a GPU it is enqueued on `stream` (None: CuPy's
         current one) and a failure is raised at dc.synchronize() or the next launch."""
         comm = dc.comm
-        if comm._broken:
-            raise CommAborted(f"rank {comm.rank}: device communicator unusable: {comm._broken}",
-                              rank=comm.rank, origin_rank=None, reason=comm._broken)
+        comm.check_usable("device communicator")
         block = comm.threads if block is None else block
         for what, v in (("grid", grid), ("block", block)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -243,6 +268,8 @@ class Kernel:
         if len(words) > abi.KERNEL_MAX_ARGS:
             raise ValueError(f"a kernel takes at most {abi.KERNEL_MAX_ARGS} arguments, got {len(words)}")
         built = self.compile(comm.device, comm.device_id or 0)  # before counting a launch that cannot happen
+        if comm.device != "cpu":  # the CPU engine runs every block of a launch at once, or refuses it
+            self._check_residency(comm, built, grid, block)
         with dc._lock:
             dc.launches += 1
             # the driver copies it at launch; the CPU reads it until the kernel ends (copied as
@@ -255,17 +282,51 @@ class Kernel:
             if comm.device == "cpu":
                 status = built.launch(self.name, grid, block, None, address=ctypes.addressof(record))
             else:
-                if comm._host.failed:
-                    raise comm._failure()
+                if comm.failed:
+                    raise comm.failure()
                 from cupy.cuda import driver
 
                 fn = built
                 param = ctypes.c_void_p(ctypes.addressof(record))  # the driver copies the record at launch
-                status = comm.enqueue(
-                    lambda own: driver.launchKernel(*loader.launch_arguments(fn, grid, block, own, param)) or 0,
-                    comm._caller_stream(stream))
+                # On the communicator's own stream, joined to the caller's (GpuStream.enqueue),
+                # so that a user's kernel never overlaps the collectives.
+                status = comm.gpu_stream.enqueue(
+                    lambda own: driver.launchKernel(*gpu_loader.launch_arguments(fn, grid, block, own, param)) or 0,
+                    comm.gpu_stream.caller(stream),
+                )
         # on the CPU also a failure recorded outside a wait (the kernel returned without leaving)
-        comm.end_launch(status or int(comm.device == "cpu" and comm._host.failed))
+        comm.end_launch(status or int(comm.device == "cpu" and comm.failed))
+
+    def _check_residency(self, comm, fn: int, grid: int, block: int) -> None:
+        """GPU: refuses (CapabilityError) a launch whose blocks, with those of the other
+        ranks of this process on this GPU, cannot all be resident at once: blocks that wait
+        for one another (a peer's, through signals and barriers) would spin until the
+        deadline. The collectives' rule (tuner.residency_problem) with this kernel's own
+        occupancy (cuOccupancyMaxActiveBlocksPerMultiprocessor for `block` threads)."""
+        key = (comm.device_id, block)
+        occupancy = self._occupancy.get(key)
+        if occupancy is None:
+            from cupy.cuda import driver
+
+            limit = int(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn))
+            per_sm = 0 if block > limit else int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0))
+            occupancy = self._occupancy[key] = (per_sm, limit)
+        per_sm, limit = occupancy
+        why = tuner.residency_problem(
+            f"kernel {self.name}",
+            comm.gpu_stream.ranks_on_device,
+            grid,
+            block,
+            per_sm,
+            comm.kernels.sm_count,
+            unit="blocks (grid)",
+            knob="blocks (grid)",
+        )
+        if why:
+            raise CapabilityError(
+                f"rank {comm.rank}: GPU {comm.device_id}: {why}"
+                + (f" (its limit: {limit} threads)" if per_sm == 0 else "")
+            )
 
     def _word(self, i: int, value, dc: DeviceComm) -> int:
         """Launch argument `i` as a 64-bit word."""
@@ -282,8 +343,10 @@ class Kernel:
             return struct.unpack("<Q", struct.pack("<d", float(value)))[0]
         if isinstance(value, np.ndarray):
             if dc.device != "cpu":
-                raise ValueError(f"argument {i}: a numpy array for a kernel on GPU {dc.comm.device_id}; pass a "
-                                 f"CuPy array on that device")
+                raise ValueError(
+                    f"argument {i}: a numpy array for a kernel on GPU {dc.comm.device_id}; pass a "
+                    f"CuPy array on that device"
+                )
             if not value.flags.c_contiguous:
                 raise ValueError(f"argument {i}: the array is not contiguous")
             return value.ctypes.data
@@ -292,8 +355,7 @@ class Kernel:
                 raise ValueError(f"argument {i}: a GPU array for a kernel on the CPU engine")
             dev = getattr(getattr(value, "device", None), "id", dc.comm.device_id)
             if dev != dc.comm.device_id:
-                raise ValueError(f"argument {i}: the array is on GPU {dev}, the kernel runs on GPU "
-                                 f"{dc.comm.device_id}")
+                raise ValueError(f"argument {i}: the array is on GPU {dev}, the kernel runs on GPU {dc.comm.device_id}")
             if not value.flags.c_contiguous:
                 raise ValueError(f"argument {i}: the array is not contiguous")
             return int(value.data.ptr)

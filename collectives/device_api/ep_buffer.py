@@ -1,5 +1,5 @@
 """Expert parallelism: MoE dispatch and combine in DeepEP's two modes, built on the
-device API alone (a DeviceComm and the kernels of device_kernels/examples/ep.cu). The
+device API alone (a DeviceComm and the kernels of device_kernels/kernels/device_api/ep.cu). The
 public name is commref.ep.
 
     buf = Buffer(world, num_experts=16, hidden=1024, max_tokens_per_rank=128, num_topk=4,
@@ -42,7 +42,7 @@ details), each a cell of the ordering study (docs/ordering.md):
                   in every put plus a counting weak signal
   weak-last       last-put [weak]: puts without signals, a weak signal on the last one
 auto is strong (and asks for a backend with strong signals), headers with backend="gda". Before anything
-runs, the buffer asks the study (transports.gin.plan.study_safe) about its cell on the
+runs, the buffer asks the study (transports.gin.study.cells.study_safe) about its cell on the
 wire of its GIN links and refuses an unsafe one with a CapabilityError naming the cell,
 unless unsafe_ok=True (to watch it fail: tests/test_ep.py). Over LSA every protocol is
 the same stores and one release signal.
@@ -66,23 +66,50 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from commref.transports.errors import CapabilityError
-from commref.transports.gin.plan import study_safe, wire_column
+from commref.transports.gin.study.cells import study_safe, wire_column
 
-from .device_api import DeviceComm, Kernel, UsesDeviceComm
+from .device_comm import DeviceComm, Kernel, UsesDeviceComm
 
 KERNELS = ("ep_layout", "ep_ht_dispatch", "ep_ht_combine", "ep_ll_dispatch", "ep_ll_combine")
 
 # protocol -> the ordering study's (row, signal strength)
-PROTOCOLS = {"strong": ("last-put", "strong"), "signal-per-put": ("signal-per-put", "weak"),
-             "headers": ("headers", "weak"), "weak-last": ("last-put", "weak")}
+PROTOCOLS = {
+    "strong": ("last-put", "strong"),
+    "signal-per-put": ("signal-per-put", "weak"),
+    "headers": ("headers", "weak"),
+    "weak-last": ("last-put", "weak"),
+}
 PROTOCOL_CODES = {"strong": 0, "signal-per-put": 1, "headers": 2, "weak-last": 3}  # ep.cu EpProtocol
 DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # ep.cu EpDtype
 # ep.cu EpConfig, word by word
-CONFIG_FIELDS = ("hidden", "elemSize", "dtype", "topk", "experts", "localExperts", "maxTokens", "protocol",
-                 "xBytes", "xPad",
-                 "htRow", "htRecv", "htCount", "htStage", "htCountStage", "htCombRow", "htComb", "htCombStage",
-                 "llRow", "llRecv", "llCount", "llStage", "llCountStage", "llComb", "llCombStage",
-                 "scratch")
+CONFIG_FIELDS = (
+    "hidden",
+    "elemSize",
+    "dtype",
+    "topk",
+    "experts",
+    "localExperts",
+    "maxTokens",
+    "protocol",
+    "xBytes",
+    "xPad",
+    "htRow",
+    "htRecv",
+    "htCount",
+    "htStage",
+    "htCountStage",
+    "htCombRow",
+    "htComb",
+    "htCombStage",
+    "llRow",
+    "llRecv",
+    "llCount",
+    "llStage",
+    "llCountStage",
+    "llComb",
+    "llCombStage",
+    "scratch",
+)
 MAX_RANKS, MAX_TOPK, MAX_TOKENS = 64, 64, (1 << 24) - 1  # ep.cu: EP_MAX_RANKS, EP_MAX_TOPK, 24-bit token index
 
 _kernels: dict[str, Kernel] = {}
@@ -93,7 +120,7 @@ def kernel(name: str) -> Kernel:
     """The EP kernel `name` (one Kernel per process; compiled on first launch)."""
     with _kernels_lock:
         if name not in _kernels:
-            source = resources.files("commref.device_kernels").joinpath("examples", "ep.cu").read_text()
+            source = resources.files("commref.device_kernels").joinpath("kernels", "device_api", "ep.cu").read_text()
             _kernels[name] = Kernel(source, name, filename="ep.cu")
         return _kernels[name]
 
@@ -117,25 +144,34 @@ def protocol_refusal(protocol: str, transport, strong_signals: bool = True) -> s
     if transport is None or _safe(protocol, transport):
         return None
     row, strength, column = study_cell(protocol, transport)
-    safe = " or ".join(repr(p) for p in PROTOCOLS
-                       if _safe(p, transport) and (strong_signals or PROTOCOLS[p][1] != "strong"))
-    return (f"EP protocol {protocol!r} over GIN on the {transport.name} wire: the ordering study finds "
-            f"{row} [{strength}] on {column} unsafe (commref study --protocol {row} --transport {column}); "
-            f"use protocol {safe}, or unsafe_ok=True to run it anyway")
+    safe = " or ".join(
+        repr(p) for p in PROTOCOLS if _safe(p, transport) and (strong_signals or PROTOCOLS[p][1] != "strong")
+    )
+    return (
+        f"EP protocol {protocol!r} over GIN on the {transport.name} wire: the ordering study finds "
+        f"{row} [{strength}] on {column} unsafe (commref study --protocol {row} --transport {column}); "
+        f"use protocol {safe}, or unsafe_ok=True to run it anyway"
+    )
 
 
 def _round8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-def _regions(n: int, hidden: int, elem: int, topk: int, experts: int, max_tokens: int, low_latency: bool,
-             staging: bool) -> tuple[dict[str, int], int]:
+def _regions(
+    n: int, hidden: int, elem: int, topk: int, experts: int, max_tokens: int, low_latency: bool, staging: bool
+) -> tuple[dict[str, int], int]:
     """The device window's layout (ep.cu EpConfig's offsets and row sizes) and its bytes."""
     per = experts // n
     x_bytes = hidden * elem
     x_pad = _round8(x_bytes)
-    cfg = {"xBytes": x_bytes, "xPad": x_pad, "htRow": 8 + x_pad + 8 * topk, "htCombRow": 8 + x_pad + _round8(4 * topk),
-           "llRow": 8 + x_pad}
+    cfg = {
+        "xBytes": x_bytes,
+        "xPad": x_pad,
+        "htRow": 8 + x_pad + 8 * topk,
+        "htCombRow": 8 + x_pad + _round8(4 * topk),
+        "llRow": 8 + x_pad,
+    }
     at = 0
 
     def region(name: str, nbytes: int, needed: bool = True) -> None:
@@ -223,12 +259,28 @@ class Buffer(UsesDeviceComm):
     module docstring); device and the other keywords go to DeviceComm (path, wire,
     backend, seed, timeout, ...). Collective."""
 
-    def __init__(self, world, *, num_experts: int, hidden: int, max_tokens_per_rank: int, num_topk: int,
-                 dtype: str = "bfloat16", low_latency_mode: bool = False, protocol: str = "auto",
-                 unsafe_ok: bool = False, device: str = "auto", **options):
+    def __init__(
+        self,
+        world,
+        *,
+        num_experts: int,
+        hidden: int,
+        max_tokens_per_rank: int,
+        num_topk: int,
+        dtype: str = "bfloat16",
+        low_latency_mode: bool = False,
+        protocol: str = "auto",
+        unsafe_ok: bool = False,
+        device: str = "auto",
+        **options,
+    ):
         n = world.size
-        for name, v, low in (("num_experts", num_experts, 1), ("hidden", hidden, 1),
-                             ("max_tokens_per_rank", max_tokens_per_rank, 1), ("num_topk", num_topk, 1)):
+        for name, v, low in (
+            ("num_experts", num_experts, 1),
+            ("hidden", hidden, 1),
+            ("max_tokens_per_rank", max_tokens_per_rank, 1),
+            ("num_topk", num_topk, 1),
+        ):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"commref.ep: {name} must be a positive integer, not {v!r}")
         if num_experts % n:
@@ -248,12 +300,19 @@ class Buffer(UsesDeviceComm):
         self.low_latency_mode = low_latency_mode
         self.local_experts = self.num_experts // n
         self.dtype = np.dtype(dtype)
-        regions, window = _regions(n, self.hidden, self.dtype.itemsize, self.num_topk, self.num_experts,
-                                   self.max_tokens, low_latency_mode, staging=options.get("path", "auto") != "lsa")
+        regions, window = _regions(
+            n,
+            self.hidden,
+            self.dtype.itemsize,
+            self.num_topk,
+            self.num_experts,
+            self.max_tokens,
+            low_latency_mode,
+            staging=options.get("path", "auto") != "lsa",
+        )
         # strong signals: required by strong, asked for by auto unless the backend named has none
         strong = protocol == "strong" or (protocol == "auto" and options.get("backend", "auto") != "gda")
-        self.dc = DeviceComm(world, window_bytes=window, signals=3 * n, strong_signals=strong, device=device,
-                             **options)
+        self.dc = DeviceComm(world, window_bytes=window, signals=3 * n, strong_signals=strong, device=device, **options)
         try:
             comm = self.dc.comm
             self.rank, self.device = self.dc.rank, self.dc.device
@@ -272,9 +331,17 @@ class Buffer(UsesDeviceComm):
                 self.xp = cupy
             else:
                 self.xp = np
-            cfg = dict(regions, hidden=self.hidden, elemSize=self.dtype.itemsize, dtype=DTYPE_CODES[dtype],
-                       topk=self.num_topk, experts=self.num_experts, localExperts=self.local_experts,
-                       maxTokens=self.max_tokens, protocol=PROTOCOL_CODES[protocol])
+            cfg = dict(
+                regions,
+                hidden=self.hidden,
+                elemSize=self.dtype.itemsize,
+                dtype=DTYPE_CODES[dtype],
+                topk=self.num_topk,
+                experts=self.num_experts,
+                localExperts=self.local_experts,
+                maxTokens=self.max_tokens,
+                protocol=PROTOCOL_CODES[protocol],
+            )
             self._cfg = self.xp.asarray(np.array([cfg[f] for f in CONFIG_FIELDS], np.int64))
             self._cfg_address = self._address(self._cfg)
             self._kernels = {name: kernel(name) for name in KERNELS}
@@ -320,8 +387,10 @@ class Buffer(UsesDeviceComm):
         if self.device == "cpu":
             arrays = [np.ndarray(shape, dtype, arena, off) for (shape, dtype), off in zip(specs, offsets)]
         else:
-            arrays = [arena[off:off + math.prod(shape) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-                      for (shape, dtype), off in zip(specs, offsets)]
+            arrays = [
+                arena[off : off + math.prod(shape) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+                for (shape, dtype), off in zip(specs, offsets)
+            ]
         return arrays, [base + off for off in offsets]
 
     def _launch(self, name: str, *args) -> None:
@@ -335,11 +404,13 @@ class Buffer(UsesDeviceComm):
         if self.device == "cpu" and not isinstance(a, np.ndarray):
             raise TypeError(f"commref.ep: {name} must be a numpy array on the CPU engine, not {type(a).__name__}")
         if self.device == "cuda" and not on_gpu:
-            raise TypeError(f"commref.ep: {name} must be a CuPy array on GPU {self.dc.comm.device_id}, "
-                            f"not {type(a).__name__}")
+            raise TypeError(
+                f"commref.ep: {name} must be a CuPy array on GPU {self.dc.comm.device_id}, not {type(a).__name__}"
+            )
         if a.dtype not in dtypes:
-            raise TypeError(f"commref.ep: {name} must be {' or '.join(np.dtype(d).name for d in dtypes)}, "
-                            f"not {a.dtype}")
+            raise TypeError(
+                f"commref.ep: {name} must be {' or '.join(np.dtype(d).name for d in dtypes)}, not {a.dtype}"
+            )
         if tuple(a.shape) != shape:
             raise ValueError(f"commref.ep: {name} must have shape {shape}, not {tuple(a.shape)}")
         if not a.flags.c_contiguous:
@@ -354,8 +425,10 @@ class Buffer(UsesDeviceComm):
     def _topk(self, topk_idx) -> int:
         """Checks topk_idx (int64 [tokens, topk], values -1 .. num_experts - 1); returns tokens."""
         if getattr(topk_idx, "ndim", None) != 2:
-            raise ValueError(f"commref.ep: topk_idx must be 2-D [tokens, {self.num_topk}], not "
-                             f"{getattr(topk_idx, 'shape', type(topk_idx).__name__)}")
+            raise ValueError(
+                f"commref.ep: topk_idx must be 2-D [tokens, {self.num_topk}], not "
+                f"{getattr(topk_idx, 'shape', type(topk_idx).__name__)}"
+            )
         ntok = topk_idx.shape[0]
         if ntok > self.max_tokens:
             raise ValueError(f"commref.ep: {ntok} tokens exceed max_tokens_per_rank ({self.max_tokens})")
@@ -364,8 +437,9 @@ class Buffer(UsesDeviceComm):
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= self.num_experts:
                 bad = lo if lo < -1 else hi
-                raise ValueError(f"commref.ep: topk_idx holds {bad}: expert indices are -1 (none) or 0 .. "
-                                 f"{self.num_experts - 1}")
+                raise ValueError(
+                    f"commref.ep: topk_idx holds {bad}: expert indices are -1 (none) or 0 .. {self.num_experts - 1}"
+                )
         return ntok
 
     def _x(self, x, ntok: int):
@@ -376,8 +450,9 @@ class Buffer(UsesDeviceComm):
     def get_dispatch_layout(self, topk_idx) -> Layout:
         """Tokens per rank, per expert, and is_token_in_rank of `topk_idx` (local)."""
         ntok = self._topk(topk_idx)
-        arrays, addresses = self._outputs(((self.nranks,), np.int32), ((self.num_experts,), np.int32),
-                                          ((ntok, self.nranks), np.bool_))
+        arrays, addresses = self._outputs(
+            ((self.nranks,), np.int32), ((self.num_experts,), np.int32), ((ntok, self.nranks), np.bool_)
+        )
         self._launch("ep_layout", self._address(topk_idx), ntok, *addresses)
         return Layout(*arrays)
 
@@ -397,16 +472,31 @@ class Buffer(UsesDeviceComm):
             self._array(layout.is_token_in_rank, "layout.is_token_in_rank", (ntok, n), (np.dtype(np.bool_),))
         cap = n * self.max_tokens
         (recv_x, recv_topk, recv_w, recv_src, prefix, per_expert, slot, num_recv), addresses = self._outputs(
-            ((cap, self.hidden), x.dtype), ((cap, self.num_topk), np.int64), ((cap, self.num_topk), np.float32),
-            ((cap,), np.int32), ((n, n), np.int32), ((self.local_experts,), np.int32), ((ntok, n), np.int32),
-            ((1,), np.int32))
+            ((cap, self.hidden), x.dtype),
+            ((cap, self.num_topk), np.int64),
+            ((cap, self.num_topk), np.float32),
+            ((cap,), np.int32),
+            ((n, n), np.int32),
+            ((self.local_experts,), np.int32),
+            ((ntok, n), np.int32),
+            ((1,), np.int32),
+        )
         kept = (addresses[4], addresses[6], self._address(layout.num_tokens_per_rank))
         a = self._address
-        self._launch("ep_ht_dispatch", a(x), a(topk_idx), a(topk_weights), a(layout.is_token_in_rank), ntok,
-                     self._tag(), *addresses)
+        self._launch(
+            "ep_ht_dispatch",
+            a(x),
+            a(topk_idx),
+            a(topk_weights),
+            a(layout.is_token_in_rank),
+            ntok,
+            self._tag(),
+            *addresses,
+        )
         m = int(num_recv[0])
-        handle = DispatchHandle(id(self), prefix, recv_src[:m], layout.is_token_in_rank, slot,
-                                layout.num_tokens_per_rank, m, ntok, kept)
+        handle = DispatchHandle(
+            id(self), prefix, recv_src[:m], layout.is_token_in_rank, slot, layout.num_tokens_per_rank, m, ntok, kept
+        )
         return DispatchResult(recv_x[:m], recv_topk[:m], recv_w[:m], [int(v) for v in per_expert.tolist()], handle)
 
     def combine(self, x, handle: DispatchHandle, topk_weights=None):
@@ -420,12 +510,23 @@ class Buffer(UsesDeviceComm):
         if topk_weights is not None:
             self._array(topk_weights, "topk_weights", (handle.num_recv, self.num_topk), (np.dtype(np.float32),))
         ntok = handle.num_tokens
-        (out, out_w), (out_address, w_address) = self._outputs(((ntok, self.hidden), x.dtype),
-                                                               ((ntok, self.num_topk), np.float32))
+        (out, out_w), (out_address, w_address) = self._outputs(
+            ((ntok, self.hidden), x.dtype), ((ntok, self.num_topk), np.float32)
+        )
         prefix, slot, per_rank = handle.addresses
-        self._launch("ep_ht_combine", self._address(x), 0 if topk_weights is None else self._address(topk_weights),
-                     prefix, slot, per_rank, ntok, self._tag(), out_address,
-                     0 if topk_weights is None else w_address, int(self._after_combine))
+        self._launch(
+            "ep_ht_combine",
+            self._address(x),
+            0 if topk_weights is None else self._address(topk_weights),
+            prefix,
+            slot,
+            per_rank,
+            ntok,
+            self._tag(),
+            out_address,
+            0 if topk_weights is None else w_address,
+            int(self._after_combine),
+        )
         return out, (out_w if topk_weights is not None else None)
 
     # ---- low-latency ----
@@ -442,8 +543,12 @@ class Buffer(UsesDeviceComm):
         self._x(x, ntok)
         n, per, T = self.nranks, self.local_experts, self.max_tokens
         (packed, count, src_info, src_topk, layout_range), addresses = self._outputs(
-            ((per, n * T, self.hidden), x.dtype), ((per,), np.int32), ((per, n * T), np.int32),
-            ((per, n * T), np.int32), ((per, n), np.int64))
+            ((per, n * T, self.hidden), x.dtype),
+            ((per,), np.int32),
+            ((per, n * T), np.int32),
+            ((per, n * T), np.int32),
+            ((per, n), np.int64),
+        )
         kept = tuple(addresses[2:])
         self._launch("ep_ll_dispatch", self._address(x), self._address(topk_idx), ntok, self._tag(), *addresses)
         handle = LowLatencyHandle(id(self), src_info, src_topk, layout_range, topk_idx.copy(), ntok, kept)
@@ -455,8 +560,9 @@ class Buffer(UsesDeviceComm):
         token's rows reduced with its `topk_weights` (float32 [tokens, topk])."""
         self._need_low_latency()
         if not isinstance(handle, LowLatencyHandle) or handle.buffer != id(self):
-            raise ValueError("commref.ep: low_latency_combine needs the handle of a low_latency_dispatch of this "
-                             "buffer")
+            raise ValueError(
+                "commref.ep: low_latency_combine needs the handle of a low_latency_dispatch of this buffer"
+            )
         ntok = self._topk(topk_idx)
         if ntok != handle.num_tokens or not bool(self.xp.array_equal(topk_idx, handle.topk_idx)):
             raise ValueError("commref.ep: low_latency_combine needs the topk_idx of its dispatch")
@@ -464,10 +570,29 @@ class Buffer(UsesDeviceComm):
         self._array(topk_weights, "topk_weights", (ntok, self.num_topk), (np.dtype(np.float32),))
         (out,), (out_address,) = self._outputs(((ntok, self.hidden), x.dtype))
         a = self._address
-        self._launch("ep_ll_combine", a(x), a(topk_idx), a(topk_weights), ntok, self._tag(), *handle.addresses,
-                     out_address, int(self._after_combine))
+        self._launch(
+            "ep_ll_combine",
+            a(x),
+            a(topk_idx),
+            a(topk_weights),
+            ntok,
+            self._tag(),
+            *handle.addresses,
+            out_address,
+            int(self._after_combine),
+        )
         return out
 
 
-__all__ = ["Buffer", "Layout", "DispatchHandle", "DispatchResult", "LowLatencyHandle", "LowLatencyResult",
-           "PROTOCOLS", "study_cell", "protocol_refusal", "kernel"]
+__all__ = [
+    "Buffer",
+    "Layout",
+    "DispatchHandle",
+    "DispatchResult",
+    "LowLatencyHandle",
+    "LowLatencyResult",
+    "PROTOCOLS",
+    "study_cell",
+    "protocol_refusal",
+    "kernel",
+]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from commref.device_kernels import abi
-from commref.device_kernels.loader import KernelError
+from commref.device_kernels.build import KernelError
 from commref.transports.errors import CommAborted, CommMismatch, CommTimeout, format_seconds
 from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_device_pointer
 
@@ -49,7 +49,7 @@ class CallPlan:
     direct: bool  # a direct kernel: the symmetric buffer fields are read
     hierarchical: bool = False  # no kernel of this communicator: its hierarchy's calls (hierarchical.py)
     protocol: str = "simple"  # of the kernel's FIFO steps (include/commref/proto.h)
-    launch: object = None  # CPU: loader.PreparedLaunch of the communicator's record
+    launch: object = None  # CPU: cpu_loader.PreparedLaunch of the communicator's record
 
 
 class LaunchRecord:
@@ -104,11 +104,25 @@ class RepeatedCall:
     call of this size. `kept`: whether it can match later calls (`keep` asked for it, and
     the arrays can be weakly referenced: not an ndarray subclass without __weakref__)."""
 
-    __slots__ = ("_send", "_recv", "_shapes", "_dtype", "kept", "plan", "send", "recv", "nbytes", "sym",
-                 "streamed", "timed", "in_place")
+    __slots__ = (
+        "_send",
+        "_recv",
+        "_shapes",
+        "_dtype",
+        "kept",
+        "plan",
+        "send",
+        "recv",
+        "nbytes",
+        "sym",
+        "streamed",
+        "timed",
+        "in_place",
+    )
 
-    def __init__(self, sendbuf, recvbuf, plan: CallPlan, s, r, sym, streamed: int, timed: bool, in_place: bool,
-                 keep: bool = True):
+    def __init__(
+        self, sendbuf, recvbuf, plan: CallPlan, s, r, sym, streamed: int, timed: bool, in_place: bool, keep: bool = True
+    ):
         self.kept = False
         if keep:
             try:
@@ -124,9 +138,14 @@ class RepeatedCall:
     def matches(self, sendbuf, recvbuf) -> bool:
         """Whether a call with these arrays is this call again, unchanged."""
         dtype = self._dtype
-        return (self._send() is sendbuf and self._recv() is recvbuf
-                and (sendbuf.shape, sendbuf.strides, recvbuf.shape, recvbuf.strides) == self._shapes
-                and sendbuf.dtype is dtype and recvbuf.dtype is dtype and recvbuf.flags.writeable)
+        return (
+            self._send() is sendbuf
+            and self._recv() is recvbuf
+            and (sendbuf.shape, sendbuf.strides, recvbuf.shape, recvbuf.strides) == self._shapes
+            and sendbuf.dtype is dtype
+            and recvbuf.dtype is dtype
+            and recvbuf.flags.writeable
+        )
 
     def load(self, record: LaunchRecord) -> None:
         """Writes this call's fields into `record` (the caller skips it while
@@ -137,8 +156,9 @@ class RepeatedCall:
         record.holder = self
 
 
-def plan_fields(root: int, dtype_code: int, op_code: int, nchannels: int, itemsize: int,
-                avg_divisor: int, protocol: str = "simple") -> bytes:
+def plan_fields(
+    root: int, dtype_code: int, op_code: int, nchannels: int, itemsize: int, avg_divisor: int, protocol: str = "simple"
+) -> bytes:
     return _INT32S.pack(root, dtype_code, op_code, nchannels, itemsize, avg_divisor, 0, abi.PROTOCOL_CODES[protocol])
 
 
@@ -159,7 +179,8 @@ class HostWords:
     write them."""
 
     def __init__(self, abort_word: np.ndarray, device: str, device_id: int = 0):
-        self.abort = abort_word
+        self.abort_word = abort_word
+        self.aborted = False  # abort() claimed or tried to claim the record
         self._release: list = []
         if device == "cuda":
             import cupy
@@ -183,7 +204,7 @@ class HostWords:
         else:
             self.error = np.zeros(1, dtype=abi.ERROR_RECORD)
             self.error_address = self.error.ctypes.data
-            self.abort_address = self.abort.ctypes.data
+            self.abort_address = self.abort_word.ctypes.data
         self._words = self.error.view(np.uint32)  # [0]: ErrorRecord.code (a cheap `failed`)
         assert abi.ERROR_RECORD.fields["code"][1] == 0
 
@@ -200,6 +221,20 @@ class HostWords:
     def failed(self) -> bool:
         return int(self._words[0]) != abi.ERR_OK
 
+    def abort(self, rank: int) -> None:
+        """Claims the error record for Communicator.abort as a failing kernel thread
+        does (wait.h): every wait of a running launch sees it at its next poll and ends
+        it; the host then reads ERR_ABORTED. A failure a kernel recorded first stands.
+        Not after close()."""
+        from commref.transports.gin.atomics import host_atomics
+
+        self.aborted = True
+        atomics, code = host_atomics(), self.error.ctypes.data  # ErrorRecord.code is at offset 0
+        if atomics.cas_u32(code, abi.ERR_OK, abi.RECORD_CLAIMED):
+            for field, value in dict(what=0, rank=rank, peer=-1, channel=-1, expected=0, seen=0).items():
+                self.error[field] = value
+            atomics.store_release_u32(code, abi.ERR_ABORTED)
+
     def failure(self, rank: int, timeout: float) -> Exception:
         """The exception the error record describes."""
         e = self.error[0]
@@ -211,11 +246,30 @@ class HostWords:
             return CommTimeout(
                 f"rank {rank}: timed out after {format_seconds(timeout)} s waiting for {whom}: {what} "
                 f"on channel {channel} (expected >= {expected}, seen {seen})",
-                rank=rank, peer=peer, what=what, expected=expected, seen=seen)
+                rank=rank,
+                peer=peer,
+                what=what,
+                expected=expected,
+                seen=seen,
+            )
         if code == abi.ERR_MISMATCH and what_code == abi.BAD_ARGUMENT:
-            return ValueError(f"rank {rank}: a device-API call in block {channel} was given {seen} where the "
-                              f"limit is {expected} (ids and contexts below it, offsets + bytes within it; a flag "
-                              f"word: the device communicator lacks that capability)")
+            return ValueError(
+                f"rank {rank}: a device-API call in block {channel} was given {seen} where the "
+                f"limit is {expected} (ids and contexts below it, offsets + bytes within it, "
+                f"putValue's destination a multiple of it; a flag word: the device communicator "
+                f"lacks that capability)"
+            )
+        if code == abi.ERR_MISMATCH and what_code in (abi.P2P_RECV_MISMATCH, abi.P2P_SEND_REJECTED):
+            theirs = f"{expected} {abi.unpack_call(seen)['dtype']}"  # the peer's count and dtype
+            kind = "recv" if what_code == abi.P2P_SEND_REJECTED else "send"
+            return CommMismatch(
+                f"rank {rank}: peer {peer}'s {kind} ({theirs}) does not match this rank's",
+                rank=rank,
+                peer=peer,
+                field="p2p",
+                mine=None,
+                theirs=theirs,
+            )
         if code == abi.ERR_MISMATCH:
             if what_code == abi.COUNT_MISMATCH:
                 field, mine, theirs = "count", expected, seen
@@ -228,14 +282,29 @@ class HostWords:
                 field = field or "call"
             return CommMismatch(
                 f"rank {rank}: collective call differs from peer {peer}'s: {field} is {mine!r} here "
-                f"and {theirs!r} there", rank=rank, peer=peer, field=field, mine=mine, theirs=theirs)
+                f"and {theirs!r} there",
+                rank=rank,
+                peer=peer,
+                field=field,
+                mine=mine,
+                theirs=theirs,
+            )
+        if code == abi.ERR_ABORTED and self.aborted:
+            return CommAborted(
+                f"rank {rank}: aborted by Communicator.abort()", rank=rank, origin_rank=rank, reason="aborted"
+            )
         if code == abi.ERR_ABORTED:
-            return CommAborted(f"rank {rank}: collective aborted while waiting for peer {peer} "
-                               f"because the job is being torn down", rank=rank, origin_rank=None,
-                               reason="abort flag raised")
+            return CommAborted(
+                f"rank {rank}: collective aborted while waiting for peer {peer} because the job is being torn down",
+                rank=rank,
+                origin_rank=None,
+                reason="abort flag raised",
+            )
         if code == abi.ERR_NO_INSTANCE:
-            return KernelError(f"rank {rank}: the kernel has no instance for {_instance(seen)}; it holds "
-                               f"{'every instance' if expected == 2**64 - 1 else _instance(expected, mask=True)}")
+            return KernelError(
+                f"rank {rank}: the kernel has no instance for {_instance(seen)}; it holds "
+                f"{'every instance' if expected == 2**64 - 1 else _instance(expected, mask=True)}"
+            )
         return RuntimeError(f"rank {rank}: kernel failed without a diagnostic (record code {code})")
 
 

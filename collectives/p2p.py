@@ -1,0 +1,149 @@
+"""Point-to-point (nccl4py's send and recv): the record of one operation (management),
+and the launch that runs every operation of a group on one communicator (scheduling).
+
+An operation moves its buffer's bytes to or from one peer over that peer's p2p link
+(kernels/p2p.cu): window channels of their own after the collectives' max_channels
+(abi.p2p_channels), the link from rank s to rank r, d = (r - s) mod n, being channel
+max_channels + (d - 1) // 4 and link (FIFO) (d - 1) % 4 of it. Each step's slot header
+carries the dtype and the element count, which the receiver compares with its own: a
+send and its recv that disagree fail on both ranks with CommMismatch naming what each
+posted. A send completes once its receiver has taken the first slot, so a send and
+its recv must be in flight together: in one group (groups.py), or called in matching
+order. All operations of a group on one communicator are one launch, a block per
+(peer, direction) that runs that pair's operations in posted order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from commref.device_kernels import abi
+from commref.transports.errors import CapabilityError, CommMismatch, CommrefError
+
+from .launch_record import CallPlan, plan_fields
+from .verify import DTYPE_CODES, dtype_name
+
+KERNEL = "commref_p2p"
+SEND, RECV = "send", "recv"
+
+
+@dataclass(eq=False)
+class P2pCall:
+    """One validated send or recv: `kind`, `peer`, its buffer (buffers.Buffer) and the
+    caller's stream."""
+
+    kind: str
+    peer: int
+    buf: Any
+    stream: Any = None
+
+    def describe(self) -> str:
+        to = "to" if self.kind == SEND else "from"
+        return f"{self.kind} of {self.buf.count} {dtype_name(self.buf.dtype)} {to} rank {self.peer}"
+
+
+def record(check, device: str, kind: str, buf, peer, stream, check_usable) -> P2pCall:
+    """Management: checks a send's or recv's peer and buffer (buffers.BufferChecker
+    `check`: the collectives' checks), then the communicator (`check_usable`), before
+    anything launches."""
+    rank, nranks = check.rank, check.nranks
+    if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) or not 0 <= int(peer) < nranks:
+        raise ValueError(f"rank {rank}: {kind} peer must be a rank in [0, {nranks}), got {peer!r}")
+    if int(peer) == rank:
+        raise ValueError(f"rank {rank}: {kind} peer {rank} is this rank; a send or recv needs another rank")
+    b = check.buffer(buf, "sendbuf" if kind == SEND else "recvbuf", write=kind == RECV)
+    if device != "cpu":
+        raise CapabilityError(f"rank {rank}: send and recv run on the CPU engine (device='cpu') in this version")
+    check_usable()
+    return P2pCall(kind, int(peer), b, stream)
+
+
+def link(rank: int, nranks: int, max_channels: int, call: P2pCall) -> tuple[int, int]:
+    """(window channel, link index) of the call's link (the module docstring)."""
+    d = (call.peer - rank) % nranks if call.kind == SEND else (rank - call.peer) % nranks
+    return max_channels + (d - 1) // abi.CONN_OUT, (d - 1) % abi.CONN_OUT
+
+
+def call_desc(dtype: np.dtype) -> int:
+    return abi.pack_call("p2p", "ring", DTYPE_CODES[dtype_name(dtype)], 0, 0, 0)
+
+
+class P2pLauncher:
+    """The p2p launches of one communicator `comm` (its rank, ranks, max_channels,
+    kernels, threads, launch record and end_launch); `host`: its launch_record.HostWords,
+    whose error record names a failed operation's peer and what it saw."""
+
+    def __init__(self, comm, host):
+        self.comm, self.host = comm, host
+
+    def table(self, calls: list[P2pCall]) -> tuple[np.ndarray, int]:
+        """The operations (abi.P2P_OP) in posted order and the number of blocks."""
+        c = self.comm
+        ops = np.zeros(len(calls), dtype=abi.P2P_OP)
+        blocks: dict[tuple[int, str], int] = {}
+        for i, call in enumerate(calls):
+            op = ops[i]
+            op["buf"], op["count"], op["bytes"] = call.buf.address, call.buf.count, call.buf.nbytes
+            op["callDesc"] = call_desc(call.buf.dtype)
+            op["peer"], op["send"] = call.peer, call.kind == SEND
+            op["channel"], op["conn"] = link(c.rank, c.nranks, c.max_channels, call)
+            op["block"] = blocks.setdefault((call.peer, call.kind), len(blocks))
+        return ops, len(blocks)
+
+    def run(self, calls: list[P2pCall]) -> None:
+        """Runs `calls` in one launch. A failure is raised with `member` set to the
+        call that failed (the first of its (peer, direction) not done)."""
+        c = self.comm
+        ops, nblocks = self.table(calls)
+        plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
+        record = c.launch_record
+        record.set_call(plan, ops.ctypes.data, 0)
+        try:
+            c.end_launch(c.kernels.launch(KERNEL, nblocks, c.threads, record.args, address=record.address))
+        except CommrefError as e:
+            failed = self.failed(calls, ops)
+            exc = self.mismatch(failed) or e
+            exc.member = failed
+            raise exc from (None if exc is e else e)
+
+    def failed(self, calls: list[P2pCall], ops: np.ndarray) -> P2pCall:
+        """The call the error record names: the first not done of its peer and
+        direction (by what was awaited), else the first not done."""
+        e = self.host.error[0]
+        what, peer = int(e["what"]), int(e["peer"])
+        kind = {
+            abi.WAIT_RECV_READY: RECV,
+            abi.P2P_RECV_MISMATCH: RECV,
+            abi.WAIT_SEND_CREDIT: SEND,
+            abi.WAIT_P2P_ACCEPT: SEND,
+            abi.P2P_SEND_REJECTED: SEND,
+        }.get(what)
+        pending = [call for call, op in zip(calls, ops) if not op["done"]] or calls
+        named = [call for call in pending if call.peer == peer and kind in (None, call.kind)]
+        return (named or pending)[0]
+
+    def mismatch(self, call: P2pCall) -> CommMismatch | None:
+        """The CommMismatch of a send and recv that disagree, naming what each rank
+        posted (the error record holds the peer's count and descriptor), or None."""
+        e = self.host.error[0]
+        if int(e["code"]) != abi.ERR_MISMATCH or int(e["what"]) not in (abi.P2P_RECV_MISMATCH, abi.P2P_SEND_REJECTED):
+            return None
+        rank, peer = self.comm.rank, int(e["peer"])
+        theirs_count, fields = int(e["expected"]), abi.unpack_call(int(e["seen"]))
+        theirs_dtype = fields["dtype"] if fields["collective"] == "p2p" else f"a {fields['collective']} step"
+        other = RECV if call.kind == SEND else SEND
+        mine_dtype = dtype_name(call.buf.dtype)
+        field = "dtype" if theirs_dtype != mine_dtype else "count"
+        mine, theirs = (mine_dtype, theirs_dtype) if field == "dtype" else (call.buf.count, theirs_count)
+        return CommMismatch(
+            f"rank {rank}: {call.describe()} does not match rank {peer}'s {other} of {theirs_count} "
+            f"{theirs_dtype}: {field} is {mine!r} here and {theirs!r} there",
+            rank=rank,
+            peer=peer,
+            field=field,
+            mine=mine,
+            theirs=theirs,
+        )

@@ -1,0 +1,129 @@
+"""Scheduling: the last layer of a call (calls.py), which runs each prepared call on its
+path: the hierarchical composition (its children's calls), the CPU engine (the call
+kept for repetition: launch_record.RepeatedCall) or the communicator's GPU stream
+(gpu_stream.GpuStream), and a group's sends and receives in one launch (p2p.py). One
+queue per path and stream, in call order; a single call is a group of one (groups.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import tuner
+from .calls import Call
+from .launch_record import CallPlan, RepeatedCall
+from .p2p import P2pCall, P2pLauncher
+
+REPEATED_CALLS = 64  # RepeatedCalls a CPU communicator keeps (the oldest goes first)
+
+
+class Scheduler:
+    """The launches of one communicator `comm`: its launch record, kernels, stream
+    stores chooser (CPU), GPU stream, and its end_launch and hierarchy."""
+
+    def __init__(self, comm, planner, host):
+        self.comm, self.planner = comm, planner
+        self.record, self.kernels, self.threads = comm.launch_record, comm.kernels, comm.threads
+        self.gpu_stream, self.stores = comm.gpu_stream, tuner.StoreChooser(comm.options.stream_stores.value)
+        self.repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall, kept
+        self.p2p = P2pLauncher(comm, host)
+
+    def launch(self, calls: list) -> None:
+        """Prepares (CallPlanner) and runs recorded calls: the collectives (calls.Call)
+        one launch each, in order, then every send and recv (p2p.P2pCall) in one launch.
+        A failure is raised with `member` set to the call that failed; the calls after
+        it are not launched."""
+        p2p = [call for call in calls if isinstance(call, P2pCall)]
+        for call in calls:
+            if isinstance(call, P2pCall):
+                continue
+            try:
+                self.launch_one(call)
+            except Exception as e:
+                e.member = call
+                raise
+        if p2p:
+            self.p2p.run(p2p)
+
+    def launch_one(self, call: Call) -> None:
+        plan = self.planner.prepare(call)
+        if plan.hierarchical:
+            self.run_hierarchical(call)
+        elif self.gpu_stream is None:
+            self.run_cpu(self.keep(call, plan))
+        else:
+            if plan.direct:
+                self.record.set_symmetric(call.route.sym)
+            self.comm.end_launch(self.launch_gpu(plan, call.s.address, call.r.address, call.stream))
+
+    def keep(self, call: Call, plan: CallPlan) -> RepeatedCall:
+        """A CPU call as a RepeatedCall, kept for the next call with its arguments unless
+        a buffer was not looked at (root_only: the other one stood in for it)."""
+        s, r = call.s, call.r
+        timed = s.nbytes >= tuner.STORE_CHOOSER_MIN_BYTES and self.stores.mode == "auto"
+        in_place = timed and s.overlaps(r)
+        streamed = 0 if timed else self.stores.choose(plan.kernel, s.nbytes)[0]  # the same every call
+        keep = call.repeat is not None and s.obj is call.sendbuf and r.obj is call.recvbuf
+        kept = RepeatedCall(call.sendbuf, call.recvbuf, plan, s, r, call.route.sym, streamed, timed, in_place, keep)
+        if kept.kept:
+            if len(self.repeated) >= REPEATED_CALLS:
+                self.repeated.clear()
+            self.repeated[call.repeat] = kept
+        return kept
+
+    def run_cpu(self, call: RepeatedCall) -> None:
+        """Runs a CPU call (its record fields written unless the record holds them)."""
+        record = self.record
+        if record.holder is not call:
+            call.load(record)
+        launch = call.plan.launch
+        if call.timed:  # tuner.StoreChooser picks and times streamStores
+            streamed, store_key = self.stores.choose(call.plan.kernel, call.nbytes, call.in_place)
+            record.set_stream_stores(streamed)
+            t0 = time.perf_counter()
+            status = launch.run(launch.desc)
+            if store_key is not None and not status:
+                self.stores.record(store_key, streamed, time.perf_counter() - t0, call.nbytes)
+        else:
+            status = launch.run(launch.desc)
+        self.comm.end_launch(status, launch.refused)
+
+    def launch_gpu(self, plan: CallPlan, send: int, recv: int, stream) -> int:
+        """Enqueues the call on the communicator's stream, joined to the caller's
+        `stream` (None: CuPy's current stream; a cupy Stream or a CUstream handle)."""
+        comm, record = self.comm, self.record
+        if comm.failed:  # an earlier kernel failed and nobody synchronized since
+            raise comm.failure()
+        caller = self.gpu_stream.caller(stream)
+        record.set_call(plan, send, recv)
+        return self.gpu_stream.enqueue(
+            lambda own: self.kernels.launch(
+                plan.kernel, plan.nchannels, self.threads, record.args, own, plan.spec, record.address
+            ),
+            caller,
+        )
+
+    def run_hierarchical(self, call: Call) -> None:
+        """The call as its hierarchy's calls (hierarchical.Hierarchy); AllReduce's tail
+        that does not split over the node's ranks by the flat algorithm."""
+        comm, op, stream = self.comm, call.signature.op, call.stream
+        h = comm.hierarchy()
+        send, recv = call.s.array.reshape(-1), call.r.array.reshape(-1)
+        if call.spec.name == "allreduce":
+            h.allreduce(
+                send,
+                recv,
+                op,
+                stream,
+                lambda a, b: comm._collective("allreduce", a, b, op, 0, stream, "auto", flat=True),
+            )
+            return
+        xp = np
+        if self.gpu_stream is not None:
+            import cupy as xp
+        if call.spec.name == "reduce_scatter":
+            h.reduce_scatter(send, recv, op, stream, xp)
+        else:
+            h.allgather(send, recv, stream, xp)
