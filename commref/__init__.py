@@ -2,12 +2,14 @@
 
 The public face: ``Communicator`` (nccl4py-shaped collectives over LSA peer memory and
 GIN), the worlds that bootstrap ranks (``MPIWorld``, one rank per process;
-``ThreadWorld``, ranks as threads of one process), users' own kernels on a device
+``ThreadWorld``, ranks as threads of one process), groups of calls (``group``,
+``group_start``, ``group_end``: NCCL's ncclGroupStart/End), users' own kernels on a device
 communicator (``DeviceComm``, ``Kernel``: include/commref/device.h), and the error types. The
 ``commref`` command (check, bench, study) is ``commref.cli``.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 from pathlib import Path as _Path
 
 # In a source tree the layer folders (collectives/, device_kernels/, transports/, bench/)
@@ -21,13 +23,34 @@ if (_TREE / "collectives" / "catalogue.py").is_file() and str(_TREE) not in __pa
 
 from commref.collectives.communicator import Communicator
 from commref.collectives.device_api import CompileError, DeviceComm, Kernel
+from commref.collectives.groups import group, group_end, group_start
+from commref.collectives.setup import SPLIT_NOCOLOR
 from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
-from commref.transports.world import MPIWorld, ThreadWorld, World
+from commref.transports.mpi_world import MPIWorld
+from commref.transports.thread_world import ThreadWorld
+from commref.transports.world import World
 
 try:
     __version__ = _version("commref")
 except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
-__all__ = ["Communicator", "DeviceComm", "Kernel", "CompileError", "MPIWorld", "ThreadWorld", "World", "CommrefError", "CommTimeout", "CommAborted",
-           "CommMismatch", "CapabilityError", "__version__"]
+__all__ = [
+    "Communicator",
+    "SPLIT_NOCOLOR",
+    "group",
+    "group_start",
+    "group_end",
+    "DeviceComm",
+    "Kernel",
+    "CompileError",
+    "MPIWorld",
+    "ThreadWorld",
+    "World",
+    "CommrefError",
+    "CommTimeout",
+    "CommAborted",
+    "CommMismatch",
+    "CapabilityError",
+    "__version__",
+]

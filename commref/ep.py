@@ -1,8 +1,9 @@
 """commref.ep: MoE dispatch and combine (expert parallelism) in DeepEP's two modes,
 high-throughput and low-latency, on the device API alone. The implementation lives in
-the collectives layer (collectives/ep.py, where the benchmark can reach it; its
-docstring is the user's guide), the kernels in device_kernels/examples/ep.cu, the
-DeepEP-style checks in collectives/ep_check.py.
+the collectives layer, beside the device communicator it is built on
+(collectives/device_api/ep_buffer.py, where the benchmark can reach it; its docstring
+is the user's guide), the kernels in device_kernels/kernels/device_api/ep.cu, the
+DeepEP-style checks in collectives/device_api/ep_check.py.
 
     from commref import ThreadWorld, ep
     def rank(world):
@@ -16,26 +17,26 @@ DeepEP-style checks in collectives/ep_check.py.
 job's ranks) runs both modes on DeepEP-style inputs and prints what the checks found.
 """
 
-from commref.collectives.ep import *  # noqa: F401,F403
-from commref.collectives.ep import __all__ as _ep_all
-from commref.collectives.ep_check import *  # noqa: F401,F403
-from commref.collectives.ep_check import __all__ as _check_all
+from commref.collectives.device_api.ep_buffer import *  # noqa: F401,F403
+from commref.collectives.device_api.ep_buffer import __all__ as _ep_all
+from commref.collectives.device_api.ep_check import *  # noqa: F401,F403
+from commref.collectives.device_api.ep_check import __all__ as _check_all
 
 __all__ = [*_ep_all, *_check_all]
 
 
 def _main(argv=None) -> int:
     """Layout, high-throughput and low-latency dispatch and combine on DeepEP-style inputs,
-    each checked exactly (collectives/ep_check.py), run twice with the same inputs (equal
+    each checked exactly (collectives/device_api/ep_check.py), run twice with the same inputs (equal
     digests of what was received), on `--np` ranks as threads or the MPI job's ranks."""
     import argparse
 
     import numpy as np
 
-    from commref.collectives import ep_check
-    from commref.collectives.ep import Buffer
+    from commref._selfcheck import add_peer_arguments, run_ranks, use_rank_stream
+    from commref.collectives.device_api import ep_check
+    from commref.collectives.device_api.ep_buffer import Buffer
     from commref.collectives.options import resolve_device
-    from commref.transports.world import MPIWorld, ThreadWorld
 
     p = argparse.ArgumentParser(prog="python -m commref.ep", description=_main.__doc__)
     p.add_argument("--np", type=int, help="ranks as threads of this process (default: the MPI job's ranks)")
@@ -43,10 +44,7 @@ def _main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=3)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--path", default="lsa", choices=["lsa", "gin", "auto"])
-    p.add_argument("--wire", default="ordered", choices=["ordered", "unordered"])
-    p.add_argument("--network", default="auto", choices=["auto", "shm", "mpi"])
+    add_peer_arguments(p)
     p.add_argument("--backend", default="auto")
     p.add_argument("--protocol", default="auto")
     p.add_argument("--seed", type=int, default=0, help="inputs and the unordered wire")
@@ -54,17 +52,25 @@ def _main(argv=None) -> int:
     device = resolve_device(args.device)
 
     def body(world):
-        xp = np
-        if device == "cuda":  # ranks that share a GPU each need a non-blocking stream of their own
-            import cupy
-
-            cupy.cuda.Stream(non_blocking=True).use()
-            xp = cupy
+        xp = use_rank_stream(world) if device == "cuda" else np
         r, n, E, K, T = world.rank, world.size, args.experts, args.topk, args.tokens
-        gin = (dict(wire=args.wire, network=args.network, backend=args.backend, seed=args.seed)
-               if args.path != "lsa" else {})
-        with Buffer(world, num_experts=E, hidden=args.hidden, max_tokens_per_rank=T, num_topk=K,
-                    low_latency_mode=True, protocol=args.protocol, device=device, path=args.path, **gin) as buf:
+        gin = (
+            dict(wire=args.wire, network=args.network, backend=args.backend, seed=args.seed)
+            if args.path != "lsa"
+            else {}
+        )
+        with Buffer(
+            world,
+            num_experts=E,
+            hidden=args.hidden,
+            max_tokens_per_rank=T,
+            num_topk=K,
+            low_latency_mode=True,
+            protocol=args.protocol,
+            device=device,
+            path=args.path,
+            **gin,
+        ) as buf:
             x, topk, w = ep_check.make_inputs(r, n, T, args.hidden, E, K, seed=args.seed)
             all_topk, all_w = world.allgather(topk), world.allgather(w)
             dx = xp.asarray(x.view(np.uint16)) if device == "cuda" else x
@@ -78,17 +84,15 @@ def _main(argv=None) -> int:
                 problems.append(f"rank {r}: the same inputs received differently: digests {digests}")
             return problems, buf.protocol, buf.cell, buf.dc.backend
 
-    if args.np:
-        results = ThreadWorld.run(args.np, body)
-    else:
-        world = MPIWorld()
-        results = world.allgather(body(world))
+    results, reporting = run_ranks(args.np, body)
     problems = [q for res in results for q in res[0]]
-    if args.np or world.rank == 0:
+    if reporting:
         _, protocol, cell, backend = results[0]
-        print(f"# commref.ep: {len(results)} ranks, device {device}, path {args.path}, protocol {protocol} "
-              f"(study cell {cell}), backend {backend}: layout, high-throughput and low-latency dispatch and "
-              f"combine twice: {len(problems)} problems")
+        print(
+            f"# commref.ep: {len(results)} ranks, device {device}, path {args.path}, protocol {protocol} "
+            f"(study cell {cell}), backend {backend}: layout, high-throughput and low-latency dispatch and "
+            f"combine twice: {len(problems)} problems"
+        )
         for q in problems[:20]:
             print("  " + q)
     return 0 if not problems else 1

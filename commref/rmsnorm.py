@@ -18,7 +18,7 @@ from commref.collectives.device_api import DeviceComm, Kernel, UsesDeviceComm
 KERNEL = "commref_rmsnorm_rs_ag"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel() -> Kernel:
     source = resources.files("commref.device_kernels").joinpath("examples", "rmsnorm.cu").read_text()
     return Kernel(source, KERNEL, filename="rmsnorm.cu")
@@ -65,8 +65,12 @@ class FusedRMSNorm(UsesDeviceComm):
             if tuple(a.shape) != want or a.dtype != np.float32:
                 raise ValueError(f"{name} must be float32 of shape {want}, not {a.dtype} {tuple(a.shape)}")
         out = xp.empty(shape, np.float32) if out is None else out
-        self.kernel.launch(self.dc, 1, threads, (xp.ascontiguousarray(x), xp.ascontiguousarray(weight), out,
-                                                 self.tokens, self.hidden, self.eps))
+        self.kernel.launch(
+            self.dc,
+            1,
+            threads,
+            (xp.ascontiguousarray(x), xp.ascontiguousarray(weight), out, self.tokens, self.hidden, self.eps),
+        )
         return out
 
 
@@ -75,35 +79,31 @@ def _main(argv=None) -> int:
     kernel on small-integer inputs and counts the elements that differ from reference()."""
     import argparse
 
+    from commref._selfcheck import add_peer_arguments, run_ranks, use_rank_stream
     from commref.collectives.options import resolve_device
-    from commref.transports.world import MPIWorld, ThreadWorld
 
     p = argparse.ArgumentParser(prog="python -m commref.rmsnorm", description=_main.__doc__)
     p.add_argument("--np", type=int, help="ranks as threads of this process (default: the MPI job's ranks)")
     p.add_argument("--tokens", type=int, default=37)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--path", default="lsa", choices=["lsa", "gin", "auto"])
-    p.add_argument("--wire", default="ordered", choices=["ordered", "unordered"])
-    p.add_argument("--network", default="auto", choices=["auto", "shm", "mpi"])
+    add_peer_arguments(p)
     p.add_argument("--weak", action="store_true", help="weak signals suffice (the gda backend qualifies)")
     args = p.parse_args(argv)
 
     device = resolve_device(args.device)
 
     def body(world):
-        if device == "cuda":  # ranks that share a GPU each need a non-blocking stream of their own
-            import cupy
-
-            cupy.cuda.Stream(non_blocking=True).use()
+        if device == "cuda":
+            cupy = use_rank_stream(world)
         rng = np.random.default_rng(11)
         partials = [rng.integers(-3, 4, size=(args.tokens, args.hidden)).astype(np.float32) for _ in range(world.size)]
         weight = (rng.integers(1, 9, size=args.hidden) / 4).astype(np.float32)
         want = reference(partials, weight, 1e-6)
         gin = dict(path=args.path, wire=args.wire, network=args.network, strong_signals=not args.weak)
-        with FusedRMSNorm(world, tokens=args.tokens, hidden=args.hidden, device=device,
-                          **(gin if args.path != "lsa" else {})) as norm:
+        with FusedRMSNorm(
+            world, tokens=args.tokens, hidden=args.hidden, device=device, **(gin if args.path != "lsa" else {})
+        ) as norm:
             x, w = partials[world.rank], weight
             if device == "cuda":
                 x, w = cupy.asarray(x), cupy.asarray(w)
@@ -115,15 +115,13 @@ def _main(argv=None) -> int:
                 wrong += int((got != want).sum())
             return wrong, norm.dc.backend
 
-    if args.np:
-        results = ThreadWorld.run(args.np, body)
-    else:
-        world = MPIWorld()
-        results = world.allgather(body(world))
+    results, reporting = run_ranks(args.np, body)
     wrong = sum(w for w, _ in results)
-    if args.np or world.rank == 0:
-        print(f"# fused RMSNorm: {len(results)} ranks, path {args.path}, backend {results[0][1]}, "
-              f"{args.iters} launches: {wrong} wrong elements")
+    if reporting:
+        print(
+            f"# fused RMSNorm: {len(results)} ranks, path {args.path}, backend {results[0][1]}, "
+            f"{args.iters} launches: {wrong} wrong elements"
+        )
     return 0 if wrong == 0 else 1
 
 
