@@ -6,7 +6,13 @@ Communicator), so a plugin's ``run`` drives either one:
     allreduce(sendbuf, recvbuf, op)      allgather(sendbuf, recvbuf)
     reduce_scatter(sendbuf, recvbuf, op) broadcast(sendbuf, recvbuf, root)
     reduce(sendbuf, recvbuf, op, root)   alltoall(sendbuf, recvbuf)
+    gather(sendbuf, recvbuf, root)       scatter(sendbuf, recvbuf, root)
+    alltoallv(sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls)
+    sendrecv(sendbuf, recvbuf)           hypercube(sendbuf, recvbuf)
     synchronize()
+
+(sendrecv and hypercube are nccl-tests' programs: collectives/p2p_collectives.py says
+what they move.) Each baseline has `rank` and `nranks`.
 
 The harness times baselines out of place only (the MPI and NCCL in-place layouts of
 reduce_scatter differ). GPU libraries are imported only when a GPU baseline is built.
@@ -14,11 +20,12 @@ reduce_scatter differ). GPU libraries are imported only when a GPU baseline is b
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import numpy as np
 
-from commref.collectives import catalogue
+from commref.collectives import catalogue, p2p_collectives
 from commref.collectives.verify import DTYPE_CODES, OPS, dtype_name
 
 
@@ -28,7 +35,9 @@ class BaselineUnavailable(RuntimeError):
 
 class MPIBaseline:
     """MPI's own collectives through mpi4py on numpy buffers (MPI_Allreduce,
-    MPI_Allgather, MPI_Reduce_scatter_block, MPI_Bcast, MPI_Reduce, MPI_Alltoall).
+    MPI_Allgather, MPI_Reduce_scatter_block, MPI_Bcast, MPI_Reduce, MPI_Alltoall,
+    MPI_Gather, MPI_Scatter, MPI_Alltoallv); sendrecv as one MPI_Sendrecv, hypercube as
+    its log2(n) MPI_Sendrecv steps with rank ^ 2^k (after the local copy of its own block).
 
     Data-movement collectives move bytes (MPI_BYTE), so every dtype works; reductions
     need an MPI datatype for the numpy dtype (bfloat16 has none). MPI has no average:
@@ -46,7 +55,7 @@ class MPIBaseline:
             self.comm = MPI.COMM_SELF.Dup()
         else:
             raise BaselineUnavailable("the MPI baseline needs MPI ranks (run with --np N), not rank threads")
-        self.rank = self.comm.Get_rank()
+        self.rank, self.nranks = self.comm.Get_rank(), self.comm.Get_size()
         version = MPI.Get_library_version().strip().splitlines()[0]
         self.library = version
         self.label = "MPI (" + _short_mpi_name(version) + ")"
@@ -66,8 +75,13 @@ class MPIBaseline:
             self.notes.append("MPI has no average: avg measured as MPI_SUM")
 
     def _op(self, op: str):
-        return {"sum": self.MPI.SUM, "avg": self.MPI.SUM, "prod": self.MPI.PROD, "max": self.MPI.MAX,
-                "min": self.MPI.MIN}[op]
+        return {
+            "sum": self.MPI.SUM,
+            "avg": self.MPI.SUM,
+            "prod": self.MPI.PROD,
+            "max": self.MPI.MAX,
+            "min": self.MPI.MIN,
+        }[op]
 
     def allreduce(self, sendbuf, recvbuf, op="sum") -> None:
         send = self.MPI.IN_PLACE if sendbuf is recvbuf else sendbuf
@@ -90,6 +104,38 @@ class MPIBaseline:
 
     def alltoall(self, sendbuf, recvbuf) -> None:
         self.comm.Alltoall(_bytes(sendbuf), _bytes(recvbuf))
+
+    def gather(self, sendbuf, recvbuf, root: int) -> None:
+        self.comm.Gather(_bytes(sendbuf), _bytes(recvbuf) if self.rank == root else None, root)
+
+    def scatter(self, sendbuf, recvbuf, root: int) -> None:
+        self.comm.Scatter(_bytes(sendbuf) if self.rank == root else None, _bytes(recvbuf), root)
+
+    def alltoallv(self, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls) -> None:
+        t = sendbuf.itemsize
+
+        def spec(buf, counts, displs):
+            return [_bytes(buf), [k * t for k in counts], [d * t for d in displs], self.MPI.BYTE]
+
+        self.comm.Alltoallv(spec(sendbuf, sendcounts, sdispls), spec(recvbuf, recvcounts, rdispls))
+
+    def sendrecv(self, sendbuf, recvbuf) -> None:
+        n, r = self.nranks, self.rank
+        self.comm.Sendrecv(_bytes(sendbuf), (r + 1) % n, recvbuf=_bytes(recvbuf), source=(r - 1) % n)
+
+    def hypercube(self, sendbuf, recvbuf) -> None:
+        n, r, c = self.nranks, self.rank, sendbuf.size
+        out = _bytes(recvbuf.reshape(-1))
+        b = c * sendbuf.itemsize
+        if recvbuf.size and not np.shares_memory(sendbuf, recvbuf):
+            out[r * b : (r + 1) * b] = _bytes(sendbuf.reshape(-1))
+        mask = 1
+        while mask < n:
+            mine = r & ~(mask - 1)
+            theirs = mine ^ mask
+            send, recv = out[mine * b : (mine + mask) * b], out[theirs * b : (theirs + mask) * b]
+            self.comm.Sendrecv(send, r ^ mask, recvbuf=recv, source=r ^ mask)
+            mask <<= 1
 
     def synchronize(self) -> None:
         pass
@@ -151,8 +197,9 @@ class NCCLBaseline:
         if self._api == "nccl4py":
             self._comm.allreduce(sendbuf, recvbuf, self._op(op), stream=self._stream())
         else:
-            self._comm.allReduce(sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf), self._op(op),
-                                 self._stream())
+            self._comm.allReduce(
+                sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf), self._op(op), self._stream()
+            )
 
     def allgather(self, sendbuf, recvbuf) -> None:
         if self._api == "nccl4py":
@@ -164,22 +211,23 @@ class NCCLBaseline:
         if self._api == "nccl4py":
             self._comm.reduce_scatter(sendbuf, recvbuf, self._op(op), stream=self._stream())
         else:
-            self._comm.reduceScatter(sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf),
-                                     self._op(op), self._stream())
+            self._comm.reduceScatter(
+                sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf), self._op(op), self._stream()
+            )
 
     def broadcast(self, sendbuf, recvbuf, root: int) -> None:
         if self._api == "nccl4py":
             self._comm.broadcast(sendbuf, recvbuf, root, stream=self._stream())
         else:
-            self._comm.broadcast(sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf), root,
-                                 self._stream())
+            self._comm.broadcast(sendbuf.data.ptr, recvbuf.data.ptr, recvbuf.size, _code(recvbuf), root, self._stream())
 
     def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0) -> None:
         if self._api == "nccl4py":
             self._comm.reduce(sendbuf, recvbuf, self._op(op), root, stream=self._stream())
         else:
-            self._comm.reduce(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, _code(sendbuf), self._op(op), root,
-                              self._stream())
+            self._comm.reduce(
+                sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, _code(sendbuf), self._op(op), root, self._stream()
+            )
 
     def alltoall(self, sendbuf, recvbuf) -> None:
         if self._api == "nccl4py":
@@ -196,6 +244,55 @@ class NCCLBaseline:
                 self._comm.recv(recvbuf.data.ptr + peer * step, count, code, peer, stream)
         finally:
             self._nccl.groupEnd()
+
+    # Sends and receives (the collectives composed of them: p2p_collectives.py).
+    def send(self, sendbuf, peer: int, stream=None) -> None:
+        if self._api == "nccl4py":
+            self._comm.send(sendbuf, peer, stream=self._stream())
+        else:
+            self._comm.send(sendbuf.data.ptr, sendbuf.size, _code(sendbuf), peer, self._stream())
+
+    def recv(self, recvbuf, peer: int, stream=None) -> None:
+        if self._api == "nccl4py":
+            self._comm.recv(recvbuf, peer, stream=self._stream())
+        else:
+            self._comm.recv(recvbuf.data.ptr, recvbuf.size, _code(recvbuf), peer, self._stream())
+
+    @contextlib.contextmanager
+    def group(self):
+        """ncclGroupStart / ncclGroupEnd around the block."""
+        start, end = (
+            (self._nccl.group_start, self._nccl.group_end)
+            if self._api == "nccl4py"
+            else (self._nccl.groupStart, self._nccl.groupEnd)
+        )
+        start()
+        try:
+            yield
+        finally:
+            end()
+
+    # ncclGather / ncclScatter where nccl4py has them, else sends and receives in a group.
+    def gather(self, sendbuf, recvbuf, root: int) -> None:
+        if self._api == "nccl4py" and hasattr(self._comm, "gather"):
+            self._comm.gather(sendbuf, recvbuf, root, stream=self._stream())
+        else:
+            p2p_collectives.gather(self, sendbuf, recvbuf, root)
+
+    def scatter(self, sendbuf, recvbuf, root: int) -> None:
+        if self._api == "nccl4py" and hasattr(self._comm, "scatter"):
+            self._comm.scatter(sendbuf, recvbuf, root, stream=self._stream())
+        else:
+            p2p_collectives.scatter(self, sendbuf, recvbuf, root)
+
+    def alltoallv(self, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls) -> None:
+        p2p_collectives.alltoallv(self, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls)
+
+    def sendrecv(self, sendbuf, recvbuf) -> None:
+        p2p_collectives.sendrecv(self, sendbuf, recvbuf)
+
+    def hypercube(self, sendbuf, recvbuf) -> None:
+        p2p_collectives.hypercube(self, sendbuf, recvbuf)
 
     def synchronize(self) -> None:
         self.cupy.cuda.get_current_stream().synchronize()

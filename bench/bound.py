@@ -72,13 +72,14 @@ there is about a launch per call, not memory.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from commref.collectives.catalogue import Traffic
-from commref.transports.world import allowed_cpus
+from commref.transports.cpu_binding import allowed_cpus
 
 WORD = 4  # the stream kernel's element: a 32-bit word
 LINE_WORDS = 16  # arrays are whole 64-byte lines
@@ -126,7 +127,7 @@ def default_blocks(world) -> int:
     """Blocks per rank of the CPU stream kernel: the CPUs this rank may run on, shared
     with the ranks of its host that may run on the same ones (at least one each), so
     that all ranks together keep every core streaming once (unbound ranks share every
-    CPU; ranks bound to their share of them, transports/world.py, share none)."""
+    CPU; ranks bound to their share of them, transports/cpu_binding.py, share none)."""
     mine = (world.host, sorted(allowed_cpus()))
     sharing = sum(other == mine for other in world.allgather(mine, what="stream meter: CPUs"))
     return max(1, len(mine[1]) // sharing)
@@ -139,8 +140,7 @@ class StreamMeter:
     CPU (xp is numpy): ``commref_stream`` on the CPU engine, `blocks` blocks of one
     thread. GPU (xp is CuPy): ``copyto`` and ``add`` on this rank's stream."""
 
-    def __init__(self, world, xp=np, sync: Callable[[], None] | None = None, blocks: int | None = None,
-                 kernels=None):
+    def __init__(self, world, xp=np, sync: Callable[[], None] | None = None, blocks: int | None = None, kernels=None):
         self.world, self.xp = world, xp
         self.sync = sync or (lambda: None)
         self.cpu = xp is np
@@ -156,9 +156,9 @@ class StreamMeter:
     @property
     def kernels(self):
         if self._kernels is None:
-            from commref.device_kernels import loader
+            from commref.device_kernels import cpu_loader
 
-            self._kernels = loader.cpu_kernels()
+            self._kernels = cpu_loader.cpu_kernels()
         return self._kernels
 
     def _buf(self, words: int):
@@ -186,6 +186,7 @@ class StreamMeter:
             def run() -> None:
                 if launch("commref_stream", blocks, 1, a, address=address) != ok:
                     raise RuntimeError("commref_stream failed")
+
             return run
         arrays = [buf[k * words : (k + 1) * words] for k in range(kernel.arrays)]
         xp = self.xp
@@ -235,8 +236,9 @@ def aggregate_rates(per_rank: list[dict[str, dict]]) -> dict[str, float]:
     return rates
 
 
-def bound(traffic: Traffic, size: int, nranks: int, bus_bytes: float, rounds: list[list[dict[str, dict]]]
-          ) -> dict[str, Any] | None:
+def bound(
+    traffic: Traffic, size: int, nranks: int, bus_bytes: float, rounds: list[list[dict[str, dict]]]
+) -> dict[str, Any] | None:
     """The bound of one placement of a call of `size` bytes on `nranks` ranks, from the
     stream rounds (each: every rank's StreamMeter.measure): time_us, busbw (GB/s:
     `bus_bytes` over that time), this rank's least loads and stores (load_bytes,
@@ -250,8 +252,14 @@ def bound(traffic: Traffic, size: int, nranks: int, bus_bytes: float, rounds: li
     rates = {k: max(r[k] for r in per_round) for k in per_round[0]}
     kernel = max(rates, key=rates.get)
     t = nranks * (loads + stores) / rates[kernel]  # the job's least bytes at the aggregate rate
-    return {"time_us": t * 1e6, "busbw": bus_bytes / t / 1e9 if t > 0 else float("inf"),
-            "load_bytes": loads, "store_bytes": stores, "footprint_bytes": traffic.footprint(size),
-            "kernel": kernel, "GBps": rates[kernel] / nranks / 1e9,
-            "kernels_GBps": {k: r / nranks / 1e9 for k, r in rates.items()},
-            "rounds_GBps": [max(r.values()) / nranks / 1e9 for r in per_round]}
+    return {
+        "time_us": t * 1e6,
+        "busbw": bus_bytes / t / 1e9 if t > 0 else float("inf"),
+        "load_bytes": loads,
+        "store_bytes": stores,
+        "footprint_bytes": traffic.footprint(size),
+        "kernel": kernel,
+        "GBps": rates[kernel] / nranks / 1e9,
+        "kernels_GBps": {k: r / nranks / 1e9 for k, r in rates.items()},
+        "rounds_GBps": [max(r.values()) / nranks / 1e9 for r in per_round],
+    }

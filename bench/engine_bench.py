@@ -11,8 +11,9 @@
 - launch: commref_empty launched the way the collectives launch on the CPU -- a
   launch prepared once (CpuKernels.prepared: kernel, args record, grid, block) and run
   by its descriptor, one ctypes argument, the GIL released -- timed one launch at a
-  time; median over --launches launches, in microseconds. Measured at grid 1 x block 1 (a small collective on the CPU: one
-  channel, one thread) and at --blocks x --threads (informational).
+  time; median over --launches launches, in microseconds. Measured at grid 1 x block 1
+  (a small collective on the CPU: one channel, one thread) and at --blocks x --threads
+  (informational).
 
 Targets (the exit status is 1 when one is missed): copy >= 50% of numpy's bandwidth,
 and the grid-1 empty launch <= 50 us.
@@ -32,33 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from commref.device_kernels import abi, loader
+from commref.device_kernels import abi, cpu_loader
+
+from . import programs
+from .flags import int_type, parse_size
 
 COPY_TARGET_RATIO = 0.5
 LAUNCH_TARGET_US = 50.0
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """An integer with an optional K, M or G suffix (powers of 1024; 64M, 64MiB, 1g)."""
-    s = text.strip().upper()
-    for tail in ("IB", "B"):
-        if s.endswith(tail) and len(s) > len(tail):
-            s = s[: -len(tail)]
-            break
-    unit = s[-1] if s and s[-1] in "KMG" else ""
-    digits = s[: len(s) - len(unit)]
-    if not digits.isdigit() or int(digits) <= 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a positive integer with an optional "
-                                         f"K, M or G suffix, such as 4096, 1K or 64M")
-    return int(digits) * _UNITS[unit]
-
-
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def default_blocks() -> int:
@@ -72,8 +53,7 @@ def copy_args(src: int = 0, dst: int = 0, nbytes: int = 0) -> np.ndarray:
     return a
 
 
-def bench_copy(kernels: loader.CpuKernels, nbytes: int, reps: int, warmup: int, blocks: int,
-               threads: int) -> dict:
+def bench_copy(kernels: cpu_loader.CpuKernels, nbytes: int, reps: int, warmup: int, blocks: int, threads: int) -> dict:
     src = (np.arange(nbytes, dtype=np.uint64) * 0x9E3779B1 >> 13).astype(np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)  # zeros() then a write: pages are faulted in before timing
     dst.fill(1)
@@ -111,13 +91,20 @@ def bench_copy(kernels: loader.CpuKernels, nbytes: int, reps: int, warmup: int, 
     med_ours, med_np = statistics.median(t_ours), statistics.median(t_np)
     gbps_ours, gbps_np = nbytes / med_ours / 1e9, nbytes / med_np / 1e9
     return {
-        "bytes": nbytes, "blocks": blocks, "threads": threads, "reps": reps, "warmup": warmup,
-        "ours_gbps": gbps_ours, "numpy_gbps": gbps_np, "ratio": gbps_ours / gbps_np,
-        "ours_seconds": t_ours, "numpy_seconds": t_np,
+        "bytes": nbytes,
+        "blocks": blocks,
+        "threads": threads,
+        "reps": reps,
+        "warmup": warmup,
+        "ours_gbps": gbps_ours,
+        "numpy_gbps": gbps_np,
+        "ratio": gbps_ours / gbps_np,
+        "ours_seconds": t_ours,
+        "numpy_seconds": t_np,
     }
 
 
-def bench_launch(kernels: loader.CpuKernels, launches: int, grid: int, block: int) -> dict:
+def bench_launch(kernels: cpu_loader.CpuKernels, launches: int, grid: int, block: int) -> dict:
     args = copy_args()
     # As the Communicator calls it: prepared once (CallPlan.launch), run by its descriptor.
     prepared = kernels.prepared("commref_empty", grid, block, args.ctypes.data)
@@ -134,24 +121,45 @@ def bench_launch(kernels: loader.CpuKernels, launches: int, grid: int, block: in
             raise RuntimeError(f"commref_empty failed with status {status}")
     samples.sort()
     us = [s / 1000 for s in samples]
-    return {"grid": grid, "block": block, "launches": launches, "median_us": statistics.median(us),
-            "p10_us": us[len(us) // 10], "p90_us": us[(len(us) * 9) // 10], "min_us": us[0]}
+    return {
+        "grid": grid,
+        "block": block,
+        "launches": launches,
+        "median_us": statistics.median(us),
+        "p10_us": us[len(us) // 10],
+        "p90_us": us[(len(us) * 9) // 10],
+        "min_us": us[0],
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--bytes", type=parse_size, default=64 << 20, help="bytes to copy (default 64M)")
+    p.add_argument("--reps", type=int_type(1), default=15, help="timed copies of each kind (default 15)")
+    p.add_argument("--warmup", type=int_type(0), default=3, help="untimed copies of each kind first (default 3)")
+    p.add_argument(
+        "--blocks",
+        type=int_type(1),
+        default=default_blocks(),
+        help=f"grid of the copy kernel (default min(4, cores) = {default_blocks()})",
+    )
+    p.add_argument("--threads", type=int_type(1), default=1, help="threads per block of the copy kernel (default 1)")
+    p.add_argument("--launches", type=int_type(1), default=2000, help="timed empty launches (default 2000)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return p
+
+
+def validate(args) -> None:
+    if args.bytes < 1:
+        raise ValueError(f"--bytes must be at least 1, got {args.bytes}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bytes", type=parse_bytes, default=64 << 20, help="bytes to copy (default 64M)")
-    p.add_argument("--reps", type=positive_int, default=15, help="timed copies of each kind (default 15)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed copies of each kind first (default 3)")
-    p.add_argument("--blocks", type=positive_int, default=default_blocks(),
-                   help=f"grid of the copy kernel (default min(4, cores) = {default_blocks()})")
-    p.add_argument("--threads", type=positive_int, default=1, help="threads per block of the copy kernel (default 1)")
-    p.add_argument("--launches", type=positive_int, default=2000, help="timed empty launches (default 2000)")
-    p.add_argument("--json", metavar="OUT.json", help="also write the results as JSON")
-    a = p.parse_args(argv)
+    return programs.run_module(sys.modules[__name__], argv)
 
-    kernels = loader.cpu_kernels()
+
+def run(a) -> int:
+    """The copy and launch measurements in this process; 1 when a target is missed."""
+    kernels = cpu_loader.cpu_kernels()
     copy = bench_copy(kernels, a.bytes, a.reps, a.warmup, a.blocks, a.threads)
     launch1 = bench_launch(kernels, a.launches, 1, 1)
     launchn = bench_launch(kernels, a.launches, a.blocks, a.threads)
@@ -159,17 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     copy_ok = copy["ratio"] >= COPY_TARGET_RATIO
     launch_ok = launch1["median_us"] <= LAUNCH_TARGET_US
     mib = a.bytes / (1 << 20)
-    print(f"# commref CPU engine: {os.cpu_count()} cores, {platform.machine()}, python {platform.python_version()}, "
-          f"numpy {np.__version__}")
+    print(
+        f"# commref CPU engine: {os.cpu_count()} cores, {platform.machine()}, python {platform.python_version()}, "
+        f"numpy {np.__version__}"
+    )
     print(f"# copy: {mib:g} MiB, {a.blocks} block(s) x {a.threads} thread(s), median of {a.reps} (warmup {a.warmup})")
     print(f"{'measure':<34}{'value':>12}  {'target':<16}{'result':<6}")
     print("-" * 70)
     print(f"{'copy commref_copy (GB/s)':<34}{copy['ours_gbps']:>12.2f}")
     print(f"{'copy np.copyto (GB/s)':<34}{copy['numpy_gbps']:>12.2f}")
-    print(f"{'copy ratio commref / numpy':<34}{copy['ratio']:>12.2f}  {f'>= {COPY_TARGET_RATIO:.2f}':<16}"
-          f"{'ok' if copy_ok else 'MISS':<6}")
-    print(f"{'empty launch 1x1 median (us)':<34}{launch1['median_us']:>12.2f}  {f'<= {LAUNCH_TARGET_US:g}':<16}"
-          f"{'ok' if launch_ok else 'MISS':<6}")
+    print(
+        f"{'copy ratio commref / numpy':<34}{copy['ratio']:>12.2f}  {f'>= {COPY_TARGET_RATIO:.2f}':<16}"
+        f"{'ok' if copy_ok else 'MISS':<6}"
+    )
+    print(
+        f"{'empty launch 1x1 median (us)':<34}{launch1['median_us']:>12.2f}  {f'<= {LAUNCH_TARGET_US:g}':<16}"
+        f"{'ok' if launch_ok else 'MISS':<6}"
+    )
     print(f"{'empty launch 1x1 p10 / p90 (us)':<34}{launch1['p10_us']:>5.2f} / {launch1['p90_us']:<6.2f}")
     label = f"empty launch {a.blocks}x{a.threads} median (us)"
     print(f"{label:<34}{launchn['median_us']:>12.2f}  {'(info)':<16}")
@@ -177,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{label:<34}{launchn['p10_us']:>5.2f} / {launchn['p90_us']:<6.2f}")
 
     result = {
-        "machine": {"cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version(),
-                    "numpy": np.__version__, "library": str(kernels.path)},
+        "machine": {
+            "cores": os.cpu_count(),
+            "arch": platform.machine(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "library": str(kernels.path),
+        },
         "copy": copy,
         "launch": {"grid1_block1": launch1, "configured": launchn},
         "targets": {"copy_ratio_min": COPY_TARGET_RATIO, "launch_us_max": LAUNCH_TARGET_US},
@@ -186,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"# wrote {a.json}", flush=True)
     if not (copy_ok and launch_ok):
         missed = [m for m, ok in (("copy bandwidth", copy_ok), ("launch cost", launch_ok)) if not ok]
         print(f"target missed: {', '.join(missed)}", file=sys.stderr)

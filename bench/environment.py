@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from commref.transports.world import allowed_cpus
+from commref.transports.cpu_binding import allowed_cpus
 
 
 def _version(dist: str) -> str | None:
@@ -58,9 +58,15 @@ def device_name(device: str, device_id: int | None) -> str:
     return f"cpu [CPU engine] {cpu_model()}"
 
 
-LINKS = {"shm": "POSIX shared memory between processes", "threads": "one process's memory, ranks as threads",
-         "same-GPU": "ranks share one GPU", "NVLink": "GPU peer memory over NVLink",
-         "PCIe": "GPU peer memory over PCIe", "network": "ranks on several hosts", "peer": "GPU peer memory"}
+LINKS = {
+    "shm": "POSIX shared memory between processes",
+    "threads": "one process's memory, ranks as threads",
+    "same-GPU": "ranks share one GPU",
+    "NVLink": "GPU peer memory over NVLink",
+    "PCIe": "GPU peer memory over PCIe",
+    "network": "ranks on several hosts",
+    "peer": "GPU peer memory",
+}
 
 
 def describe_link(world, device: str, device_id: int | None, ranks: list[dict]) -> str:
@@ -119,22 +125,35 @@ def gpu_sharing(ranks: list[dict]) -> list[str]:
         ids = ",".join(str(r["rank"]) for r in rs)
         pids = {r["pid"] for r in rs}
         if len(pids) == 1:
-            lines.append(f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as threads of one process: "
-                         f"concurrent kernels, each rank's blocks on part of the SMs")
+            lines.append(
+                f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as threads of one process: "
+                f"concurrent kernels, each rank's blocks on part of the SMs"
+            )
         elif all(r.get("mps") for r in rs):
-            lines.append(f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as {len(pids)} processes under MPS "
-                         f"(control pipe {rs[0]['mps']}): concurrent kernels, each rank's blocks on part of the SMs")
+            lines.append(
+                f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as {len(pids)} processes under MPS "
+                f"(control pipe {rs[0]['mps']}): concurrent kernels, each rank's blocks on part of the SMs"
+            )
         else:
-            lines.append(f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as {len(pids)} processes: "
-                         f"time-sliced without MPS, so the times measure the GPU's scheduler as much as the collective")
+            lines.append(
+                f"{len(rs)} ranks ({ids}) share GPU {bus} on {host} as {len(pids)} processes: "
+                f"time-sliced without MPS, so the times measure the GPU's scheduler as much as the collective"
+            )
     return lines
 
 
 def environment(world, device: str, device_id: int | None, baseline, baseline_error: str | None) -> dict:
     """Versions, hosts and devices of the run (one allgather over the ranks of `world`)."""
     w = world
-    mine = {"rank": w.rank, "host": socket.gethostname(), "node": w.node,
-            "pid": os.getpid(), "cpus": cpu_list(allowed_cpus()), "device": device_name(device, device_id)}
+    mine = {
+        "rank": w.rank,
+        "host": socket.gethostname(),
+        "node": w.node,
+        "pid": os.getpid(),
+        "cpus": cpu_list(allowed_cpus()),
+        "device": device_name(device, device_id),
+        "device_id": device_id,  # None on the CPU
+    }
     if device == "cuda":
         try:
             import cupy
@@ -153,12 +172,22 @@ def environment(world, device: str, device_id: int | None, baseline, baseline_er
     except Exception:
         pass
     env = {
-        "commref": _version("commref"), "numpy": np.__version__, "mpi4py": _version("mpi4py"),
-        "mpi_library": mpi_lib, "python": platform.python_version(), "platform": platform.platform(),
-        "host": socket.gethostname(), "hosts": sorted({r["host"] for r in ranks}), "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(), "device": device, "device_name": mine["device"],
-        "nranks": w.size, "world": "MPI processes" if w.kind == "mpi" else "rank threads",
-        "ranks": ranks, "baseline": baseline.library if baseline is not None else None,
+        "commref": _version("commref"),
+        "numpy": np.__version__,
+        "mpi4py": _version("mpi4py"),
+        "mpi_library": mpi_lib,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "hosts": sorted({r["host"] for r in ranks}),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+        "device_name": mine["device"],
+        "nranks": w.size,
+        "world": "MPI processes" if w.kind == "mpi" else "rank threads",
+        "ranks": ranks,
+        "baseline": baseline.library if baseline is not None else None,
         "baseline_unavailable": baseline_error,
     }
     if device == "cuda":

@@ -51,20 +51,25 @@ import numpy as np
 
 from commref.bench.environment import cpu_list
 from commref.collectives.communicator import Communicator
-from commref.transports.world import MPIWorld, ThreadWorld, allowed_cpus
+from commref.transports.cpu_binding import allowed_cpus
+from commref.transports.mpi_world import MPIWorld
+from commref.transports.thread_world import ThreadWorld
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    s = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = s[-1] if s and s[-1] in _UNITS else ""
-    return int(s[: len(s) - len(unit)]) * _UNITS[unit]
+from . import programs
+from .flags import int_type, option_type, parse_size
 
 
 def _gin(world, **kw):
-    return Communicator(world, "cpu", path="gin", backend="proxy", wire=kw.pop("wire", "ordered"),
-                        network=kw.pop("network", "shm"), seed=1, **kw)
+    return Communicator(
+        world,
+        "cpu",
+        path="gin",
+        backend="proxy",
+        wire=kw.pop("wire", "ordered"),
+        network=kw.pop("network", "shm"),
+        seed=1,
+        **kw,
+    )
 
 
 def _counted(comm) -> tuple[int, int | None]:
@@ -84,8 +89,12 @@ def _rate_of(world, comm, call, iters: int) -> dict:
     # Taken so far: the last call's trailing credit signal may still be in the queue.
     ops1, bells1 = _counted(comm)
     world.barrier(what="rate end")
-    return {"ops": ops1 - ops0, "doorbells": None if bells0 is None else bells1 - bells0, "seconds": elapsed,
-            "engine": _engine(comm)}
+    return {
+        "ops": ops1 - ops0,
+        "doorbells": None if bells0 is None else bells1 - bells0,
+        "seconds": elapsed,
+        "engine": _engine(comm),
+    }
 
 
 def _small_rate(world, wire: str, iters: int) -> dict:
@@ -187,10 +196,14 @@ def _busbw(world, nbytes: int, iters: int, warmup: int) -> dict:
             ok = ok and bool((recvbuf == expected).all())
             if i >= warmup:
                 times[name].append(t)
-    geometry = {k: {"channels_max": c.max_channels, "slot_bytes": c.slot_bytes, "nsteps": c.nsteps}
-                for k, (c, _, _) in series.items() if isinstance(c, Communicator)}
-    kernels = {k: _kernel_of(c, s.size, k.endswith("_sym")) for k, (c, s, _) in series.items()
-               if isinstance(c, Communicator)}
+    geometry = {
+        k: {"channels_max": c.max_channels, "slot_bytes": c.slot_bytes, "nsteps": c.nsteps}
+        for k, (c, _, _) in series.items()
+        if isinstance(c, Communicator)
+    }
+    kernels = {
+        k: _kernel_of(c, s.size, k.endswith("_sym")) for k, (c, s, _) in series.items() if isinstance(c, Communicator)
+    }
     engines = {k: _engine(c) for k, c in comms.items() if k.startswith("gin")}
     world.barrier(what="busbw end")
     for c in comms.values():
@@ -235,20 +248,32 @@ def measure(world, args) -> dict | None:
     out = {"world": world.kind, "nranks": n, "cpus": [g[4] for g in gathered], "rate": {}, "busbw": {}}
     for wire in ("ordered", "unordered"):
         out["rate"][wire] = _rate_summary([g[0][wire] for g in gathered], args.small_iters)
-    out["pipelined"] = {**_rate_summary([g[2] for g in gathered], args.pipe_iters), "bytes": args.pipe_bytes,
-                        "slot_bytes": args.pipe_slot_bytes, "nsteps": args.pipe_steps}
+    out["pipelined"] = {
+        **_rate_summary([g[2] for g in gathered], args.pipe_iters),
+        "bytes": args.pipe_bytes,
+        "slot_bytes": args.pipe_slot_bytes,
+        "nsteps": args.pipe_steps,
+    }
     lsa, gin = (statistics.median(gathered[0][3][k]) for k in ("lsa", "gin"))  # rank 0's blocks
-    out["latency"] = {"lsa_us": lsa, "gin_us": gin, "gin_over_lsa": gin / lsa, "blocks": args.latency_blocks,
-                      "iters": args.latency_iters}
+    out["latency"] = {
+        "lsa_us": lsa,
+        "gin_us": gin,
+        "gin_over_lsa": gin / lsa,
+        "blocks": args.latency_blocks,
+        "iters": args.latency_iters,
+    }
     factor = 2 * (n - 1) / n
     for name in gathered[0][1]["times"]:
         # per iteration the slowest rank, then the median over iterations
         per_iter = [max(g[1]["times"][name][i] for g in gathered) for i in range(args.iters)]
         med = statistics.median(per_iter)
-        out["busbw"][name] = {"median_s": med, "algbw_GBps": args.bytes / med / 1e9,
-                              "busbw_GBps": factor * args.bytes / med / 1e9,
-                              "geometry": gathered[0][1]["geometry"].get(name),
-                              "kernel": gathered[0][1]["kernels"].get(name)}
+        out["busbw"][name] = {
+            "median_s": med,
+            "algbw_GBps": args.bytes / med / 1e9,
+            "busbw_GBps": factor * args.bytes / med / 1e9,
+            "geometry": gathered[0][1]["geometry"].get(name),
+            "kernel": gathered[0][1]["kernels"].get(name),
+        }
     out["busbw"]["bytes"] = args.bytes
     out["busbw"]["gin_engine"] = gathered[0][1]["engines"]["gin"]
     out["busbw"]["engines"] = gathered[0][1]["engines"]
@@ -263,58 +288,96 @@ def _ops_line(r: dict) -> str:
 
 
 def report(out: dict) -> str:
-    lines = [f"# commref GIN rate: {out['nranks']} ranks, {out['world']} world, CPU engine, backend proxy; "
-             f"CPUs per rank {out['cpus']}"]
+    lines = [
+        f"# commref GIN rate: {out['nranks']} ranks, {out['world']} world, CPU engine, backend proxy; "
+        f"CPUs per rank {out['cpus']}"
+    ]
     for wire, r in out["rate"].items():
         per = ", ".join(f"{v:.1f}" for v in r["ops_per_collective_per_proxy"])
-        lines.append(f"8-byte AllReduce, shm network, {wire:>9} wire, {r['engine']} engine: "
-                     f"{r['collectives_per_s']:,.0f} collectives/s; {_ops_line(r)} (all proxies "
-                     f"{r['ops_per_s_all_proxies']:,.0f}); descriptors per collective per proxy [{per}]; "
-                     f"{r['us_per_collective']:.1f} us per collective, us per descriptor per proxy "
-                     f"[{', '.join(f'{v:.2f}' for v in r['us_per_op_per_proxy'] if v)}]; correct={r['correct']}")
+        lines.append(
+            f"8-byte AllReduce, shm network, {wire:>9} wire, {r['engine']} engine: "
+            f"{r['collectives_per_s']:,.0f} collectives/s; {_ops_line(r)} (all proxies "
+            f"{r['ops_per_s_all_proxies']:,.0f}); descriptors per collective per proxy [{per}]; "
+            f"{r['us_per_collective']:.1f} us per collective, us per descriptor per proxy "
+            f"[{', '.join(f'{v:.2f}' for v in r['us_per_op_per_proxy'] if v)}]; correct={r['correct']}"
+        )
     lat = out["latency"]
-    lines.append(f"8-byte AllReduce latency (median of {lat['blocks']} alternating blocks of {lat['iters']} calls): "
-                 f"lsa {lat['lsa_us']:.2f} us, gin (shm, ordered, strong) {lat['gin_us']:.2f} us, "
-                 f"gin/lsa {lat['gin_over_lsa']:.2f}")
+    lines.append(
+        f"8-byte AllReduce latency (median of {lat['blocks']} alternating blocks of {lat['iters']} calls): "
+        f"lsa {lat['lsa_us']:.2f} us, gin (shm, ordered, strong) {lat['gin_us']:.2f} us, "
+        f"gin/lsa {lat['gin_over_lsa']:.2f}"
+    )
     p = out["pipelined"]
-    lines.append(f"pipelined: {p['bytes'] / 2**20:g} MiB AllReduce over gin (shm, ordered, strong), "
-                 f"{p['slot_bytes']}-byte slots, {p['nsteps']} in flight: {_ops_line(p)}; "
-                 f"{p['us_per_collective'] / 1e3:.2f} ms per call; correct={p['correct']}")
+    lines.append(
+        f"pipelined: {p['bytes'] / 2**20:g} MiB AllReduce over gin (shm, ordered, strong), "
+        f"{p['slot_bytes']}-byte slots, {p['nsteps']} in flight: {_ops_line(p)}; "
+        f"{p['us_per_collective'] / 1e3:.2f} ms per call; correct={p['correct']}"
+    )
     b = out["busbw"]
-    lines.append(f"{b['bytes'] / 2**20:g} MiB AllReduce (median, slowest rank per iteration; _sym: buffers from "
-                 f"alloc_symmetric, mpi: numpy buffers), engines {b['engines']}, correct={b['correct']}:")
+    lines.append(
+        f"{b['bytes'] / 2**20:g} MiB AllReduce (median, slowest rank per iteration; _sym: buffers from "
+        f"alloc_symmetric, mpi: numpy buffers), engines {b['engines']}, correct={b['correct']}:"
+    )
     names = [k for k in ("lsa", "gin", "gin_mpi", "lsa_sym", "gin_sym", "gin_mpi_sym", "mpi") if k in b]
     for name in names:
         r = b[name]
         geometry = "" if r["geometry"] is None else f"  {r['kernel']} {r['geometry']}"
-        lines.append(f"  {name:>11}: {r['median_s'] * 1e3:8.2f} ms  algbw {r['algbw_GBps']:6.2f} GB/s  "
-                     f"busbw {r['busbw_GBps']:6.2f} GB/s{geometry}")
+        lines.append(
+            f"  {name:>11}: {r['median_s'] * 1e3:8.2f} ms  algbw {r['algbw_GBps']:6.2f} GB/s  "
+            f"busbw {r['busbw_GBps']:6.2f} GB/s{geometry}"
+        )
 
     def ratio(a: str, over: str) -> str:
         return f"{b[a]['busbw_GBps'] / b[over]['busbw_GBps']:.2f}"
 
     lines.append(f"  gin/lsa busbw: plain {ratio('gin', 'lsa')}, symmetric {ratio('gin_sym', 'lsa_sym')}")
     if "gin_mpi" in b:
-        lines.append(f"  gin over network mpi / MPI's Allreduce busbw: plain {ratio('gin_mpi', 'mpi')}, "
-                     f"symmetric {ratio('gin_mpi_sym', 'mpi')}")
+        lines.append(
+            f"  gin over network mpi / MPI's Allreduce busbw: plain {ratio('gin_mpi', 'mpi')}, "
+            f"symmetric {ratio('gin_mpi_sym', 'mpi')}"
+        )
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--small-iters", type=int, default=3000, help="8-byte AllReduces per wire in the rate loop")
-    p.add_argument("--bytes", type=parse_bytes, default=16 << 20, help="AllReduce size for busbw (default 16M)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--latency-blocks", type=int, default=7, help="alternating LSA/GIN blocks of the latency test")
-    p.add_argument("--latency-iters", type=int, default=500, help="8-byte AllReduces per latency block")
-    p.add_argument("--pipe-bytes", type=parse_bytes, default=1 << 20, help="AllReduce size of the pipelined rate")
-    p.add_argument("--pipe-slot-bytes", type=int, default=1024, help="FIFO slot bytes of the pipelined rate")
-    p.add_argument("--pipe-steps", type=int, default=64, help="FIFO slots per link (in flight) of the pipelined rate")
-    p.add_argument("--pipe-iters", type=int, default=20, help="calls timed in the pipelined rate")
-    p.add_argument("--nranks", type=int, default=2, help="ranks as threads when not under mpiexec")
-    p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--small-iters", type=int_type(1), default=3000, help="8-byte AllReduces per wire in the rate loop")
+    p.add_argument("--bytes", type=parse_size, default=16 << 20, help="AllReduce size for busbw (default 16M)")
+    p.add_argument("--iters", type=int_type(1), default=10, help="timed busbw iterations (default 10)")
+    p.add_argument("--warmup", type=int_type(0), default=3, help="untimed busbw iterations first (default 3)")
+    p.add_argument(
+        "--latency-blocks", type=int_type(1), default=7, help="alternating LSA/GIN blocks of the latency test"
+    )
+    p.add_argument("--latency-iters", type=int_type(1), default=500, help="8-byte AllReduces per latency block")
+    p.add_argument("--pipe-bytes", type=parse_size, default=1 << 20, help="AllReduce size of the pipelined rate")
+    p.add_argument(
+        "--pipe-slot-bytes", type=option_type("slot_bytes"), default=1024, help="FIFO slot bytes of the pipelined rate"
+    )
+    p.add_argument(
+        "--pipe-steps", type=int_type(1), default=64, help="FIFO slots per link (in flight) of the pipelined rate"
+    )
+    p.add_argument("--pipe-iters", type=int_type(1), default=20, help="calls timed in the pipelined rate")
+    p.add_argument("--nranks", type=int_type(2), default=2, help="ranks as threads when not under mpiexec")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the results here")
+    return p
+
+
+def validate(args) -> None:
+    for flag, value in (("--bytes", args.bytes), ("--pipe-bytes", args.pipe_bytes)):
+        if value < 8:
+            raise ValueError(f"{flag} must be at least 8 (two float32 elements), got {value}")
+
+
+def footprint(args, nranks: int):
+    """One rank's cost (programs.py): up to six communicators (LSA, GIN shm and mpi, plain
+    and symmetric) over --bytes buffers."""
+    from .footprint import program_footprint
+
+    return program_footprint(4 * max(args.bytes, args.pipe_bytes), 6, nranks)
+
+
+def run(args) -> int:
+    """The measurements on this process's ranks (the MPI world under mpiexec, else
+    --nranks threads); rank 0 prints the report and its JSON line."""
     if MPIWorld.launched_under_mpi():
         out = measure(MPIWorld(), args)
     else:
@@ -325,8 +388,13 @@ def main(argv=None) -> int:
     print(json.dumps(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"# wrote {args.json}", flush=True)
     ok = out["busbw"]["correct"] and out["pipelined"]["correct"] and all(r["correct"] for r in out["rate"].values())
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return programs.run_module(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

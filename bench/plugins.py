@@ -17,6 +17,14 @@ and NCCL's count c: algbw bytes are the larger buffer's, c * t (all_reduce,
 broadcast, reduce) or c * t * n (all_gather: recvbuf, reduce_scatter: sendbuf,
 alltoall: either); the bus factors are 2 (n - 1) / n (all_reduce), (n - 1) / n
 (all_gather, reduce_scatter, alltoall) and 1 (broadcast, reduce).
+
+The collectives composed of sends and receives follow nccl-tests' gather, scatter,
+alltoallv (rccl-tests' and NVIDIA's alltoallv branch), sendrecv and hypercube programs:
+gather (recvbuf) and scatter (sendbuf) hold n blocks of c = size / t / n, bus factor
+(n - 1) / n; alltoallv n blocks of c each way, bus factor (n - 1) / n, each pair moving
+the layout's count of its block (collectives/p2p_collectives.alltoallv_layout);
+sendrecv c = size / t each way, bus factor 1; hypercube c = size / t / n rounded down to
+a multiple of 4 per rank, algbw of the (n - 1) c t bytes a rank receives, bus factor 1.
 """
 
 from __future__ import annotations
@@ -56,12 +64,16 @@ class Collective:
         self._form = spec.call_form  # run() is timed: no lookups beyond the method
 
     def counts(self, nbytes: int, itemsize: int, nranks: int) -> Counts:
-        """The counts of a sweep size: the larger buffer holds at most `nbytes`."""
-        count = nbytes // itemsize // (nranks if self.spec.scaled else 1)
+        """The counts of a sweep size: the larger buffer holds at most `nbytes` (the
+        count a multiple of the catalogue's count_align: hypercube's 4)."""
+        align = self.spec.count_align
+        count = nbytes // itemsize // ((nranks if self.spec.scaled else 1) * align) * align
         return Counts(*self.spec.counts(count, nranks), count)
 
     def algbw_bytes(self, counts: Counts, itemsize: int, nranks: int) -> int:
-        return counts.size_bytes(itemsize)
+        """nccl-tests' getBw bytes: the size column's (hypercube: the nranks - 1 blocks a
+        rank receives, catalogue.Collective.algbw_share)."""
+        return round(counts.size_bytes(itemsize) * self.spec.algbw_share(nranks))
 
     def bus_factor(self, nranks: int) -> float:
         return self.spec.bus_factor(nranks)
@@ -74,8 +86,9 @@ class Collective:
     def input(self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int) -> np.ndarray:
         return verify.make_input(self.coll, dtype, op, seed, rank, nranks, counts.param)
 
-    def expected(self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int,
-                 root: int) -> np.ndarray | None:
+    def expected(
+        self, counts: Counts, dtype, op: str | None, seed: int, rank: int, nranks: int, root: int
+    ) -> np.ndarray | None:
         """What `out` must hold after the call; None where nothing is checked on this
         rank (reduce on a non-root rank)."""
         return verify.expected_output(self.coll, dtype, op, seed, rank, nranks, counts.param, root)
@@ -84,6 +97,9 @@ class Collective:
         return self.spec.buffers(mem, x, counts.param, rank, nranks, in_place)
 
     def run(self, comm, b: Buffers, op: str | None, root: int) -> None:
+        if self.spec.compose is not None:  # composed of sends and receives (p2p_collectives.py)
+            self.spec.compose(comm, b.send, b.recv, root)
+            return
         self._form(getattr(comm, self.coll), b.send, b.recv, op, root)
 
 

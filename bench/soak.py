@@ -1,5 +1,5 @@
 """Soak: many mixed collectives on one communicator, then many communicators in a row,
-with what a process holds measured at the start and at the end (issue 16, part 3).
+with what a process holds measured at the start and at the end.
 
     COMMREF_NODES=2 mpiexec -n 4 python -m mpi4py -m commref.bench.soak [--calls 20000] [--comms 200]
         [--max-bytes 4M] [--fault drop=0.05,dup=0.05,delay=0.05] [--seed 1] [--json soak.json]
@@ -7,14 +7,14 @@ with what a process holds measured at the start and at the end (issue 16, part 3
 
 Phase 1, one communicator (path "auto": LSA inside a node, GIN across nodes on the
 unordered wire with the lossy link and its reliability layer, `--fault`): `--calls`
-calls drawn from a seeded stream, each a collective of the catalogue with an algorithm
-it implements here (ring, tree, hierarchical where the job has several nodes of several
-ranks; direct only where every peer is LSA), a dtype, an op, a count whose largest
-buffer is 0 to `--max-bytes` bytes (log-uniform, so most calls are small and some are
-large), in place or not, a root; hierarchical calls use symmetric buffers every other
-time (their intra-node phases then run direct kernels). Every result is checked exactly
-(collectives.check.run_case). Phase 2: `--comms` communicators created, used for one
-AllReduce and closed.
+calls drawn from a seeded stream, each a collective of the catalogue that has kernels
+(catalogue.KERNEL_NAMES) with an algorithm it implements here (ring, tree, hierarchical
+where the job has several nodes of several ranks; direct only where every peer is LSA),
+a dtype, an op, a count whose largest buffer is 0 to `--max-bytes` bytes (log-uniform,
+so most calls are small and some are large), in place or not, a root; hierarchical calls
+use symmetric buffers every other time (their intra-node phases then run direct
+kernels). Every result is checked exactly (collectives.check.run_case). Phase 2:
+`--comms` communicators created, used for one AllReduce and closed.
 
 Measured per rank (Linux /proc): resident memory (VmRSS), threads, open file
 descriptors and memory mappings; and the host's /dev/shm entries; each after a
@@ -43,9 +43,11 @@ from commref.collectives.communicator import Communicator
 from commref.collectives.hierarchical import NodeShape
 from commref.collectives.memory import Memory, SymmetricMemory
 from commref.collectives.verify import DTYPES, OPS
-from commref.transports.world import MPIWorld, ThreadWorld
+from commref.transports.mpi_world import MPIWorld
+from commref.transports.thread_world import ThreadWorld
 
-from .gin_rate import parse_bytes
+from . import programs
+from .flags import add_option, add_timeout_and_threads, int_type, parse_size, validate_timeout
 
 MEASURES = ("rss_kib", "threads", "fds", "maps", "shm_entries")
 
@@ -61,8 +63,13 @@ def sample() -> dict:
             status[key] = value.split()
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
-    return {"rss_kib": int(status["VmRSS"][0]), "threads": int(status["Threads"][0]),
-            "fds": len(os.listdir("/proc/self/fd")), "maps": maps, "shm_entries": len(os.listdir("/dev/shm"))}
+    return {
+        "rss_kib": int(status["VmRSS"][0]),
+        "threads": int(status["Threads"][0]),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "maps": maps,
+        "shm_entries": len(os.listdir("/dev/shm")),
+    }
 
 
 def _sample(world, samples: list, after: int) -> None:
@@ -74,11 +81,12 @@ def _sample(world, samples: list, after: int) -> None:
     world.barrier(what="soak: after a sample")
 
 
-def draw_cases(rng: random.Random, calls: int, nranks: int, max_bytes: int, hierarchical: bool,
-               direct: bool) -> list[check.Case]:
+def draw_cases(
+    rng: random.Random, calls: int, nranks: int, max_bytes: int, hierarchical: bool, direct: bool
+) -> list[check.Case]:
     """The seeded stream of calls (every rank draws the same)."""
     out = []
-    names = list(catalogue.NAMES)
+    names = list(catalogue.KERNEL_NAMES)
     dtypes = list(DTYPES)
     for i in range(calls):
         coll = rng.choice(names)
@@ -100,8 +108,14 @@ def _samples_at(total: int, warm: int) -> set[int]:
 
 def run_rank(world, args) -> dict:
     opts = dict(path="auto", wire="unordered", fault=args.fault, seed=args.seed, timeout=args.timeout)
-    report: dict = {"calls": args.calls, "comms": args.comms, "max_bytes": args.max_bytes, "fault": args.fault,
-                    "nranks": world.size, "samples": {"calls": [], "comms": []}}
+    report: dict = {
+        "calls": args.calls,
+        "comms": args.comms,
+        "max_bytes": args.max_bytes,
+        "fault": args.fault,
+        "nranks": world.size,
+        "samples": {"calls": [], "comms": []},
+    }
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     with Communicator(world, "cpu", **opts) as comm:
@@ -110,15 +124,18 @@ def run_rank(world, args) -> dict:
         cases = draw_cases(rng, args.calls, world.size, args.max_bytes, hierarchical, direct)
         comm.prepare({comm.kernel_spec(c.coll, c.dtype, c.op) for c in cases})
         plain = Memory(np)
-        capacity = max(SymmetricMemory.capacity(*catalogue.get(c.coll).counts(c.count, world.size),
-                                                DTYPES[c.dtype].itemsize) for c in cases)
+        capacity = max(
+            SymmetricMemory.capacity(*catalogue.get(c.coll).counts(c.count, world.size), DTYPES[c.dtype].itemsize)
+            for c in cases
+        )
         symmetric = SymmetricMemory(comm, np, capacity) if (hierarchical or direct) else None
         warm = min(args.calls, max(50, args.calls // 50))
         at = _samples_at(args.calls, warm)
         wrong, by_coll = 0, {}
         for i, case in enumerate(cases):
-            use_sym = symmetric is not None and (case.algorithm == "direct" or
-                                                 (case.algorithm == "hierarchical" and i % 2 == 0))
+            use_sym = symmetric is not None and (
+                case.algorithm == "direct" or (case.algorithm == "hierarchical" and i % 2 == 0)
+            )
             w = check.run_case(comm, case, memory=symmetric if use_sym else plain)
             wrong += w
             by_coll[case.coll] = by_coll.get(case.coll, 0) + 1
@@ -157,12 +174,14 @@ def growth(samples: list[dict]) -> dict:
 
 def format_report(reports: list[dict]) -> str:
     r0 = reports[0]
-    lines = [f"# commref soak: {r0['nranks']} ranks, {r0['calls']} calls on one communicator "
-             f"({r0['calls_seconds']:.0f} s, {r0['wrong']} wrong elements; algorithms {', '.join(r0['algorithms'])}; "
-             f"fault {r0['fault']}), then {r0['comms']} communicators ({r0['comms_seconds']:.0f} s)",
-             f"# calls per collective (rank 0): {r0['by_collective']}",
-             f"# GIN proxy of rank 0: {r0['gin_stats']}",
-             "# phase      rank  measure        start        end  max growth"]
+    lines = [
+        f"# commref soak: {r0['nranks']} ranks, {r0['calls']} calls on one communicator "
+        f"({r0['calls_seconds']:.0f} s, {r0['wrong']} wrong elements; algorithms {', '.join(r0['algorithms'])}; "
+        f"fault {r0['fault']}), then {r0['comms']} communicators ({r0['comms_seconds']:.0f} s)",
+        f"# calls per collective (rank 0): {r0['by_collective']}",
+        f"# GIN proxy of rank 0: {r0['gin_stats']}",
+        "# phase      rank  measure        start        end  max growth",
+    ]
     for phase in ("calls", "comms"):
         for rank, r in enumerate(reports):
             if not r["samples"][phase]:  # a ThreadWorld's ranks but the first: one process, sampled by rank 0
@@ -172,17 +191,40 @@ def format_report(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m commref.bench.soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--calls", type=int, default=20000)
-    p.add_argument("--comms", type=int, default=200)
-    p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("4M"))
-    p.add_argument("--fault", default="drop=0.05,dup=0.05,delay=0.05")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("-t", "--threads", type=int, default=1, help="ranks as threads of this process (ThreadWorld)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--calls", type=int_type(1), default=20000, help="calls on one communicator (default 20000)")
+    p.add_argument("--comms", type=int_type(1), default=200, help="communicators created and closed (default 200)")
+    p.add_argument(
+        "--max-bytes", type=parse_size, default=parse_size("4M"), help="largest buffer of a call (default 4M)"
+    )
+    add_option(
+        p,
+        "--fault",
+        "drop=0.05,dup=0.05,delay=0.05",
+        "the lossy link under the GIN wire (default drop=0.05,dup=0.05,delay=0.05)",
+    )
+    add_option(p, "--seed", 1, "seed of the calls and the wire (default 1)")
+    add_timeout_and_threads(p, 1)
+    p.add_argument("--json", metavar="FILE", default=None, help="also write every sample as JSON")
+    return p
+
+
+def validate(args) -> None:
+    validate_timeout(args)
+
+
+def footprint(args, nranks: int):
+    """One rank's cost (programs.py): the phase's communicator and the next one being made,
+    over buffers of up to --max-bytes (a collective's send and receive buffers and the
+    symmetric ones of hierarchical calls)."""
+    from .footprint import program_footprint
+
+    return program_footprint(3 * args.max_bytes, 2, nranks)
+
+
+def run(args) -> int:
+    """The soak on this process's ranks (the MPI world under mpiexec, else --threads
+    threads); rank 0 prints the report."""
     if MPIWorld.launched_under_mpi():
         world = MPIWorld()
         mine = run_rank(world, args)
@@ -195,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)
+        print(f"# wrote {args.json}", flush=True)
     return 0 if reports[0]["wrong"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return programs.run_module(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

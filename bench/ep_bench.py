@@ -1,11 +1,11 @@
 """MoE dispatch and combine (commref.ep, high-throughput mode) against the same exchange
 built on mpi4py's Alltoallv, in the same run.
 
-    mpiexec -n 4 python -m mpi4py -m commref.bench.ep [--tokens 8,64,512] [--hidden 256,2048]
+    mpiexec -n 4 python -m mpi4py -m commref.bench.ep_bench [--tokens 8,64,512] [--hidden 256,2048]
         [--topk 4] [--experts 16] [-n 30] [-w 5] [--path auto] [--wire ordered] [--protocol auto] [--json F]
-    python -m commref.bench.ep -t 4 ...   # 4 ranks as threads (ThreadWorld): commref alone, no MPI baseline
+    python -m commref.bench.ep_bench -t 4 ...  # 4 ranks as threads (ThreadWorld): commref alone, no MPI baseline
 
-Per (tokens, hidden): one ep.Buffer sized for it, DeepEP-style inputs (collectives/ep_check:
+Per (tokens, hidden): one Buffer sized for it, DeepEP-style inputs (collectives/device_api/ep_check.py:
 bfloat16 tokens, top-k of random scores with a few -1 entries), one layout shared by
 both implementations. Both are checked first with the same exact checks
 (ep_check.check_ht_dispatch / check_ht_combine). Then they are timed as a MoE layer uses
@@ -39,12 +39,21 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from commref.collectives import ep, ep_check
-from commref.transports.world import MPIWorld, ThreadWorld
+from commref.collectives.device_api import ep_buffer, ep_check
+from commref.transports.gin.options import Path, Wire
+from commref.transports.mpi_world import MPIWorld
+from commref.transports.thread_world import ThreadWorld
+
+from . import programs
+from .flags import add_option, add_timeout_and_threads, int_type, validate_timeout
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+def _sizes(text: str) -> list[int]:
+    """A comma-separated list of positive integers."""
+    values = [int_type(1)(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 class MpiExchange:
@@ -63,8 +72,10 @@ class MpiExchange:
     def _alltoallv(self, send, send_counts, recv, recv_counts, itemsize):
         from mpi4py import MPI
 
-        self.comm.Alltoallv([send.view(np.uint8), send_counts * itemsize, MPI.BYTE],
-                            [recv.view(np.uint8), recv_counts * itemsize, MPI.BYTE])
+        self.comm.Alltoallv(
+            [send.view(np.uint8), send_counts * itemsize, MPI.BYTE],
+            [recv.view(np.uint8), recv_counts * itemsize, MPI.BYTE],
+        )
 
     def dispatch(self, x, topk_idx, topk_weights, layout):
         n, per = self.n, self.per
@@ -74,7 +85,7 @@ class MpiExchange:
         dest, tok = np.nonzero(layout.is_token_in_rank.T)  # by destination, tokens ascending
         send = np.empty(len(tok), self.row)
         send["src"] = tok
-        send["x"][:, :self.xbytes] = x.view(np.uint8).reshape(len(x), self.xbytes)[tok]
+        send["x"][:, : self.xbytes] = x.view(np.uint8).reshape(len(x), self.xbytes)[tok]
         topk = topk_idx[tok]
         local = topk - (dest * per)[:, None]
         mine = (topk >= 0) & (local >= 0) & (local < per)
@@ -83,30 +94,36 @@ class MpiExchange:
         recv_counts = np.ascontiguousarray(matrix[:, self.comm.Get_rank()])
         recv = np.empty(int(recv_counts.sum()), self.row)
         self._alltoallv(send, counts, recv, recv_counts, self.row.itemsize)
-        recv_x = np.ascontiguousarray(recv["x"][:, :self.xbytes]).view(self.dtype)
+        recv_x = np.ascontiguousarray(recv["x"][:, : self.xbytes]).view(self.dtype)
         recv_topk = recv["idx"].astype(np.int64)
         per_expert = np.bincount(recv_topk[recv_topk >= 0], minlength=per)
-        handle = SimpleNamespace(rank_prefix_matrix=np.cumsum(matrix, axis=0),
-                                 recv_src_idx=recv["src"].astype(np.int32),
-                                 num_recv=len(recv), counts=counts, recv_counts=recv_counts, dest=dest, tok=tok,
-                                 num_tokens=len(x))
+        handle = SimpleNamespace(
+            rank_prefix_matrix=np.cumsum(matrix, axis=0),
+            recv_src_idx=recv["src"].astype(np.int32),
+            num_recv=len(recv),
+            counts=counts,
+            recv_counts=recv_counts,
+            dest=dest,
+            tok=tok,
+            num_tokens=len(x),
+        )
         return recv_x, recv_topk, recv["w"].copy(), [int(v) for v in per_expert], handle
 
     def combine(self, y, handle, topk_weights):
         send = np.empty(handle.num_recv, self.back)
         send["slot"] = handle.recv_src_idx
-        send["x"][:, :self.xbytes] = y.view(np.uint8).reshape(len(y), self.xbytes)
-        send["w"][:, :self.topk] = topk_weights
+        send["x"][:, : self.xbytes] = y.view(np.uint8).reshape(len(y), self.xbytes)
+        send["w"][:, : self.topk] = topk_weights
         back = np.empty(len(handle.tok), self.back)
         self._alltoallv(send, handle.recv_counts, back, handle.counts, self.back.itemsize)
         out = np.zeros((handle.num_tokens, self.hidden), np.float32)
         out_w = np.zeros((handle.num_tokens, self.topk), np.float32)
-        bx = np.ascontiguousarray(back["x"][:, :self.xbytes]).view(self.dtype).astype(np.float32)
+        bx = np.ascontiguousarray(back["x"][:, : self.xbytes]).view(self.dtype).astype(np.float32)
         start = 0
         for c in handle.counts:  # each destination's copies: distinct tokens, in order
             rows = slice(start, start + c)
             out[handle.tok[rows]] += bx[rows]
-            out_w[handle.tok[rows]] += back["w"][rows, :self.topk]
+            out_w[handle.tok[rows]] += back["w"][rows, : self.topk]
             start += c
         return out.astype(self.dtype), out_w
 
@@ -136,8 +153,10 @@ def _timed(world, impls: list[list], warmup: int, iters: int) -> list[list[float
                 step()
                 times[j][s].append(time.perf_counter() - t0)
     every = world.allgather(times, what="bench ep: times")
-    return [[statistics.median(max(col) for col in zip(*(r[j][s] for r in every))) * 1e6 for s in range(len(steps))]
-            for j, steps in enumerate(impls)]
+    return [
+        [statistics.median(max(col) for col in zip(*(r[j][s] for r in every))) * 1e6 for s in range(len(steps))]
+        for j, steps in enumerate(impls)
+    ]
 
 
 def run_rank(world, args) -> list[dict]:
@@ -146,10 +165,18 @@ def run_rank(world, args) -> list[dict]:
     for tokens in args.tokens:
         for hidden in args.hidden:
             opts = dict(path=args.path, wire=args.wire, protocol=args.protocol, timeout=args.timeout)
-            with ep.Buffer(world, num_experts=args.experts, hidden=hidden, max_tokens_per_rank=tokens,
-                           num_topk=args.topk, device="cpu", **opts) as buf:
-                x, topk, w = ep_check.make_inputs(world.rank, world.size, tokens, hidden, args.experts, args.topk,
-                                                  seed=args.seed)
+            with ep_buffer.Buffer(
+                world,
+                num_experts=args.experts,
+                hidden=hidden,
+                max_tokens_per_rank=tokens,
+                num_topk=args.topk,
+                device="cpu",
+                **opts,
+            ) as buf:
+                x, topk, w = ep_check.make_inputs(
+                    world.rank, world.size, tokens, hidden, args.experts, args.topk, seed=args.seed
+                )
                 layout = buf.get_dispatch_layout(topk)
                 all_topk = world.allgather(topk, what="bench ep: topk")
                 all_w = world.allgather(w, what="bench ep: weights")
@@ -157,23 +184,33 @@ def run_rank(world, args) -> list[dict]:
                 wrong = ep_check.check_ht_dispatch(world.rank, world.size, args.experts, all_topk, all_w, res)
                 cx, cw = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
                 wrong += ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, cx, cw)
-                row = {"tokens": tokens, "hidden": hidden, "path": args.path, "protocol": buf.protocol,
-                       "bytes": int(np.asarray(layout.num_tokens_per_rank).sum()) * hidden * buf.dtype.itemsize}
+                row = {
+                    "tokens": tokens,
+                    "hidden": hidden,
+                    "path": args.path,
+                    "protocol": buf.protocol,
+                    "bytes": int(np.asarray(layout.num_tokens_per_rank).sum()) * hidden * buf.dtype.itemsize,
+                }
                 out = {}
 
                 def ours():
                     out["ours"] = buf.dispatch(x, topk, w, layout)
 
-                impls = [[ours, lambda: buf.combine(out["ours"].recv_x, out["ours"].handle,
-                                                    out["ours"].recv_topk_weights)]]
+                impls = [
+                    [ours, lambda: buf.combine(out["ours"].recv_x, out["ours"].handle, out["ours"].recv_topk_weights)]
+                ]
                 if mpi:
                     base = MpiExchange(world.comm, hidden, args.topk, args.experts, buf.dtype)
                     bres = base.dispatch(x, topk, w, layout)
-                    wrong += ["mpi: " + p for p in
-                              ep_check.check_ht_dispatch(world.rank, world.size, args.experts, all_topk, all_w, bres)]
+                    wrong += [
+                        "mpi: " + p
+                        for p in ep_check.check_ht_dispatch(world.rank, world.size, args.experts, all_topk, all_w, bres)
+                    ]
                     bx, bw = base.combine(bres[0], bres[4], bres[2])
-                    wrong += ["mpi: " + p for p in
-                              ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, bx, bw)]
+                    wrong += [
+                        "mpi: " + p
+                        for p in ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, bx, bw)
+                    ]
 
                     def theirs():
                         out["mpi"] = base.dispatch(x, topk, w, layout)
@@ -186,10 +223,15 @@ def run_rank(world, args) -> list[dict]:
                 row["wrong"] = wrong
             rows.append(row)
     every = world.allgather(rows, what="bench ep: rows")
-    return [dict(row, bytes=int(statistics.mean(r[i]["bytes"] for r in every)),
-                 wrong=sum(len(r[i]["wrong"]) for r in every),
-                 first_wrong=next((r[i]["wrong"][0] for r in every if r[i]["wrong"]), None))
-            for i, row in enumerate(rows)]
+    return [
+        dict(
+            row,
+            bytes=int(statistics.mean(r[i]["bytes"] for r in every)),
+            wrong=sum(len(r[i]["wrong"]) for r in every),
+            first_wrong=next((r[i]["wrong"][0] for r in every if r[i]["wrong"]), None),
+        )
+        for i, row in enumerate(rows)
+    ]
 
 
 def _size(b: int) -> str:
@@ -200,45 +242,88 @@ def _size(b: int) -> str:
 
 
 def format_table(rows: list[dict], nranks: int, kind: str, args, load: tuple) -> str:
-    lines = [f"# commref.ep high-throughput dispatch/combine vs mpi4py Alltoallv: {nranks} ranks ({kind}), "
-             f"path {args.path}, wire {args.wire}, protocol {rows[0]['protocol'] if rows else args.protocol}, "
-             f"topk {args.topk}, experts {args.experts}, bfloat16; median of {args.iters} (slowest rank), us",
-             f"# load average {load[0]:.2f} at the start, {load[1]:.2f} at the end (2 cores here is 2.0 busy)",
-             f"{'tokens':>7} {'hidden':>7} {'bytes':>8} | {'dispatch':>9} {'mpi':>9} {'mpi/cr':>7} | "
-             f"{'combine':>9} {'mpi':>9} {'mpi/cr':>7} | wrong"]
+    lines = [
+        f"# commref.ep high-throughput dispatch/combine vs mpi4py Alltoallv: {nranks} ranks ({kind}), "
+        f"path {args.path}, wire {args.wire}, protocol {rows[0]['protocol'] if rows else args.protocol}, "
+        f"topk {args.topk}, experts {args.experts}, bfloat16; median of {args.iters} (slowest rank), us",
+        f"# load average {load[0]:.2f} at the start, {load[1]:.2f} at the end (2 cores here is 2.0 busy)",
+        f"{'tokens':>7} {'hidden':>7} {'bytes':>8} | {'dispatch':>9} {'mpi':>9} {'mpi/cr':>7} | "
+        f"{'combine':>9} {'mpi':>9} {'mpi/cr':>7} | wrong",
+    ]
     for r in rows:
+
         def cell(key):
             return f"{r[key]:9.1f}" if key in r else f"{'n/a':>9}"
 
         def ratio(a, b):
             return f"{r[b] / r[a]:7.2f}" if b in r else f"{'n/a':>7}"
 
-        lines.append(f"{r['tokens']:>7} {r['hidden']:>7} {_size(r['bytes']):>8} | {cell('commref_dispatch_us')} "
-                     f"{cell('mpi_dispatch_us')} {ratio('commref_dispatch_us', 'mpi_dispatch_us')} | "
-                     f"{cell('commref_combine_us')} {cell('mpi_combine_us')} "
-                     f"{ratio('commref_combine_us', 'mpi_combine_us')} | {r['wrong']}")
+        lines.append(
+            f"{r['tokens']:>7} {r['hidden']:>7} {_size(r['bytes']):>8} | {cell('commref_dispatch_us')} "
+            f"{cell('mpi_dispatch_us')} {ratio('commref_dispatch_us', 'mpi_dispatch_us')} | "
+            f"{cell('commref_combine_us')} {cell('mpi_combine_us')} "
+            f"{ratio('commref_combine_us', 'mpi_combine_us')} | {r['wrong']}"
+        )
     for r in rows:
         if r["first_wrong"]:
             lines.append(f"# WRONG ({r['tokens']} x {r['hidden']}): {r['first_wrong']}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m commref.bench.ep", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=_ints, default=_ints("8,64,512"))
-    p.add_argument("--hidden", type=_ints, default=_ints("256,2048"))
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("-n", "--iters", type=int, default=30)
-    p.add_argument("-w", "--warmup", type=int, default=5)
-    p.add_argument("--path", default="auto")
-    p.add_argument("--wire", default="ordered")
-    p.add_argument("--protocol", default="auto")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("-t", "--threads", type=int, default=4, help="ranks as threads of this process (ThreadWorld)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument(
+        "--tokens", type=_sizes, default=_sizes("8,64,512"), help="tokens per rank, comma-separated (default 8,64,512)"
+    )
+    p.add_argument(
+        "--hidden",
+        type=_sizes,
+        default=_sizes("256,2048"),
+        help="hidden size (bfloat16 elements per token), comma-separated (default 256,2048)",
+    )
+    p.add_argument("--topk", type=int_type(1), default=4, help="experts per token (default 4)")
+    p.add_argument(
+        "--experts", type=int_type(1), default=16, help="experts in all, a multiple of the ranks (default 16)"
+    )
+    p.add_argument("-n", "--iters", type=int_type(1), default=30, help="timed iterations (default 30)")
+    p.add_argument("-w", "--warmup", type=int_type(0), default=5, help="untimed iterations first (default 5)")
+    add_option(
+        p,
+        "--path",
+        "auto",
+        "peers by load/store (lsa), through GIN (gin), or LSA where mapped (auto, the default)",
+        choices=Path,
+    )
+    add_option(p, "--wire", "ordered", "GIN wire ordering model (default ordered)", choices=Wire)
+    p.add_argument(
+        "--protocol",
+        default="auto",
+        choices=["auto", *ep_buffer.PROTOCOLS],
+        help="how GIN dispatches publish a token (default auto)",
+    )
+    p.add_argument("--seed", type=int_type(0), default=1, help="seed of the inputs (default 1)")
+    add_timeout_and_threads(p, 4)
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
+    return p
+
+
+def validate(args) -> None:
+    if args.topk > args.experts:
+        raise ValueError(f"--topk {args.topk} exceeds --experts {args.experts}")
+    validate_timeout(args)
+
+
+def footprint(args, nranks: int):
+    """One rank's cost (programs.py): the largest ep_buffer.Buffer (dispatch receives up to every
+    rank's tokens, combine sends them back) and the baseline's copies, one communicator."""
+    from .footprint import program_footprint
+
+    token_bytes = max(args.tokens) * max(args.hidden) * 2  # bfloat16
+    return program_footprint(4 * nranks * token_bytes, 1, nranks)
+
+
+def run(args) -> int:
+    """The benchmark on this process's ranks: the MPI world under mpiexec (rank 0
+    prints), else --threads ranks as threads."""
     load0 = os.getloadavg()[0]
     if MPIWorld.launched_under_mpi():
         world = MPIWorld(timeout=args.timeout)
@@ -252,7 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"nranks": nranks, "world": kind, "args": vars(args), "rows": rows}, f, indent=1)
+        print(f"# wrote {args.json}", flush=True)
     return 0 if all(r["wrong"] == 0 for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return programs.run_module(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
