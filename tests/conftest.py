@@ -6,8 +6,14 @@
   exception on one rank into MPI_Abort, so a failing rank ends the job).
 - ``shm_leak_check``: fixture asserting that no ``/dev/shm/commref-*`` file is left behind
   (and removing what MPICH leaves there when a test aborts a job on purpose).
+- ``start_commref(args, env)``: ``python -m commref ARGS`` with piped output and SIGINT at
+  its default, for the tests that signal a job.
 - ``clean_env()``: the environment without MPI launcher variables (so a child process does
   not think it already runs under mpiexec), with ``COMMREF_TIMEOUT`` set.
+- ``native``: fixture forcing the native GIN engine (COMMREF_GIN_ENGINE=native).
+- ``fake``: fixture putting the stand-in for CuPy (stand_ins.FakeCuda) in place of cupy.
+- ``libraries_built``: session fixture (every test) building the CPU kernels, the native
+  GIN engine and the host atomics first.
 """
 
 from __future__ import annotations
@@ -20,8 +26,12 @@ import sys
 import time
 
 import pytest
+from stand_ins import FakeCuda, FakeKernels
 
-from commref.transports import launch
+from commref.collectives import launch_record, tuner
+from commref.device_kernels import gpu_loader
+from commref.transports import launcher
+from commref.transports.mpi_world import _MPI_LAUNCHER_VARS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
@@ -29,8 +39,8 @@ TESTS = os.path.join(REPO, "tests")
 # Deadline of every wait in child jobs: small, so that a bug ends a job in seconds.
 CHILD_TIMEOUT_S = "20"
 
-_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
-                  "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_RANK", "COMMREF_UNDER_MPIEXEC")
+# What an MPI launcher sets (as MPIWorld recognises it), and the --np launcher's mark.
+_LAUNCHER_VARS = (*_MPI_LAUNCHER_VARS, "COMMREF_UNDER_MPIEXEC")
 
 
 def mpiexec() -> str | None:
@@ -44,8 +54,9 @@ def mpiexec() -> str | None:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith(("HYDRA_", "PMI_", "PMIX_"))}
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(("HYDRA_", "PMI_", "PMIX_"))
+    }
     env.setdefault("COMMREF_TIMEOUT", CHILD_TIMEOUT_S)
     # The children import the repository's packages from its root.
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -53,8 +64,34 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_mpi(n: int, args: list[str], timeout: float = 60, env: dict[str, str] | None = None,
-            module: bool = False) -> subprocess.CompletedProcess:
+def _default_sigint() -> None:
+    """A Popen preexec_fn: the child starts with SIGINT and SIGQUIT at their defaults, as a
+    job started from a terminal does. A shell's background job (nohup, `&` without job
+    control) inherits both ignored, and commref keeps what it inherits ignored, so a test
+    that sends SIGINT must not depend on how the suite itself was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+def start_commref(args: list[str], env: dict[str, str], new_session: bool = False) -> subprocess.Popen:
+    """`python -m commref ARGS` from the repository root, stdout and stderr piped as text,
+    started with SIGINT at its default (_default_sigint) for a test that signals it;
+    `new_session`: in a session of its own, as a terminal's job."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "commref", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=new_session,
+        preexec_fn=_default_sigint,
+    )
+
+
+def run_mpi(
+    n: int, args: list[str], timeout: float = 60, env: dict[str, str] | None = None, module: bool = False
+) -> subprocess.CompletedProcess:
     """Runs ``mpiexec -n n python -m mpi4py ARGS`` from the repository root.
 
     ARGS is ``[script, *script_args]``, or with ``module=True`` ``[module, *args]``
@@ -72,8 +109,15 @@ def run_mpi(n: int, args: list[str], timeout: float = 60, env: dict[str, str] | 
 def run_cmd(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs `cmd` in its own process group; on timeout kills that group (mpiexec and
     the ranks it started) and fails the test with the output so far."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env() if env is None else env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=clean_env() if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -82,13 +126,12 @@ def run_cmd(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = No
         except ProcessLookupError:
             pass
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not end within {timeout} s\nstdout:\n{out[-3000:]}\n"
-                    f"stderr:\n{err[-3000:]}")
+        pytest.fail(f"{' '.join(cmd)} did not end within {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def shm_files(pattern: str = launch.COMMREF_SEGMENTS) -> set[str]:
-    return launch.shm_segments((pattern,))
+def shm_files(pattern: str = launcher.COMMREF_SEGMENTS) -> set[str]:
+    return launcher.shm_segments((pattern,))
 
 
 @pytest.fixture
@@ -99,13 +142,57 @@ def shm_leak_check():
     MPICH leaves its own segments (/dev/shm/mpich_shm_*) behind when a job is aborted,
     as the deadline, abort and setup-failure tests do on purpose: about 3 MB each, which
     would pile up run after run. Those that appeared during the test and that no live
-    process maps are removed (transports/launch.py's remove_orphans, the rule the --np
+    process maps are removed (transports/launcher.py's remove_orphans, the rule the --np
     launcher applies after a failed job)."""
-    before = launch.shm_segments()
+    before = launcher.shm_segments()
     yield
-    launch.remove_orphans(before, patterns=(launch.MPICH_SEGMENTS,))
+    launcher.remove_orphans(before, patterns=(launcher.MPICH_SEGMENTS,))
     new = shm_files() - before
     if new:
         time.sleep(1.0)
         new &= shm_files()
     assert not new, f"left behind in /dev/shm: {sorted(new)}"
+
+
+@pytest.fixture
+def many_channels(monkeypatch):
+    """Lets the CPU tuner split even small calls across channels (one per 256 bytes)."""
+    monkeypatch.setattr(tuner, "BYTES_PER_CHANNEL", 256)
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """Every communicator of the test must run the native engine (else it fails to start)."""
+    monkeypatch.setenv("COMMREF_GIN_ENGINE", "native")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def libraries_built():
+    """The CPU kernel library, the native GIN engine and the host atomics built (or found
+    in the cache) once before any test, so that no test's deadline includes a first
+    build (a minute and more on a loaded 2-core host)."""
+    from commref.device_kernels import cpu_loader
+    from commref.transports.gin import native
+    from commref.transports.gin.atomics import host_atomics
+
+    cpu_loader.cpu_kernels()
+    native.native_library()
+    host_atomics()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The stand-in for CuPy (stand_ins.FakeCuda) in place of cupy, and its kernels
+    (stand_ins.FakeKernels) in place of the CUDA kernel library; a fresh machine for
+    each test, so the process's record of the device pairs with peer access enabled
+    (windows._peer_enabled) starts empty too."""
+    from commref.transports import windows
+
+    f = FakeCuda()
+    monkeypatch.setitem(sys.modules, "cupy", f.module)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", f.module.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.runtime", f.module.cuda.runtime)
+    monkeypatch.setattr(gpu_loader, "cuda_kernels", lambda device_id: FakeKernels(f))
+    monkeypatch.setattr(launch_record, "_abort_words", launch_record.MappedHostWords())
+    monkeypatch.setattr(windows, "_peer_enabled", set())
+    return f

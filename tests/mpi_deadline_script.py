@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from commref.collectives.communicator import Communicator  # noqa: E402
 from commref.transports.errors import CommTimeout  # noqa: E402
-from commref.transports.world import MPIWorld  # noqa: E402
+from commref.transports.mpi_world import MPIWorld  # noqa: E402
 
 MISSING = 2
 HANG_S = 120.0

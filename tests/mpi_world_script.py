@@ -26,7 +26,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from commref.transports.world import MPIWorld, World, allowed_cpus, world_from_env  # noqa: E402
+from commref.transports.cpu_binding import allowed_cpus  # noqa: E402
+from commref.transports.mpi_world import MPIWorld, world_from_env  # noqa: E402
+from commref.transports.world import World  # noqa: E402
 
 
 def basic(world: World) -> None:
@@ -40,8 +42,11 @@ def basic(world: World) -> None:
     assert gathered[world.rank][1] == world.host
 
     for root in range(world.size):
-        value = world.bcast({"root": root, "payload": list(range(root + 3))} if world.rank == root else None,
-                            root=root, what=f"bcast from {root}")
+        value = world.bcast(
+            {"root": root, "payload": list(range(root + 3))} if world.rank == root else None,
+            root=root,
+            what=f"bcast from {root}",
+        )
         assert value == {"root": root, "payload": list(range(root + 3))}, value
 
     for i in range(5):
@@ -55,8 +60,13 @@ def basic(world: World) -> None:
     sums = world.allgather(sum(g[0] for g in gathered))
     assert len(set(sums)) == 1
     if world.rank == 0:
-        print("OK basic " + json.dumps({"size": world.size, "hosts": sorted({g[1] for g in gathered}),
-                                        "local_ranks": [g[2] for g in gathered]}), flush=True)
+        print(
+            "OK basic "
+            + json.dumps(
+                {"size": world.size, "hosts": sorted({g[1] for g in gathered}), "local_ranks": [g[2] for g in gathered]}
+            ),
+            flush=True,
+        )
 
 
 def deadline(world: World, timeout: float) -> None:
@@ -84,9 +94,13 @@ def mismatch(world: World) -> None:
 def cpus(world: MPIWorld, early: threading.Thread) -> None:
     late = threading.Thread(target=time.sleep, args=(0.5,), daemon=True)
     late.start()
-    mine = {"cpus": sorted(allowed_cpus()),
-            **{name: sorted(os.sched_getaffinity(t.native_id or 0)) for name, t in
-               (("early", early), ("main", threading.main_thread()), ("late", late))}}
+    mine = {
+        "cpus": sorted(allowed_cpus()),
+        **{
+            name: sorted(os.sched_getaffinity(t.native_id or 0))
+            for name, t in (("early", early), ("main", threading.main_thread()), ("late", late))
+        },
+    }
     gathered = world.allgather(mine, what="cpus")
     if world.rank == 0:
         print("OK cpus " + json.dumps(gathered), flush=True)

@@ -15,22 +15,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from stand_ins import FakeDeviceArray
 
 from commref.collectives.communicator import Communicator
 from commref.transports.errors import CommAborted, CommMismatch
-from commref.transports.world import ThreadWorld
+from commref.transports.thread_world import ThreadWorld
 
 KERNEL_TIMEOUT = 20.0  # communicator waits: a hang would take this long
 PROMPT = 10.0  # a failing job must end well within this
-
-
-class FakeDeviceArray:
-    """Looks like device memory to a CPU communicator."""
-
-    def __init__(self, n: int = 8):
-        self._host = np.zeros(n, np.float32)
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (self._host.ctypes.data, False),
-                                         "version": 3}
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -52,61 +44,120 @@ def _case(name: str, comm: Communicator):
     x = np.arange(6, dtype=f)
     y = np.zeros(6, dtype=f)
     table = {
-        "allgather_recv_too_small": (lambda: comm.allgather(x, np.zeros(6 * n - 1, f)), ValueError,
-                                     "allgather needs recvbuf of nranks * sendcount"),
-        "reduce_scatter_send_wrong_size": (lambda: comm.reduce_scatter(np.zeros(3 * n + 1, f), np.zeros(3, f)),
-                                           ValueError, "reduce_scatter needs sendbuf of nranks * recvcount"),
+        "allgather_recv_too_small": (
+            lambda: comm.allgather(x, np.zeros(6 * n - 1, f)),
+            ValueError,
+            "allgather needs recvbuf of nranks * sendcount",
+        ),
+        "reduce_scatter_send_wrong_size": (
+            lambda: comm.reduce_scatter(np.zeros(3 * n + 1, f), np.zeros(3, f)),
+            ValueError,
+            "reduce_scatter needs sendbuf of nranks * recvcount",
+        ),
         "allreduce_count_differs": (lambda: comm.allreduce(x, np.zeros(5, f)), ValueError, "equal count"),
-        "dtype_send_vs_recv": (lambda: comm.allreduce(x, np.zeros(6, np.int32)), TypeError,
-                               "sendbuf dtype float32 differs from recvbuf dtype int32"),
-        "dtype_complex64": (lambda: comm.allreduce(np.zeros(4, np.complex64), np.zeros(4, np.complex64)),
-                            TypeError, "unsupported dtype complex64"),
-        "dtype_bool": (lambda: comm.broadcast(np.zeros(4, bool), np.zeros(4, bool), 0), TypeError,
-                       "unsupported dtype bool"),
-        "dtype_big_endian": (lambda: comm.allreduce(np.zeros(4, ">f4"), np.zeros(4, ">f4")), TypeError,
-                             "unsupported dtype"),
+        "dtype_send_vs_recv": (
+            lambda: comm.allreduce(x, np.zeros(6, np.int32)),
+            TypeError,
+            "sendbuf dtype float32 differs from recvbuf dtype int32",
+        ),
+        "dtype_complex64": (
+            lambda: comm.allreduce(np.zeros(4, np.complex64), np.zeros(4, np.complex64)),
+            TypeError,
+            "unsupported dtype complex64",
+        ),
+        "dtype_bool": (
+            lambda: comm.broadcast(np.zeros(4, bool), np.zeros(4, bool), 0),
+            TypeError,
+            "unsupported dtype bool",
+        ),
+        "dtype_big_endian": (
+            lambda: comm.allreduce(np.zeros(4, ">f4"), np.zeros(4, ">f4")),
+            TypeError,
+            "unsupported dtype",
+        ),
         "op_xor": (lambda: comm.allreduce(x, y, "xor"), ValueError, "unsupported op 'xor'"),
-        "op_xor_reduce_scatter": (lambda: comm.reduce_scatter(np.zeros(2 * n, f), np.zeros(2, f), op="xor"),
-                                  ValueError, "unsupported op"),
-        "recvbuf_readonly": (lambda: comm.allreduce(x, _readonly(np.zeros(6, f))), ValueError,
-                             "recvbuf is read-only"),
-        "recvbuf_readonly_allgather": (lambda: comm.allgather(x, _readonly(np.zeros(6 * n, f))), ValueError,
-                                       "read-only"),
-        "sendbuf_noncontiguous": (lambda: comm.allreduce(np.zeros(12, f)[::2], y), ValueError,
-                                  "sendbuf must be C-contiguous"),
-        "recvbuf_noncontiguous_2d": (lambda: comm.allreduce(x, np.zeros((6, 2), f)[:, 0]), ValueError,
-                                     "recvbuf must be C-contiguous"),
-        "sendbuf_misaligned": (lambda: comm.allreduce(_misaligned(6), y), ValueError,
-                               "sendbuf is not aligned to its element size 4"),
+        "op_xor_reduce_scatter": (
+            lambda: comm.reduce_scatter(np.zeros(2 * n, f), np.zeros(2, f), op="xor"),
+            ValueError,
+            "unsupported op",
+        ),
+        "recvbuf_readonly": (lambda: comm.allreduce(x, _readonly(np.zeros(6, f))), ValueError, "recvbuf is read-only"),
+        "recvbuf_readonly_allgather": (
+            lambda: comm.allgather(x, _readonly(np.zeros(6 * n, f))),
+            ValueError,
+            "read-only",
+        ),
+        "sendbuf_noncontiguous": (
+            lambda: comm.allreduce(np.zeros(12, f)[::2], y),
+            ValueError,
+            "sendbuf must be C-contiguous",
+        ),
+        "recvbuf_noncontiguous_2d": (
+            lambda: comm.allreduce(x, np.zeros((6, 2), f)[:, 0]),
+            ValueError,
+            "recvbuf must be C-contiguous",
+        ),
+        "sendbuf_misaligned": (
+            lambda: comm.allreduce(_misaligned(6), y),
+            ValueError,
+            "sendbuf is not aligned to its element size 4",
+        ),
         "recvbuf_misaligned": (lambda: comm.allreduce(x, _misaligned(6)), ValueError, "not aligned"),
-        "broadcast_root_out_of_range": (lambda: comm.broadcast(x, y, n), ValueError,
-                                        f"root must be a rank in [0, {n})"),
+        "broadcast_root_out_of_range": (
+            lambda: comm.broadcast(x, y, n),
+            ValueError,
+            f"root must be a rank in [0, {n})",
+        ),
         "reduce_root_negative": (lambda: comm.reduce(x, y, "sum", -1), ValueError, "root must be a rank"),
         "root_not_an_int": (lambda: comm.broadcast(x, y, 0.0), ValueError, "root must be a rank"),
-        "wrong_device_send": (lambda: comm.allreduce(FakeDeviceArray(6), y), TypeError,
-                              "sendbuf is device memory (FakeDeviceArray)"),
-        "wrong_device_recv": (lambda: comm.allgather(x, FakeDeviceArray(6 * n)), TypeError,
-                              "recvbuf is device memory"),
+        "wrong_device_send": (
+            lambda: comm.allreduce(FakeDeviceArray(6), y),
+            TypeError,
+            "sendbuf is device memory (FakeDeviceArray)",
+        ),
+        "wrong_device_recv": (lambda: comm.allgather(x, FakeDeviceArray(6 * n)), TypeError, "recvbuf is device memory"),
         "not_an_array": (lambda: comm.allreduce([1.0, 2.0], y), TypeError, "must be a numpy array, got list"),
         "none_buffer": (lambda: comm.allreduce(None, y), TypeError, "sendbuf is required"),
-        "tree_allgather": (lambda: comm.allgather(x, np.zeros(6 * n, f), algorithm="tree"), ValueError,
-                           "'tree' is implemented for allreduce only"),
-        "tree_reduce_scatter": (lambda: comm.reduce_scatter(np.zeros(2 * n, f), np.zeros(2, f),
-                                                            algorithm="tree"), ValueError, "allreduce only"),
-        "overlap_allreduce": (lambda: (lambda b: comm.allreduce(b[0:6], b[3:9]))(np.zeros(12, f)), ValueError,
-                              "allreduce buffers overlap but are not in place"),
+        "tree_allgather": (
+            lambda: comm.allgather(x, np.zeros(6 * n, f), algorithm="tree"),
+            ValueError,
+            "'tree' is implemented for allreduce only",
+        ),
+        "tree_reduce_scatter": (
+            lambda: comm.reduce_scatter(np.zeros(2 * n, f), np.zeros(2, f), algorithm="tree"),
+            ValueError,
+            "allreduce only",
+        ),
+        "overlap_allreduce": (
+            lambda: (lambda b: comm.allreduce(b[0:6], b[3:9]))(np.zeros(12, f)),
+            ValueError,
+            "allreduce buffers overlap but are not in place",
+        ),
         "overlap_allgather_wrong_slot": (
             lambda: (lambda b: comm.allgather(b[1:3], b[: 2 * n]))(np.zeros(2 * n + 1, f)),
-            ValueError, "allgather buffers overlap but are not in place (sendbuf == recvbuf + rank * sendcount)"),
-        "alltoall_sizes_differ": (lambda: comm.alltoall(np.zeros(2 * n, f), np.zeros(2 * n + 1, f)), ValueError,
-                                  "alltoall needs sendbuf and recvbuf of nranks * count elements each"),
-        "alltoall_in_place": (lambda: (lambda b: comm.alltoall(b, b))(np.zeros(2 * n, f)), ValueError,
-                              "alltoall buffers overlap, and alltoall has no in-place form"),
-        "alltoall_tree": (lambda: comm.alltoall(np.zeros(2 * n, f), np.zeros(2 * n, f), algorithm="tree"),
-                          ValueError, "'tree' is implemented for allreduce only"),
+            ValueError,
+            "allgather buffers overlap but are not in place (sendbuf == recvbuf + rank * sendcount)",
+        ),
+        "alltoall_sizes_differ": (
+            lambda: comm.alltoall(np.zeros(2 * n, f), np.zeros(2 * n + 1, f)),
+            ValueError,
+            "alltoall needs sendbuf and recvbuf of nranks * count elements each",
+        ),
+        "alltoall_in_place": (
+            lambda: (lambda b: comm.alltoall(b, b))(np.zeros(2 * n, f)),
+            ValueError,
+            "alltoall buffers overlap, and alltoall has no in-place form",
+        ),
+        "alltoall_tree": (
+            lambda: comm.alltoall(np.zeros(2 * n, f), np.zeros(2 * n, f), algorithm="tree"),
+            ValueError,
+            "'tree' is implemented for allreduce only",
+        ),
         "overlap_reduce_scatter_wrong_slot": (
             lambda: (lambda b: comm.reduce_scatter(b[: 2 * n], b[1:3]))(np.zeros(2 * n + 1, f)),
-            ValueError, "reduce_scatter buffers overlap but are not in place"),
+            ValueError,
+            "reduce_scatter buffers overlap but are not in place",
+        ),
     }
     return table[name]
 
@@ -116,13 +167,36 @@ def _case(name: str, comm: Communicator):
 NO_RANK_IN_MESSAGE: set[str] = set()  # every input error names the rank
 
 BAD_CASES = [
-    "allgather_recv_too_small", "reduce_scatter_send_wrong_size", "allreduce_count_differs", "dtype_send_vs_recv",
-    "dtype_complex64", "dtype_bool", "dtype_big_endian", "op_xor", "op_xor_reduce_scatter", "recvbuf_readonly",
-    "recvbuf_readonly_allgather", "sendbuf_noncontiguous", "recvbuf_noncontiguous_2d", "sendbuf_misaligned",
-    "recvbuf_misaligned", "broadcast_root_out_of_range", "reduce_root_negative", "root_not_an_int",
-    "wrong_device_send", "wrong_device_recv", "not_an_array", "none_buffer", "tree_allgather",
-    "tree_reduce_scatter", "overlap_allreduce", "overlap_allgather_wrong_slot",
-    "overlap_reduce_scatter_wrong_slot", "alltoall_sizes_differ", "alltoall_in_place", "alltoall_tree",
+    "allgather_recv_too_small",
+    "reduce_scatter_send_wrong_size",
+    "allreduce_count_differs",
+    "dtype_send_vs_recv",
+    "dtype_complex64",
+    "dtype_bool",
+    "dtype_big_endian",
+    "op_xor",
+    "op_xor_reduce_scatter",
+    "recvbuf_readonly",
+    "recvbuf_readonly_allgather",
+    "sendbuf_noncontiguous",
+    "recvbuf_noncontiguous_2d",
+    "sendbuf_misaligned",
+    "recvbuf_misaligned",
+    "broadcast_root_out_of_range",
+    "reduce_root_negative",
+    "root_not_an_int",
+    "wrong_device_send",
+    "wrong_device_recv",
+    "not_an_array",
+    "none_buffer",
+    "tree_allgather",
+    "tree_reduce_scatter",
+    "overlap_allreduce",
+    "overlap_allgather_wrong_slot",
+    "overlap_reduce_scatter_wrong_slot",
+    "alltoall_sizes_differ",
+    "alltoall_in_place",
+    "alltoall_tree",
 ]
 
 
@@ -183,9 +257,18 @@ def test_every_rank_bad_input_in_thread_world():
 # ---------------------------------------------------------------------------------------
 
 
-ONE_RANK_CASES = ["allgather_recv_too_small", "dtype_complex64", "op_xor", "recvbuf_readonly",
-                  "sendbuf_misaligned", "broadcast_root_out_of_range", "wrong_device_send", "tree_allgather",
-                  "overlap_allreduce", "alltoall_in_place"]
+ONE_RANK_CASES = [
+    "allgather_recv_too_small",
+    "dtype_complex64",
+    "op_xor",
+    "recvbuf_readonly",
+    "sendbuf_misaligned",
+    "broadcast_root_out_of_range",
+    "wrong_device_send",
+    "tree_allgather",
+    "overlap_allreduce",
+    "alltoall_in_place",
+]
 
 
 def _good_call(name: str, comm: Communicator):
@@ -318,8 +401,9 @@ def test_mismatch_names_both_values():
 # Mismatches that would put the ranks on connections that never meet (ring vs tree FIFOs,
 # or a rooted chain that starts at different ranks): the kernels' ring handshake turns
 # them into CommMismatch too.
-@pytest.mark.parametrize("field, nranks", [("algorithm", 2), ("collective (auto algorithm)", 3),
-                                           ("reduce root", 2), ("broadcast root", 2)])
+@pytest.mark.parametrize(
+    "field, nranks", [("algorithm", 2), ("collective (auto algorithm)", 3), ("reduce root", 2), ("broadcast root", 2)]
+)
 def test_cross_rank_mismatch_on_disjoint_connections(field, nranks):
     root, errors, elapsed = _run_mismatch(field, nranks, timeout=5.0)
     assert isinstance(root, CommMismatch), f"{root!r} after {elapsed:.1f} s"

@@ -32,16 +32,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from stand_ins import FakeDeviceArray
 
 from commref.collectives import catalogue
 from commref.collectives.catalogue import RECV, SEND
 from commref.collectives.communicator import Communicator
 from commref.collectives.memory import Memory
 from commref.collectives.verify import DTYPES, OPS, count_wrong, expected_output, make_input
-from commref.transports.errors import CommAborted, CommMismatch, CommTimeout
-from commref.transports.world import ThreadWorld
-
-from test_bad_input import FakeDeviceArray
+from commref.transports.errors import CommAborted, CommMismatch
+from commref.transports.thread_world import ThreadWorld
 
 TIMEOUT_S = 2.0  # every wait of these communicators and worlds: a hang shows as CommTimeout
 LOCAL_EXAMPLES = 400
@@ -71,8 +70,14 @@ class Call:
     def signature(self) -> tuple:
         """What the ranks must agree on (in place or not is each rank's own choice)."""
         s = self.spec
-        return (self.coll, self.count, self.dtype, self.op if s.reducing else None, self.root if s.rooted else 0,
-                self.algorithm)
+        return (
+            self.coll,
+            self.count,
+            self.dtype,
+            self.op if s.reducing else None,
+            self.root if s.rooted else 0,
+            self.algorithm,
+        )
 
     def buffers(self, rank: int, nranks: int):
         x = make_input(self.coll, self.dtype, self.op, SEED, rank, nranks, self.count)
@@ -80,8 +85,14 @@ class Call:
 
     def run(self, comm: Communicator, send, recv, op="unset", root="unset", algorithm="unset") -> None:
         """Calls the collective with these buffers; op, root, algorithm default to the call's."""
-        self.spec.call(comm, send, recv, self.op if op == "unset" else op, self.root if root == "unset" else root,
-                       algorithm=self.algorithm if algorithm == "unset" else algorithm)
+        self.spec.call(
+            comm,
+            send,
+            recv,
+            self.op if op == "unset" else op,
+            self.root if root == "unset" else root,
+            algorithm=self.algorithm if algorithm == "unset" else algorithm,
+        )
 
     def wrong(self, out, rank: int, nranks: int) -> int:
         want = expected_output(self.coll, self.dtype, self.op, SEED, rank, nranks, self.count, self.root)
@@ -99,21 +110,41 @@ def checked(call: Call, rank: int) -> list[str]:
 
 @st.composite
 def calls(draw, nranks: int) -> Call:
-    coll = draw(st.sampled_from(catalogue.NAMES))
+    coll = draw(st.sampled_from(catalogue.KERNEL_NAMES))
     spec = catalogue.get(coll)
-    return Call(coll, draw(st.integers(0, 40)), draw(st.sampled_from(list(DTYPES))),
-                draw(st.sampled_from(list(OPS))) if spec.reducing else None,
-                draw(st.integers(0, nranks - 1)) if spec.rooted else 0,
-                draw(st.sampled_from([a for a in spec.kernels if a != "direct"])),
-                draw(st.booleans()) if spec.in_place_ok else False)
+    return Call(
+        coll,
+        draw(st.integers(0, 40)),
+        draw(st.sampled_from(list(DTYPES))),
+        draw(st.sampled_from(list(OPS))) if spec.reducing else None,
+        draw(st.integers(0, nranks - 1)) if spec.rooted else 0,
+        draw(st.sampled_from([a for a in spec.kernels if a != "direct"])),
+        draw(st.booleans()) if spec.in_place_ok else False,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # local input errors
 # ---------------------------------------------------------------------------------------
 
-BAD_DTYPES = [np.complex64, np.complex128, np.bool_, np.int16, np.uint16, np.float128 if hasattr(np, "float128")
-              else np.longdouble, ">f4", ">i8", ">f8", "U2", "S3", "V4", object, "M8[s]", "m8[ms]", "i4,f4"]
+BAD_DTYPES = [
+    np.complex64,
+    np.complex128,
+    np.bool_,
+    np.int16,
+    np.uint16,
+    np.float128 if hasattr(np, "float128") else np.longdouble,
+    ">f4",
+    ">i8",
+    ">f8",
+    "U2",
+    "S3",
+    "V4",
+    object,
+    "M8[s]",
+    "m8[ms]",
+    "i4,f4",
+]
 BAD_ROOTS = [-1, "n", "n+3", -7, 0.0, 1.5, "0", None, True, False, np.float64(0), [0]]
 BAD_OPS = ["xor", "SUM", "", None, 0, 2, b"sum", "sum ", "mean", "band", ("sum",)]
 BAD_ALGORITHMS = ["foo", "RING", "rings", 5, "direct", "hierarchical", "tree"]  # "tree": allreduce only
@@ -196,13 +227,19 @@ def defects(draw, call: Call, rank: int, nranks: int):
         a = draw(st.integers(max(0, -k), max(0, -k) + 3))  # sendbuf's offset in one allocation
         b = a + k
         base = _zeros(max(a + sn, b + rn), dt)
-        return f"{kind}: overlap send at {a}, recv at {b}", ValueError, with_buffers({SEND: base[a : a + sn],
-                                                                               RECV: base[b : b + rn]})
+        return (
+            f"{kind}: overlap send at {a}, recv at {b}",
+            ValueError,
+            with_buffers({SEND: base[a : a + sn], RECV: base[b : b + rn]}),
+        )
     if kind == "misaligned":
         which = draw(st.sampled_from([b for b in look if sizes[b]]))
         offset = draw(st.integers(1, dt.itemsize - 1))
-        return f"{kind}: {which} misaligned by {offset}", ValueError, with_buffers(
-            {**args, which: _misaligned(sizes[which], dt, offset)})
+        return (
+            f"{kind}: {which} misaligned by {offset}",
+            ValueError,
+            with_buffers({**args, which: _misaligned(sizes[which], dt, offset)}),
+        )
     if kind == "noncontiguous":
         which = draw(st.sampled_from([b for b in look if sizes[b] >= 2]))
         fortran = ["fortran"] if sizes[which] % 2 == 0 and sizes[which] >= 4 else []
@@ -352,8 +389,9 @@ def disagreements(draw):
         elif field == "root" and s.rooted:
             other = replace(base, root=draw(st.sampled_from([x for x in range(nranks) if x != base.root])))
         elif field == "algorithm" and len([a for a in s.kernels if a != "direct"]) > 1:
-            other = replace(base, algorithm=draw(st.sampled_from([a for a in s.kernels
-                                                                  if a not in ("direct", base.algorithm)])))
+            other = replace(
+                base, algorithm=draw(st.sampled_from([a for a in s.kernels if a not in ("direct", base.algorithm)]))
+            )
         elif field == "collective":
             other = draw(calls(nranks).filter(lambda c: c.coll != base.coll))
         else:  # anything: an independent call that differs somewhere

@@ -12,29 +12,17 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import GEOMETRIES, WORLD_TIMEOUT
 
 from commref.collectives import check, tuner, verify
+from commref.collectives.catalogue import KERNEL_NAMES as COLLECTIVES
 from commref.collectives.communicator import Communicator
-from commref.device_kernels.abi import window_layout
-from commref.collectives.catalogue import NAMES as COLLECTIVES
 from commref.collectives.verify import OPS
 from commref.device_kernels import abi
-from commref.transports.world import ThreadWorld
+from commref.device_kernels.abi import window_layout
+from commref.transports.thread_world import ThreadWorld
 
 DTYPES = ["float32", "bfloat16", "int8", "uint64", "float16"]
-WORLD_TIMEOUT = 30.0
-
-# (threads per block, max channels, slot bytes, FIFO steps)
-GEOMETRIES = {
-    "1thread-3ch-slot128-2steps": (1, 3, 128, 2),
-    "4fibers-2ch-slot256-4steps": (4, 2, 256, 4),
-}
-
-
-@pytest.fixture
-def many_channels(monkeypatch):
-    """Lets the CPU tuner split even small calls across channels (one per 256 bytes)."""
-    monkeypatch.setattr(tuner, "BYTES_PER_CHANNEL", 256)
 
 
 def _odd_count(nranks: int, channels: int) -> int:
@@ -47,8 +35,9 @@ def _odd_count(nranks: int, channels: int) -> int:
 
 def _sweep(world, geometry, counts):
     threads, channels, slot, nsteps = geometry
-    comm = Communicator(world, "cpu", max_channels=channels, slot_bytes=slot, nsteps=nsteps, threads=threads,
-                        timeout=WORLD_TIMEOUT)
+    comm = Communicator(
+        world, "cpu", max_channels=channels, slot_bytes=slot, nsteps=nsteps, threads=threads, timeout=WORLD_TIMEOUT
+    )
     case_list = check.cases(list(COLLECTIVES), DTYPES, list(OPS), [], counts, world.size, seed=7)
     wrong = check.run_sweep(comm, case_list)
     return case_list, wrong
@@ -73,14 +62,20 @@ def test_sweep(nranks, geometry, many_channels):
     # Every collective x algorithm x dtype x op x count x placement was run: reducing
     # (collective, algorithm) pairs are allreduce ring, tree and direct, reduce_scatter
     # ring and direct, reduce ring; moving ones allgather ring and direct, broadcast ring.
-    assert {(c.coll, c.algorithm) for c in case_list} >= {("allreduce", "direct"), ("reduce_scatter", "direct"),
-                                                           ("allgather", "direct"), ("alltoall", "direct")}
+    assert {(c.coll, c.algorithm) for c in case_list} >= {
+        ("allreduce", "direct"),
+        ("reduce_scatter", "direct"),
+        ("allgather", "direct"),
+        ("alltoall", "direct"),
+    }
     # alltoall ring and direct: out of place only (no in-place form).
     reducing, moving, out_of_place_only = 6, 3, 2
     floats = [d for d in DTYPES if d in verify.SUBNORMAL_EXPONENT]
     denormal = reducing * len(verify.DENORMAL_OPS) * len(floats) * len(counts)
-    assert len(case_list) == ((reducing * len(OPS) + moving) * 2 + out_of_place_only) * len(DTYPES) * len(counts) \
-        + denormal
+    assert (
+        len(case_list)
+        == ((reducing * len(OPS) + moving) * 2 + out_of_place_only) * len(DTYPES) * len(counts) + denormal
+    )
     assert sum(c.values == "denormal" for c in case_list) == denormal
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:5]}"
@@ -186,9 +181,10 @@ def test_count_wrong_sees_every_kind_of_difference():
 # ---------------------------------------------------------------------------------------
 
 
-def _link_steps(window_bytes: np.ndarray, channels: int, slot: int, nsteps: int) -> np.ndarray:
-    """The persistent step counters of one rank's window: [channel, in0..in3, out0..out3]."""
-    layout, _ = window_layout(channels, slot, nsteps)
+def _link_steps(window_bytes: np.ndarray, channels: int, slot: int, nsteps: int, nranks: int) -> np.ndarray:
+    """The persistent step counters of one rank's window: [channel, in0..in3, out0..out3]
+    of the collectives' channels (the window's p2p channels follow them)."""
+    layout, _ = window_layout(channels + abi.p2p_channels(nranks), slot, nsteps)
     off = int(layout["stateOff"])
     n = channels * (abi.CONN_IN + abi.CONN_OUT)
     return window_bytes[off : off + 8 * n].view(np.uint64).reshape(channels, abi.CONN_IN + abi.CONN_OUT).copy()
@@ -212,17 +208,18 @@ def test_repeated_interleaved_calls(nranks, many_channels):
         ]
 
     def fn(world):
-        comm = Communicator(world, "cpu", max_channels=channels, slot_bytes=slot, nsteps=nsteps, threads=2,
-                            timeout=WORLD_TIMEOUT)
+        comm = Communicator(
+            world, "cpu", max_channels=channels, slot_bytes=slot, nsteps=nsteps, threads=2, timeout=WORLD_TIMEOUT
+        )
         wrong, snapshots = [], []
         for i, (coll, algo, dtype, op, count) in enumerate(plan):
             root = i % world.size
             case = check.Case(coll, algo, dtype, op, count, i % 2 == 1, root, 100 + i)
             wrong.append(check.run_case(comm, case))
             if i % (len(plan) // rounds) == 0:  # first call of each round
-                snapshots.append(_link_steps(comm.window.local, channels, slot, nsteps))
+                snapshots.append(_link_steps(comm.window.local, channels, slot, nsteps, world.size))
         world.barrier(what="steps settled")
-        snapshots.append(_link_steps(comm.window.local, channels, slot, nsteps))
+        snapshots.append(_link_steps(comm.window.local, channels, slot, nsteps, world.size))
         return wrong, snapshots
 
     results = ThreadWorld.run(nranks, fn, timeout=WORLD_TIMEOUT)
@@ -277,6 +274,7 @@ def test_many_small_calls_reuse_the_fifo(many_channels):
 def test_single_slot_fifo_is_rejected():
     """A ring step holds its inbound slot while it waits for an outbound one, so a
     one-slot FIFO would deadlock: construction refuses it."""
+
     def fn(world):
         with pytest.raises(ValueError, match="nsteps must be >= 2"):
             Communicator(world, "cpu", max_channels=1, slot_bytes=64, nsteps=1, timeout=1.0)

@@ -5,7 +5,7 @@
   every kernel) equals device_kernels/abi.py's abi.abi_table(), built from its own
   dtypes and constants (test_abi_table_matches_python); the kernels the library
   defines are exactly abi.KERNEL_NAMES and abi.ENGINE_KERNEL_NAMES.
-- Every kernel compiles for sm_90: with nvcc (loader.nvcc_compile_check) when nvcc is
+- Every kernel compiles for sm_90: with nvcc (gpu_loader.nvcc_compile_check) when nvcc is
   on PATH, else with the GPU loader's NVRTC (CuPy's bindings); skipped only when
   neither exists. The modules are the GPU
   loader's per-(dtype, op) specialisations of every kernel file (see gpu_modules()
@@ -23,13 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commref.collectives.launch import HostWords
-from commref.device_kernels import abi, loader
+from commref.collectives.launch_record import HostWords
+from commref.device_kernels import abi, build, cpu_loader, gpu_loader
 
 ARCH = "sm_90"
 
 
 # ---- ABI ----
+
 
 def abi_diff(python: dict, cxx: dict) -> list[str]:
     """The entries on which the two tables differ, one line each."""
@@ -46,7 +47,7 @@ def abi_diff(python: dict, cxx: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cxx_table() -> dict:
-    return loader.cpu_kernels().abi_table()
+    return cpu_loader.cpu_kernels().abi_table()
 
 
 def test_abi_table_matches_python(cxx_table):
@@ -65,11 +66,32 @@ def test_abi_table_covers_the_abi(cxx_table):
         assert f"sizeof({name})" in cxx_table
         for field in dt.names:
             assert f"offsetof({name}, {field})" in cxx_table, (name, field)
-    for prefix in ("DTYPE_CODES.", "CXX_TYPES.", "OP_CODES.", "COLLECTIVE_CODES.", "ALGORITHM_CODES.",
-                   "GIN_PROTOCOLS.", "CALL_FIELDS.", "kernel("):
+    for prefix in (
+        "DTYPE_CODES.",
+        "CXX_TYPES.",
+        "OP_CODES.",
+        "COLLECTIVE_CODES.",
+        "ALGORITHM_CODES.",
+        "GIN_PROTOCOLS.",
+        "CALL_FIELDS.",
+        "kernel(",
+    ):
         assert any(k.startswith(prefix) for k in cxx_table), prefix
-    for name in ("MAX_CHANNELS", "SLOT_HEADER", "FLAG_STRIDE", "GIN_QUEUE_CONSUMED", "GIN_QUEUE_IDLE",
-                 "GIN_QUEUE_HELP_FN", "GIN_QUEUE_HELP_CTX", "GIN_QUEUE_HEADER", "LAUNCH_REFUSED", "WAIT_LSA_BARRIER", "GIN_HAS_COUNTER", "ERR_ABORTED", "IN_TREE_PARENT"):
+    for name in (
+        "MAX_CHANNELS",
+        "SLOT_HEADER",
+        "FLAG_STRIDE",
+        "GIN_QUEUE_CONSUMED",
+        "GIN_QUEUE_IDLE",
+        "GIN_QUEUE_HELP_FN",
+        "GIN_QUEUE_HELP_CTX",
+        "GIN_QUEUE_HEADER",
+        "LAUNCH_REFUSED",
+        "WAIT_LSA_BARRIER",
+        "GIN_HAS_COUNTER",
+        "ERR_ABORTED",
+        "IN_TREE_PARENT",
+    ):
         assert name in cxx_table, name
 
 
@@ -90,16 +112,16 @@ def test_kernel_names_are_the_library_kernels(cxx_table):
     """abi.KERNEL_NAMES and abi.ENGINE_KERNEL_NAMES are exactly the kernels the library
     exports (each COMMREF_KERNEL registers itself), each defined in one kernel file,
     and each resolvable as a symbol."""
-    kernels = loader.cpu_kernels()
-    registered = {k[len("kernel("):-1] for k in cxx_table if k.startswith("kernel(")}
+    kernels = cpu_loader.cpu_kernels()
+    registered = {k[len("kernel(") : -1] for k in cxx_table if k.startswith("kernel(")}
     named = set(abi.KERNEL_NAMES) | set(abi.ENGINE_KERNEL_NAMES)
     assert len(named) == len(abi.KERNEL_NAMES) + len(abi.ENGINE_KERNEL_NAMES), "a kernel name is listed twice"
     assert registered - named == set(), f"the library exports kernels that abi.py does not name: {registered - named}"
     assert named - registered == set(), f"abi.py names kernels the library does not export: {named - registered}"
-    assert set(loader.kernel_files()) == named, "the COMMREF_KERNEL lines of kernels/*.cu differ from abi.py"
+    assert set(build.kernel_files()) == named, "the COMMREF_KERNEL lines of kernels/*.cu differ from abi.py"
     for name in sorted(named):
         assert kernels.entry(name), name
-    assert set(loader.gpu_sources()) == {loader.kernel_files()[n] for n in abi.KERNEL_NAMES}
+    assert set(build.gpu_sources()) == {build.kernel_files()[n] for n in abi.KERNEL_NAMES}
 
 
 def test_abi_numpy_dtypes_are_c_layouts():
@@ -129,27 +151,49 @@ def test_call_descriptor_fields():
         assert mask < 1 << 64 and used & mask == 0, name
         used |= mask
     desc = abi.pack_call("broadcast", "ring", abi.DTYPE_CODES["bfloat16"], abi.OP_CODES["avg"], 513, 7, "ll128")
-    assert abi.unpack_call(desc) == {"collective": "broadcast", "algorithm": "ring", "dtype": "bfloat16",
-                                     "op": "avg", "root": 513, "nchannels": 7, "protocol": "ll128"}
+    assert abi.unpack_call(desc) == {
+        "collective": "broadcast",
+        "algorithm": "ring",
+        "dtype": "bfloat16",
+        "op": "avg",
+        "root": 513,
+        "nchannels": 7,
+        "protocol": "ll128",
+    }
     simple = abi.pack_call("broadcast", "ring", abi.DTYPE_CODES["bfloat16"], abi.OP_CODES["avg"], 513, 7)
     assert abi.unpack_call(simple)["protocol"] == "simple" and simple != desc  # ranks that disagree differ
 
 
 def test_wait_what_describes_every_wait_code():
-    codes = {abi.WAIT_RECV_READY, abi.WAIT_SEND_CREDIT, abi.CALL_MISMATCH, abi.COUNT_MISMATCH, abi.WAIT_GIN_QUEUE,
-             abi.WAIT_GIN_FLUSH, abi.WAIT_LSA_BARRIER, abi.BUFFER_MISMATCH, abi.WAIT_SIGNAL, abi.WAIT_COUNTER,
-             abi.WAIT_BARRIER, abi.BAD_ARGUMENT}
+    codes = {
+        abi.WAIT_RECV_READY,
+        abi.WAIT_SEND_CREDIT,
+        abi.CALL_MISMATCH,
+        abi.COUNT_MISMATCH,
+        abi.WAIT_GIN_QUEUE,
+        abi.WAIT_GIN_FLUSH,
+        abi.WAIT_LSA_BARRIER,
+        abi.BUFFER_MISMATCH,
+        abi.WAIT_SIGNAL,
+        abi.WAIT_COUNTER,
+        abi.WAIT_BARRIER,
+        abi.BAD_ARGUMENT,
+        abi.WAIT_P2P_ACCEPT,
+        abi.P2P_RECV_MISMATCH,
+        abi.P2P_SEND_REJECTED,
+    }
     assert set(abi.WAIT_WHAT) == codes
 
 
 # ---- GPU compile (no GPU needed) ----
 
+
 def nvrtc_available() -> str | None:
     """None when the loader can compile with NVRTC (CuPy's bindings), else why not."""
     try:
-        loader._nvrtc()
+        gpu_loader._nvrtc()
         return None
-    except loader.KernelError as e:
+    except build.KernelError as e:
         return str(e)
 
 
@@ -163,9 +207,10 @@ def nvcc_with_size_probe(tmp_path: Path) -> tuple[str, Path]:
     wrapper.write_text(
         "#!/bin/sh\n"
         f"'{real}' \"$@\"\nrc=$?\n"
-        "out=\nprev=\nfor a in \"$@\"; do [ \"$prev\" = -o ] && out=$a; prev=$a; done\n"
-        f"[ -f \"$out\" ] && wc -c < \"$out\" >> '{size_file}'\n"
-        "exit $rc\n")
+        'out=\nprev=\nfor a in "$@"; do [ "$prev" = -o ] && out=$a; prev=$a; done\n'
+        f'[ -f "$out" ] && wc -c < "$out" >> \'{size_file}\'\n'
+        "exit $rc\n"
+    )
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     return str(wrapper), size_file
 
@@ -174,24 +219,24 @@ def gpu_modules() -> dict[str, tuple[str, ...]]:
     """The modules to compile, by name.
 
     The GPU loader compiles one module per (kernel file, specialization)
-    (loader.specialization()); each case here compiles every kernel file with one
+    (gpu_loader.specialization()); each case here compiles every kernel file with one
     specialization's defines. By default: the data-movement module, every dtype with
     sum (type-specific code: conversions, Arith, Unsigned) and float32 with every other
     functor (op-specific code) -- 14 cases, a few seconds each. With
-    COMMREF_TEST_ALL_GPU_MODULES=1: all of loader.all_specializations() and the full
+    COMMREF_TEST_ALL_GPU_MODULES=1: all of gpu_loader.all_specializations() and the full
     build (no defines: every kernel with every instance, what nvcc_compile_check()
     builds by default; minutes of ptxas on a small machine).
     """
     dtype_names = {v: k for k, v in abi.DTYPE_CODES.items()}
     op_names = {v: k for k, v in abi.OP_CODES.items() if k != "avg"}  # avg shares sum's module
     everything = os.environ.get("COMMREF_TEST_ALL_GPU_MODULES", "") not in ("", "0")
-    specs: dict[str, tuple[str, ...]] = {"data-movement": loader.specialization(None)}
+    specs: dict[str, tuple[str, ...]] = {"data-movement": gpu_loader.specialization(None)}
     for dtype in sorted(dtype_names):
         for op in sorted(op_names):
             if everything or op == abi.OP_CODES["sum"] or dtype == abi.DTYPE_CODES["float32"]:
-                specs[f"{dtype_names[dtype]}-{op_names[op]}"] = loader.specialization((dtype, op))
+                specs[f"{dtype_names[dtype]}-{op_names[op]}"] = gpu_loader.specialization((dtype, op))
     if everything:
-        assert sorted(set(specs.values())) == sorted(loader.all_specializations())
+        assert sorted(set(specs.values())) == sorted(gpu_loader.all_specializations())
         specs["full"] = ()
     return specs
 
@@ -206,25 +251,28 @@ def test_every_kernel_compiles_for_sm90(which, tmp_path):
     if shutil.which("nvcc"):
         nvcc, size_file = nvcc_with_size_probe(tmp_path)
         kwargs = {"defines": defines} if defines else {}
-        proc = loader.nvcc_compile_check(ARCH, nvcc=nvcc, **kwargs)
+        proc = gpu_loader.nvcc_compile_check(ARCH, nvcc=nvcc, flags=("-Xptxas", "-v"), **kwargs)
         elapsed = time.perf_counter() - t0
         assert proc.returncode == 0, f"nvcc failed for {ARCH} ({which}: {defines}):\n{proc.stderr[-6000:]}"
         sizes = [int(x) for x in size_file.read_text().split()] if size_file.exists() else []
-        assert len(sizes) == len(loader.kernel_sources()) and all(sizes), \
-            f"nvcc reported success but wrote cubins of sizes {sizes} for {len(loader.kernel_sources())} files"
+        assert len(sizes) == len(build.kernel_sources()) and all(sizes), (
+            f"nvcc reported success but wrote cubins of sizes {sizes} for {len(build.kernel_sources())} files"
+        )
         size = sum(sizes)
         print(f"nvcc {ARCH} {which}: {len(sizes)} cubins, {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
+        check_frames(ptxas_resources(proc.stdout + proc.stderr), which)
         return
     why = nvrtc_available()
     if why is not None:
         pytest.skip(f"neither nvcc nor NVRTC is available: {why}")
     target = f"--gpu-architecture={ARCH}"
-    size = sum(len(loader.compile_gpu_image(path, defines, target, "cubin")) for path in loader.kernel_sources())
+    size = sum(len(gpu_loader.compile_gpu_image(path, defines, target, "cubin")) for path in build.kernel_sources())
     elapsed = time.perf_counter() - t0
-    print(f"NVRTC {loader.nvrtc_version()} {ARCH} {which}: {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
+    version = gpu_loader.nvrtc_version()
+    print(f"NVRTC {version} {ARCH} {which}: {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
 
 
-# ---- GPU resources and the failure path (issue 12: findings 4, 7, 13) ----
+# ---- GPU resources and the failure path ----
 
 # Bytes per thread; measured 544 with the LL and LL128 paths (CUDA 13, sm_90), 1248 before __grid_constant__.
 RING_STACK_BOUND = 640
@@ -257,6 +305,60 @@ def ptxas_resources(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def check_frames(found: dict[str, dict[str, int]], which: str) -> None:
+    """Every kernel of build.kernel_files() in ptxas' figures `found`: no spills, and a
+    stack (frame and cumulative) within gpu_loader.STACK_BYTES, the limit CudaKernels sets on
+    each device before any kernel runs (so no launch makes the driver grow local memory)."""
+    missing = sorted(set(build.kernel_files()) - set(found))
+    assert not missing, f"{which}: ptxas reported no figures for {missing}"
+    for name in sorted(build.kernel_files()):
+        r = found[name]
+        print(
+            f"  {name}: {r.get('registers', 0)} registers, {r['stack']} bytes stack, "
+            f"spills {r['spill_stores']} stored / {r['spill_loads']} loaded"
+        )
+    spilled = {
+        n: (r["spill_stores"], r["spill_loads"]) for n, r in found.items() if r["spill_stores"] or r["spill_loads"]
+    }
+    assert not spilled, f"{which}: kernels spill (stores, loads): {spilled}"
+    limit = gpu_loader.STACK_BYTES
+    deep = {n: r["stack"] for n, r in found.items() if max(r["stack"], r.get("cumulative_stack", 0)) > limit}
+    assert not deep, f"{which}: stack frames above gpu_loader.STACK_BYTES ({gpu_loader.STACK_BYTES}): {deep}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (a compile check, nothing runs)")
+def test_users_kernels_fit_the_stack_limit_without_spills(tmp_path):
+    """The device API's own kernels (kernels/device_api/: the MoE kernels) and the
+    examples (examples/: RMSNorm), as ptxas sees them for sm_90: no spill, and frames
+    within gpu_loader.STACK_BYTES, the limit set on the device before any kernel runs."""
+    from helpers import nvcc_sm90
+
+    sources = sorted((build.KERNEL_DIR / "device_api").glob("*.cu")) + sorted(
+        (build.SOURCE_DIR / "examples").glob("*.cu")
+    )
+    assert sources
+    for src in sources:
+        proc = nvcc_sm90(src, tmp_path / f"{src.stem}.cubin", timeout=300, flags=("-Xptxas", "-v"))
+        assert proc.returncode == 0, f"{src.name}:\n{proc.stderr[-4000:]}"
+        found = ptxas_resources(proc.stdout + proc.stderr)
+        assert found, f"{src.name}: ptxas reported no entry function"
+        for name, r in found.items():
+            print(f"  {src.name} {name}: {r['stack']} bytes stack, spills {r['spill_stores']} / {r['spill_loads']}")
+            assert r["spill_stores"] == r["spill_loads"] == 0, (src.name, name, r)
+            assert max(r["stack"], r.get("cumulative_stack", 0)) <= gpu_loader.STACK_BYTES, (src.name, name, r)
+
+
+def test_frame_check_can_fail():
+    """check_frames refuses a spill and a frame above the limit."""
+    ok = {n: {"stack": 544, "cumulative_stack": 544, "spill_stores": 0, "spill_loads": 0} for n in build.kernel_files()}
+    check_frames(ok, "planted")
+    name = next(iter(ok))
+    with pytest.raises(AssertionError, match="spill"):
+        check_frames({**ok, name: dict(ok[name], spill_stores=8)}, "planted")
+    with pytest.raises(AssertionError, match="above gpu_loader.STACK_BYTES"):
+        check_frames({**ok, name: dict(ok[name], stack=gpu_loader.STACK_BYTES + 8)}, "planted")
+
+
 def test_ring_kernels_stack_stays_small(tmp_path):
     """Every ring kernel of the float32-sum module, compiled by nvcc for sm_90, keeps
     its per-thread stack under RING_STACK_BOUND: the launch arguments are read in place
@@ -267,42 +369,69 @@ def test_ring_kernels_stack_stays_small(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not available")
-    ring = loader.kernel_files()["commref_ring_allreduce"]
-    defines = loader.specialization((abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"]))
-    cmd = [nvcc, f"-arch={ARCH}", "-std=c++17", "-cubin", "-Xptxas", "-v", "-I", str(loader.INCLUDE_DIR),
-           *(f"-D{d}" for d in defines), "-o", str(tmp_path / "ring.cubin"), str(ring)]
+    ring = build.kernel_files()["commref_ring_allreduce"]
+    defines = gpu_loader.specialization((abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"]))
+    cmd = [
+        nvcc,
+        f"-arch={ARCH}",
+        "-std=c++17",
+        "-cubin",
+        "-Xptxas",
+        "-v",
+        "-I",
+        str(build.INCLUDE_DIR),
+        *(f"-D{d}" for d in defines),
+        "-o",
+        str(tmp_path / "ring.cubin"),
+        str(ring),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"nvcc failed:\n{proc.stderr[-6000:]}"
     found = ptxas_resources(proc.stdout + proc.stderr)
-    ring_kernels = sorted(n for n, f in loader.kernel_files().items() if f == ring)
+    ring_kernels = sorted(n for n, f in build.kernel_files().items() if f == ring)
     assert ring_kernels and sorted(found) == ring_kernels, (sorted(found), ring_kernels)
     for name in ring_kernels:
         r = found[name]
-        print(f"{name}: {r['registers']} registers, {r['stack']} bytes stack ({r['cumulative_stack']} cumulative), "
-              f"spills {r['spill_stores']} stored / {r['spill_loads']} loaded")
-    too_big = {n: (found[n]["stack"], found[n]["cumulative_stack"]) for n in ring_kernels
-               if max(found[n]["stack"], found[n]["cumulative_stack"]) >= RING_STACK_BOUND}
+        print(
+            f"{name}: {r['registers']} registers, {r['stack']} bytes stack ({r['cumulative_stack']} cumulative), "
+            f"spills {r['spill_stores']} stored / {r['spill_loads']} loaded"
+        )
+    too_big = {
+        n: (found[n]["stack"], found[n]["cumulative_stack"])
+        for n in ring_kernels
+        if max(found[n]["stack"], found[n]["cumulative_stack"]) >= RING_STACK_BOUND
+    }
     assert not too_big, f"ring kernels' stack (frame, cumulative) at or above {RING_STACK_BOUND} bytes: {too_big}"
 
 
 def test_kernels_never_trap(tmp_path):
-    """No kernel file compiles a trap (issue 12, finding 7): a failing kernel records the
+    """No kernel file compiles a trap: a failing kernel records the
     error and its blocks return (wait.h), so the CUDA context stays usable."""
-    import subprocess
     import concurrent.futures
+    import subprocess
 
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not available")
-    defines = loader.specialization((abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"]))
+    defines = gpu_loader.specialization((abi.DTYPE_CODES["float32"], abi.OP_CODES["sum"]))
 
     def ptx(src: Path) -> tuple[Path, subprocess.CompletedProcess]:
         out = tmp_path / f"{src.stem}.ptx"
-        cmd = [nvcc, f"-arch={ARCH}", "-std=c++17", "-ptx", "-I", str(loader.INCLUDE_DIR),
-               *(f"-D{d}" for d in defines), "-o", str(out), str(src)]
+        cmd = [
+            nvcc,
+            f"-arch={ARCH}",
+            "-std=c++17",
+            "-ptx",
+            "-I",
+            str(build.INCLUDE_DIR),
+            *(f"-D{d}" for d in defines),
+            "-o",
+            str(out),
+            str(src),
+        ]
         return out, subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
-    sources = loader.kernel_sources()
+    sources = build.kernel_sources()
     with concurrent.futures.ThreadPoolExecutor(len(sources)) as pool:
         results = list(pool.map(ptx, sources))
     for (out, proc), src in zip(results, sources):
@@ -326,7 +455,7 @@ def test_reduction_kernel_without_the_instance_records_why():
     """A reduction kernel launched with a (dtype, op) it has no instance for records
     ERR_NO_INSTANCE (seen: the call's dtype | op << 32; expected: what the build holds,
     all ones for the full build) and fails the launch, instead of ending silently."""
-    kernels = loader.cpu_kernels()
+    kernels = cpu_loader.cpu_kernels()
     for name in ("commref_ring_allreduce", "commref_tree_allreduce", "commref_direct_allreduce"):
         e = _no_instance_launch(kernels, name, 99, abi.OP_CODES["max"])
         assert int(e["code"]) == abi.ERR_NO_INSTANCE, (name, e)
@@ -335,7 +464,7 @@ def test_reduction_kernel_without_the_instance_records_why():
         host = HostWords(np.zeros(1, np.uint64), "cpu")
         host.error[0] = e
         exc = host.failure(3, 1.0)
-        assert isinstance(exc, loader.KernelError), exc
+        assert isinstance(exc, build.KernelError), exc
         assert str(exc) == "rank 3: the kernel has no instance for dtype #99 with max; it holds every instance"
         e = _no_instance_launch(kernels, name, abi.DTYPE_CODES["float32"], 77)
         assert int(e["code"]) == abi.ERR_NO_INSTANCE and int(e["seen"]) == abi.DTYPE_CODES["float32"] | 77 << 32

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 import pytest
+from conftest import TESTS, clean_env, run_mpi
 
 from commref.collectives.communicator import Communicator
-from conftest import TESTS, clean_env, run_mpi
 from commref.transports.errors import CommAborted, CommTimeout
-from commref.transports.world import ThreadWorld
+from commref.transports.thread_world import ThreadWorld
 
 MISSING = 2
 COMM_TIMEOUT = 1.0
@@ -179,8 +179,11 @@ def test_mpi_setup_deadline(shm_leak_check):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert elapsed < MPI_TIMEOUT + 15, f"took {elapsed:.1f} s"
-    assert re.search(rf"rank [01]: timed out after {MPI_TIMEOUT}\.0 s waiting for peer {MISSING}: "
-                     r"[a-z ]+: ranks at the barrier \(expected 3, seen 2\)", out), out[-3000:]
+    assert re.search(
+        rf"rank [01]: timed out after {MPI_TIMEOUT}\.0 s waiting for peer {MISSING}: "
+        r"[a-z ]+: ranks at the barrier \(expected 3, seen 2\)",
+        out,
+    ), out[-3000:]
 
 
 @pytest.mark.mpi

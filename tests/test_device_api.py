@@ -1,4 +1,4 @@
-"""The device API for users' kernels (include/commref/device.h, collectives/device_api.py):
+"""The device API for users' kernels (device.h; collectives/device_api/device_comm.py):
 a device communicator, kernels compiled from a user's source and launched on the CPU
 engine, over LSA and GIN (ordered and unordered wires, simulated nodes), with the
 requirements checked against the backends, failures reported as the collectives
@@ -7,143 +7,47 @@ report them, and the fused RMSNorm example (commref/rmsnorm.py) exact."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import clean_env, run_mpi
+from helpers import COUNTED, COUNTERS_GET, EXCHANGE, PREAMBLE, PRIMS_PER_PEER, PRIMS_RING, WORLD_TIMEOUT, nvcc_sm90
 
 import commref
 from commref import CapabilityError, CommTimeout, ThreadWorld
 from commref.collectives.device_api import CompileError, DeviceComm, Kernel
-from commref.device_kernels import loader
+from commref.device_kernels import build, gpu_loader
 from commref.rmsnorm import FusedRMSNorm, reference
 from commref.transports.gin import semantics
-from commref.transports.gin.plan import counted_writes_cell, counted_writes_refusal, study_safe
-from commref.transports.world import NODES_ENV
-
-WORLD_TIMEOUT = 60
-
-PREAMBLE = '#include "commref/device.h"\n'
-
-# Each rank puts its launch-stamped word to every peer at its own slot (weak signal 0
-# per put) and reads the n words once n - 1 have arrived; the barrier keeps a fast rank
-# from overwriting a slot in the next launch before its owner read it.
-EXCHANGE = PREAMBLE + r'''
-COMMREF_KERNEL(exchange, KernelArgs, args) {
-  DeviceComm comm(args);
-  const int n = comm.nranks(), r = comm.rank();
-  uint64_t* mine = comm.local<uint64_t>(0);
-  if (threadIdx.x == 0) mine[64 + r] = 1000 * comm.launch() + r;
-  __syncthreads();
-  for (int k = 1; k < n; k++) comm.put((r + k) % n, r * 8, (64 + r) * 8, 8, weakInc(0));
-  comm.waitSignal(0, comm.launch() * (n - 1));
-  uint64_t* out = comm.ptr<uint64_t>(0);
-  if (threadIdx.x == 0) for (int j = 0; j < n; j++) out[j] = j == r ? mine[64 + r] : mine[j];
-  comm.barrier();
-}
-'''
-
-# Counted writes: `chunks` puts of 64 bytes to the next rank, none with a flag; the
-# receiver waits until signal 1 has counted them all, then reads.
-COUNTED = PREAMBLE + r'''
-COMMREF_KERNEL(counted, KernelArgs, args) {
-  DeviceComm comm(args);
-  const int n = comm.nranks(), r = comm.rank();
-  const uint64_t chunks = comm.u64(0);
-  uint64_t* src = comm.local<uint64_t>(chunks * 64);
-  for (uint64_t i = threadIdx.x; i < chunks * 8; i += blockDim.x) src[i] = comm.launch() << 32 | (uint64_t)r << 24 | i;
-  __syncthreads();
-  for (uint64_t c = 0; c < chunks; c++) comm.countedPut((r + 1) % n, c * 64, chunks * 64 + c * 64, 64, 1);
-  comm.waitSignal(1, comm.launch() * chunks, (r + n - 1) % n);
-  uint64_t* out = comm.ptr<uint64_t>(1);
-  const uint64_t* got = comm.local<const uint64_t>(0);
-  for (uint64_t i = threadIdx.x; i < chunks * 8; i += blockDim.x) out[i] = got[i];
-  comm.barrier();
-}
-'''
-
-# Local completion and get: a put that names counter 0 (waitCounter), then a get of
-# the next rank's stamp, complete after flush.
-COUNTERS_GET = PREAMBLE + r'''
-COMMREF_KERNEL(counters_get, KernelArgs, args) {
-  DeviceComm comm(args);
-  const int n = comm.nranks(), r = comm.rank();
-  uint64_t* w = comm.local<uint64_t>(0);
-  if (threadIdx.x == 0) w[0] = 7000 + r;
-  comm.barrier();  // every stamp is written before anyone gets it
-  comm.put((r + 1) % n, 16, 0, 8, noSignal(), 0);
-  comm.waitCounter(0, comm.launch());
-  comm.get((r + 1) % n, 8, 0, 8);
-  comm.flush();
-  uint64_t* out = comm.ptr<uint64_t>(0);
-  if (threadIdx.x == 0) out[0] = w[1];
-  comm.barrier();
-}
-'''
-
-# The collectives' own flow primitives from a user kernel: channel 0's ring, each rank
-# sends 32 bytes to the next and receives the previous rank's.
-PRIMS_RING = PREAMBLE + r'''
-COMMREF_KERNEL(prims_ring, KernelArgs, args) {
-  DeviceComm comm(args);
-  const uint8_t* src = comm.ptr<const uint8_t>(0);
-  uint8_t* dst = comm.ptr<uint8_t>(1);
-  Prims<uint8_t, OpSum> p(comm.coll(), 0);
-  connectRing(p, comm.coll(), 0);
-  p.send(src, 32);
-  p.recv(dst, 32);
-  p.finish();
-}
-'''
-
-# A connection per peer: every rank sends a block of `bytes` to every peer through the
-# flow primitives and receives one from each (an all-to-all on Prims).
-PRIMS_PER_PEER = PREAMBLE + r'''
-COMMREF_KERNEL(prims_per_peer, KernelArgs, args) {
-  DeviceComm comm(args);
-  const uint8_t* src = comm.ptr<const uint8_t>(0);
-  uint8_t* dst = comm.ptr<uint8_t>(1);
-  const uint64_t bytes = comm.u64(2);
-  const int n = comm.nranks(), r = comm.rank();
-  for (int k = 1; k < n; k++) {
-    const int peer = (r + k) % n;
-    Prims<uint8_t, OpSum> tx(comm.coll(), comm.sendChannel(peer));
-    comm.connectSend(tx, peer);
-    tx.send(src + peer * bytes, bytes);
-    tx.finish();
-  }
-  for (int k = 1; k < n; k++) {
-    const int peer = (r + n - k) % n;
-    Prims<uint8_t, OpSum> rx(comm.coll(), comm.recvChannel(peer));
-    comm.connectRecv(rx, peer);
-    rx.recv(dst + peer * bytes, bytes);
-    rx.finish();
-  }
-}
-'''
+from commref.transports.gin.study.cells import counted_writes_cell, counted_writes_refusal, study_safe
+from commref.transports.nodes import NODES_ENV
 
 # Waits for a signal that nobody sends.
-WAIT_FOREVER = PREAMBLE + r'''
+WAIT_FOREVER = (
+    PREAMBLE
+    + r"""
 COMMREF_KERNEL(wait_forever, KernelArgs, args) {
   DeviceComm comm(args);
   comm.waitSignal(0, 1, (comm.rank() + 1) % comm.nranks());
 }
-'''
+"""
+)
 
 # Out-of-range device-API arguments, chosen by argument 0.
-BAD_CALL = PREAMBLE + r'''
+BAD_CALL = (
+    PREAMBLE
+    + r"""
 COMMREF_KERNEL(bad_call, KernelArgs, args) {
   DeviceComm comm(args);
   const int which = (int)comm.u64(0), peer = (comm.rank() + 1) % comm.nranks();
-  if (which == 0) comm.signal(peer, weakInc(5));            // only 2 signals
+  if (which == 0) comm.signal(peer, WeakSignalInc(5));            // only 2 signals
   if (which == 1) comm.put(peer, 4096 - 8, 0, 16);          // past the window's end
-  if (which == 2) comm.put(peer, 0, 0, 8, noSignal(), 3);   // no counter 3
+  if (which == 2) comm.put(peer, 0, 0, 8, NoSignal(), 3);   // no counter 3
   if (which == 3) comm.u64(9);                               // one argument only
-  if (which == 4) comm.signal(peer, weakInc(0), 1);         // one context only
+  if (which == 4) comm.gin(1).signal(peer, WeakSignalInc(0));         // one context only
 }
-'''
+"""
+)
 
 
 def _run(nranks, body, *args, **kwargs):
@@ -187,8 +91,9 @@ def test_counted_writes_deliver_every_chunk(path):
     kernel = Kernel(COUNTED, "counted")
 
     def body(world):
-        with DeviceComm(world, window_bytes=2 * chunks * 64, signals=2, counted_writes=True, device="cpu",
-                        **PATHS[path]) as dc:
+        with DeviceComm(
+            world, window_bytes=2 * chunks * 64, signals=2, counted_writes=True, device="cpu", **PATHS[path]
+        ) as dc:
             for launch in (1, 2):
                 out = np.zeros(chunks * 8, np.uint64)
                 kernel.launch(dc, 1, args=(chunks, out))
@@ -202,8 +107,11 @@ def test_counted_writes_deliver_every_chunk(path):
 def test_counted_writes_follow_the_ordering_study():
     """The runtime refuses counted writes exactly where the study's counted-writes cell
     is unsafe: on a wire that may place a write twice."""
-    for transport in (semantics.ORDERED, semantics.UNORDERED,
-                      semantics.Transport("srd-dup", ordered=False, duplicates=True)):
+    for transport in (
+        semantics.ORDERED,
+        semantics.UNORDERED,
+        semantics.Transport("srd-dup", ordered=False, duplicates=True),
+    ):
         row, column = counted_writes_cell(transport)
         assert (counted_writes_refusal(transport) is None) == study_safe(row, column)
     refusal = counted_writes_refusal(semantics.Transport("srd-dup", ordered=False, duplicates=True))
@@ -233,7 +141,7 @@ def test_prims_run_in_a_user_kernel(path):
             src = np.full(32, world.rank + 1, np.uint8)
             dst = np.zeros(32, np.uint8)
             kernel.launch(dc, 1, args=(src, dst))
-            prev = int(dc.comm._record.record["peers"][0]["ringPrev"])
+            prev = int(dc.comm.launch_record.record["peers"][0]["ringPrev"])
             assert (dst == prev + 1).all()
 
     _run(3, body)
@@ -247,13 +155,14 @@ def test_a_connection_per_peer_carries_the_flow_primitives(path):
         n = world.size
         with DeviceComm(world, window_bytes=64, device="cpu", max_channels=2, **PATHS[path]) as dc:
             for launch in (1, 2):
-                src = np.array([(world.rank * 16 + j) * launch % 256 for j in range(n) for _ in range(nbytes)],
-                               np.uint8)
+                src = np.array(
+                    [(world.rank * 16 + j) * launch % 256 for j in range(n) for _ in range(nbytes)], np.uint8
+                )
                 dst = np.zeros(n * nbytes, np.uint8)
                 kernel.launch(dc, 1, args=(src, dst, nbytes))
                 for j in range(n):
                     want = 0 if j == world.rank else (j * 16 + world.rank) * launch % 256
-                    assert (dst[j * nbytes:(j + 1) * nbytes] == want).all(), (world.rank, j)
+                    assert (dst[j * nbytes : (j + 1) * nbytes] == want).all(), (world.rank, j)
 
     _run(6, body)  # 6 ranks: distances up to 5, channels 0 and 1
 
@@ -276,7 +185,7 @@ def test_a_syntax_error_gives_the_compilers_message_with_the_line(tmp_path, monk
         Kernel(source, "broken").compile("cpu")
     message = str(info.value)
     assert message.startswith("kernel broken: broken.cu does not compile:")
-    assert "broken.cu:4:" in message and "error" in message and "int x = ;" in message  # file, line, the source
+    assert "broken.cu:5:" in message and "error" in message and "int x = ;" in message  # file, line, the source
     assert str(tmp_path) not in message
 
 
@@ -293,8 +202,9 @@ def test_a_wait_nobody_answers_times_out_naming_rank_and_peer():
             with pytest.raises(CommTimeout) as info:
                 kernel.launch(dc, 1)
             peer = (world.rank + 1) % world.size
-            assert str(info.value).startswith(f"rank {world.rank}: timed out after 0.5 s waiting for peer {peer}: "
-                                              f"a signal of the device communicator")
+            assert str(info.value).startswith(
+                f"rank {world.rank}: timed out after 0.5 s waiting for peer {peer}: a signal of the device communicator"
+            )
 
     _run(2, body)
 
@@ -305,8 +215,11 @@ def test_device_api_arguments_out_of_range_fail_clearly(which, limit, seen):
 
     def body(world):
         with DeviceComm(world, window_bytes=4096, signals=2, counters=1, device="cpu", timeout=5) as dc:
-            with pytest.raises(ValueError, match=rf"^rank {world.rank}: a device-API call in block 0 was given "
-                                                 rf"{seen} where the limit is {limit}"):
+            with pytest.raises(
+                ValueError,
+                match=rf"^rank {world.rank}: a device-API call in block 0 was given "
+                rf"{seen} where the limit is {limit}",
+            ):
                 kernel.launch(dc, 1, args=(which,))
 
     _run(2, body)
@@ -340,10 +253,15 @@ def test_requirements_are_checked_against_the_backends():
             DeviceComm(world, window_bytes=64, device="cpu", **options)
 
     _run(2, body, dict(path="gin", backend="gda", signals=1), r"gda lacks strong signals")
-    _run(2, body, dict(path="gin", backend="gda", strong_signals=False, signals=1000),
-         r"gda lacks \d+ signals\+counters \(at most 512\)")
-    _run(2, body, dict(path="gin", backend="rc", wire="unordered", strong_signals=False),
-         r"rc lacks the unordered wire")
+    _run(
+        2,
+        body,
+        dict(path="gin", backend="gda", strong_signals=False, signals=1000),
+        r"gda lacks \d+ signals\+counters \(at most 512\)",
+    )
+    _run(
+        2, body, dict(path="gin", backend="rc", wire="unordered", strong_signals=False), r"rc lacks the unordered wire"
+    )
 
 
 def test_weak_only_backend_runs_with_weak_signals():
@@ -398,14 +316,17 @@ def test_fused_rmsnorm_reference_is_rmsnorm():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (a compile check, nothing runs)")
 def test_the_device_api_and_examples_compile_for_sm90(tmp_path):
-    """Every device-API call and the examples compile for the GPU (nvcc, sm_90)."""
-    every_call = PREAMBLE + r'''
+    """Every device-API call, the examples and the kernels built on the device API
+    (kernels/device_api/: MoE dispatch and combine) compile for the GPU (nvcc, sm_90)."""
+    every_call = (
+        PREAMBLE
+        + r"""
 COMMREF_KERNEL(every_call, KernelArgs, args) {
   DeviceComm comm(args);
-  comm.put(1, 0, 8, 8, strongInc(0), 0, 1);
+  comm.gin(1).put(1, 0, 8, 8, StrongSignalInc(0), 0);
   comm.countedPut(1, 0, 8, 8, 1);
-  comm.putValue(1, 0, 8, weakAdd(0, 3));
-  comm.signal(1, weakInc(0));
+  comm.putValue(1, 0, 8, WeakSignalAdd(0, 3));
+  comm.signal(1, WeakSignalInc(0));
   comm.get(1, 0, 8, 8);
   comm.flush();
   comm.waitSignal(0, 1);
@@ -418,30 +339,34 @@ COMMREF_KERNEL(every_call, KernelArgs, args) {
   connectRing(prims, comm.coll(), 0);
   prims.finish();
 }
-'''
-    sources = [tmp_path / "every_call.cu", loader.SOURCE_DIR / "examples" / "rmsnorm.cu"]
+"""
+    )
+    sources = [tmp_path / "every_call.cu", build.SOURCE_DIR / "examples" / "rmsnorm.cu"]
     sources[0].write_text(every_call)
-    sources += sorted(p for p in (loader.SOURCE_DIR / "examples").glob("*.cu") if p not in sources)
+    sources += sorted(p for p in (build.SOURCE_DIR / "examples").glob("*.cu") if p not in sources)
+    sources += sorted((build.KERNEL_DIR / "device_api").glob("*.cu"))
+    assert build.KERNEL_DIR / "device_api" / "ep.cu" in sources
     for src in sources:
-        proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-I", str(loader.INCLUDE_DIR),
-                               "-o", str(tmp_path / f"{src.stem}.cubin"), str(src)], capture_output=True, text=True)
+        proc = nvcc_sm90(src, tmp_path / f"{src.stem}.cubin")
         assert proc.returncode == 0, f"{src.name}:\n{proc.stderr}"
 
 
 def test_nvrtc_compiles_the_examples_and_reports_a_syntax_error_with_its_line(tmp_path, monkeypatch):
     """The GPU route of Kernel.compile (NVRTC, as the driver will load it); no GPU needed."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed (pip install -e '.[gpu-oldest]')")
+    pytest.importorskip(
+        "cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed (pip install -e '.[gpu-oldest]')"
+    )
     monkeypatch.setenv("COMMREF_CACHE_DIR", str(tmp_path))
     from commref.rmsnorm import kernel
 
-    assert loader.build_user_gpu_image(kernel().path, 90).stat().st_size > 0
+    assert gpu_loader.build_user_gpu_image(kernel().path, 90).stat().st_size > 0
     broken = Kernel(PREAMBLE + "COMMREF_KERNEL(broken, KernelArgs, args) {\n  int x = ;\n}\n", "broken")
     with pytest.raises(CompileError) as info:
         try:
-            loader.build_user_gpu_image(broken.path, 90)
+            gpu_loader.build_user_gpu_image(broken.path, 90)
         except CompileError as e:
             raise broken._compile_error(e, broken.path) from None
-    assert str(info.value).startswith("kernel broken: broken.cu does not compile:\nbroken.cu(3): error")
+    assert str(info.value).startswith("kernel broken: broken.cu does not compile:\nbroken.cu(4): error")
     assert "int x = ;" in str(info.value)
 
 
@@ -453,7 +378,120 @@ def test_the_public_names():
 def test_fused_rmsnorm_under_mpiexec_across_simulated_nodes(shm_leak_check):
     """One rank per process, 2 x 2 simulated nodes: LSA inside a node, GIN over network
     mpi across, on the unordered wire with weak signals (gda)."""
-    proc = run_mpi(4, ["commref.rmsnorm", "--path", "auto", "--network", "mpi", "--wire", "unordered", "--weak",
-                       "--tokens", "13", "--hidden", "64"], module=True, env=clean_env(COMMREF_NODES="2"))
+    proc = run_mpi(
+        4,
+        [
+            "commref.rmsnorm",
+            "--path",
+            "auto",
+            "--network",
+            "mpi",
+            "--wire",
+            "unordered",
+            "--weak",
+            "--tokens",
+            "13",
+            "--hidden",
+            "64",
+        ],
+        module=True,
+        env=clean_env(COMMREF_NODES="2"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 ranks, path auto, backend gda, 3 launches: 0 wrong elements" in proc.stdout
+
+
+# ---- what waitSignal and waitCounter return, and putValue's alignment ----
+
+# Signals 0..7 of this rank hold different values (its own signals, added before); then
+# back-to-back waits with no other block-wide call between them, each thread recording
+# what every wait returned to it. Every thread must get each wait's own value.
+WAIT_RETURNS = (
+    PREAMBLE
+    + r"""
+COMMREF_KERNEL(wait_returns, KernelArgs, args) {
+  DeviceComm comm(args);
+  const int r = comm.rank();
+  uint64_t* out = comm.ptr<uint64_t>(0);
+  for (uint32_t id = 0; id < 8; id++) comm.signal(r, WeakSignalAdd(id, 100 * (id + 1)));
+  for (uint32_t id = 0; id < 8; id++) out[id * blockDim.x + threadIdx.x] = comm.waitSignal(id, comm.launch());
+  // counter 0: one put per launch, counter 1: three
+  for (int k = 0; k < 4; k++) comm.put((r + 1) % comm.nranks(), 0, 8, 8, NoSignal(), k == 0 ? 0 : 1);
+  out[8 * blockDim.x + threadIdx.x] = comm.waitCounter(0, comm.launch());
+  out[9 * blockDim.x + threadIdx.x] = comm.waitCounter(1, 3 * comm.launch());
+  comm.barrier();
+}
+"""
+)
+
+
+@pytest.mark.parametrize("path", ["lsa", "gin-ordered"])
+def test_every_thread_gets_each_waits_own_value(path):
+    """waitSignal and waitCounter return one value to the whole block. Back to back, with
+    nothing block-wide between them, thread 0's next wait must not overwrite the value a
+    slower thread of the block has yet to read (each wait here returns a different one)."""
+    kernel, threads = Kernel(WAIT_RETURNS, "wait_returns"), 64
+
+    def body(world):
+        with DeviceComm(world, window_bytes=64, signals=8, counters=2, device="cpu", **PATHS[path]) as dc:
+            for launch in (1, 2):
+                out = np.zeros((10, threads), np.uint64)
+                kernel.launch(dc, 1, threads, args=(out,))
+                want = [100 * (i + 1) * launch for i in range(8)] + [launch, 3 * launch]
+                wrong = [(i, t, int(out[i, t])) for i in range(10) for t in range(threads) if out[i, t] != want[i]]
+                assert not wrong, (world.rank, launch, wrong[:8], len(wrong))
+
+    _run(2, body)
+
+
+# putValue of a launch-stamped word to the next rank at offset argument 0, then a barrier.
+PUT_VALUE_AT = (
+    PREAMBLE
+    + r"""
+COMMREF_KERNEL(put_value_at, KernelArgs, args) {
+  DeviceComm comm(args);
+  comm.putValue((comm.rank() + 1) % comm.nranks(), comm.u64(0), 0xC0FFEE00ull + comm.launch());
+  comm.barrier();
+}
+"""
+)
+
+
+@pytest.mark.parametrize("path", ["lsa", "gin-ordered", "gin-unordered"])
+def test_an_unaligned_put_value_fails_clearly(path):
+    """putValue writes 8 bytes: a destination that is not a multiple of 8 fails the launch
+    with the range errors' message (on a GPU the store would be a misaligned-address
+    error that ends the CUDA context of every rank in the process), before anything is
+    stored or posted; an aligned one lands."""
+    kernel = Kernel(PUT_VALUE_AT, "put_value_at")
+
+    def body(world):
+        with DeviceComm(world, window_bytes=64, device="cpu", timeout=5, **PATHS[path]) as dc:
+            kernel.launch(dc, 1, args=(16,))
+            assert int(dc.window("uint64", 1, 16)[0]) == 0xC0FFEE01
+        with DeviceComm(world, window_bytes=64, device="cpu", timeout=5, **PATHS[path]) as dc:
+            with pytest.raises(
+                ValueError,
+                match=rf"^rank {world.rank}: a device-API call in block 0 was given 20 "
+                rf"where the limit is 8 \(.*putValue's destination a multiple of "
+                rf"it",
+            ):
+                kernel.launch(dc, 1, args=(20,))
+            assert not dc.window("uint8").any(), "nothing was stored"
+
+    _run(2, body)
+
+
+def test_the_cpu_engine_refuses_a_grid_whose_blocks_cannot_all_run_at_once():
+    """The CPU analogue of the GPU's co-residency check (tests/test_gpu_residency.py): the
+    engine runs every block of a launch at once on a thread of its own, or refuses it."""
+    from commref.collectives.device_api import KernelError
+
+    kernel = Kernel(WAIT_FOREVER, "wait_forever")
+
+    def body(world):
+        with DeviceComm(world, window_bytes=64, signals=1, device="cpu", timeout=5) as dc:
+            with pytest.raises(KernelError, match=r"the CPU engine could not run wait_forever with grid=5000"):
+                kernel.launch(dc, 5000)
+
+    _run(2, body)

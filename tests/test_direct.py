@@ -18,7 +18,8 @@ from commref.collectives import catalogue, check, tuner, verify
 from commref.collectives.communicator import Communicator
 from commref.collectives.symmetric import SymmetricArena
 from commref.transports.errors import CommMismatch
-from commref.transports.world import NODES_ENV, ThreadWorld
+from commref.transports.nodes import NODES_ENV
+from commref.transports.thread_world import ThreadWorld
 
 TIMEOUT = 20.0
 
@@ -30,7 +31,7 @@ def _comm(world, **kw) -> Communicator:
 def _kernel_of(comm, coll, buf) -> str:
     """The kernel of the plan made for the latest new signature of `coll` (call it right
     after the call on `buf`, whose signature must be new: plans are cached)."""
-    names = [plan.kernel for key, plan in comm._calls.items() if key[0] == coll]
+    names = [plan.kernel for plan in comm.planned(coll)]
     assert names, f"no plan of {coll} for a buffer of {buf.size} elements"
     return names[-1]
 
@@ -38,6 +39,7 @@ def _kernel_of(comm, coll, buf) -> str:
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
 def test_auto_takes_direct_for_symmetric_buffers_only(nranks):
     """From tuner.DIRECT_MIN_BYTES on; below it the ring's few steps are faster."""
+
     def body(world):
         comm = _comm(world)
         r, n = world.rank, world.size
@@ -66,15 +68,21 @@ def test_which_buffers_must_be_symmetric(nranks):
     into peers' recvbufs (any sendbuf), reduce_scatter loads peers' sendbufs (any
     recvbuf), allreduce does both. Each call runs the direct kernel where it can and gives the
     reference's result either way."""
+
     def body(world):
         comm = _comm(world)
         r, n = world.rank, world.size
         per = tuner.DIRECT_MIN_BYTES // 4 + 5  # elements per rank, "auto" picks direct
         results = {}
-        for coll, send_sym, recv_sym in [("allgather", False, True), ("allgather", True, False),
-                                         ("reduce_scatter", True, False), ("reduce_scatter", False, True),
-                                         ("allreduce", True, False), ("alltoall", False, True),
-                                         ("alltoall", True, False)]:
+        for coll, send_sym, recv_sym in [
+            ("allgather", False, True),
+            ("allgather", True, False),
+            ("reduce_scatter", True, False),
+            ("reduce_scatter", False, True),
+            ("allreduce", True, False),
+            ("alltoall", False, True),
+            ("alltoall", True, False),
+        ]:
             count = per if coll != "reduce_scatter" else per * n
             x = verify.make_input(coll, np.int32, "sum", 3, r, n, count)
             exp = verify.expected_output(coll, np.int32, "sum", 3, r, n, count)
@@ -83,9 +91,11 @@ def test_which_buffers_must_be_symmetric(nranks):
             out = comm.alloc_symmetric(exp.size, exp.dtype) if recv_sym else np.zeros_like(exp)
             op = ("sum",) if catalogue.get(coll).reducing else ()
             getattr(comm, coll)(send, out, *op)
-            results[(coll, send_sym, recv_sym)] = (_kernel_of(comm, coll, send).split("_")[1],
-                                                   verify.count_wrong(out, exp))
-            comm._calls.clear()  # the next case has the same signature: plan it afresh
+            results[(coll, send_sym, recv_sym)] = (
+                _kernel_of(comm, coll, send).split("_")[1],
+                verify.count_wrong(out, exp),
+            )
+            comm.clear_plans()  # the next case has the same signature: plan it afresh
         comm.close()
         return results
 
@@ -93,9 +103,14 @@ def test_which_buffers_must_be_symmetric(nranks):
         assert {case: wrong for case, (_, wrong) in results.items()} == dict.fromkeys(results, 0)
         kernels = {case: kernel for case, (kernel, _) in results.items()}
         assert kernels.pop(("allreduce", True, False)) in ("ring", "tree")  # tree: small, > 2 ranks
-        assert kernels == {("allgather", False, True): "direct", ("allgather", True, False): "ring",
-                           ("reduce_scatter", True, False): "direct", ("reduce_scatter", False, True): "ring",
-                           ("alltoall", False, True): "direct", ("alltoall", True, False): "ring"}
+        assert kernels == {
+            ("allgather", False, True): "direct",
+            ("allgather", True, False): "ring",
+            ("reduce_scatter", True, False): "direct",
+            ("reduce_scatter", False, True): "ring",
+            ("alltoall", False, True): "direct",
+            ("alltoall", True, False): "ring",
+        }
 
 
 def test_back_to_back_direct_calls_with_changing_counts(monkeypatch):
@@ -144,6 +159,7 @@ def test_free_symmetric_releases_the_window():
     """After free_symmetric the array is plain memory to the communicator (the ring
     runs on it) and later windows work; freeing an array that is not a window, or
     different windows on different ranks, is a ValueError on every rank."""
+
     def body(world):
         comm = _comm(world)
         r, n = world.rank, world.size
@@ -154,21 +170,21 @@ def test_free_symmetric_releases_the_window():
         a[...] = x
         comm.allreduce(a, b)
         kernels = [_kernel_of(comm, "allreduce", a)]
-        windows = len(comm._symmetric)
+        windows = comm.symmetric_windows
         comm.free_symmetric(b)
-        comm._calls.clear()
+        comm.clear_plans()
         b2 = np.zeros_like(b)
         comm.allreduce(a, b2)  # a is symmetric, b2 not: the ring
         kernels.append(_kernel_of(comm, "allreduce", a))
         c = comm.alloc_symmetric(count, np.int32)
-        comm._calls.clear()
+        comm.clear_plans()
         comm.allreduce(a, c)
         kernels.append(_kernel_of(comm, "allreduce", a))
         with pytest.raises(ValueError, match="free_symmetric needs the same array"):
             comm.free_symmetric(np.zeros(4, np.int32))
         with pytest.raises(ValueError, match="free_symmetric needs the same array"):
             comm.free_symmetric(a if r == 0 else c)
-        left = len(comm._symmetric)
+        left = comm.symmetric_windows
         comm.close()
         return kernels, windows, left, [verify.count_wrong(out, exp) for out in (b, b2, c)]
 
@@ -194,6 +210,7 @@ def test_symmetric_on_some_ranks_only_is_a_mismatch(nranks):
     direct kernel elsewhere: the job must end promptly with CommMismatch naming the
     algorithm (the direct kernel's ring handshake meets the ring kernel's first
     step), not with a timeout."""
+
     def body(world):
         comm = _comm(world)
         n = tuner.DIRECT_MIN_BYTES // 4 * 2  # large enough for "auto" to pick direct
@@ -211,6 +228,7 @@ def test_symmetric_on_some_ranks_only_is_a_mismatch(nranks):
 def test_offsets_that_differ_across_ranks_are_a_mismatch():
     """Symmetric buffers at different offsets on two ranks would make each read the
     wrong part of its peer's window: the first barrier reports it instead."""
+
     def body(world):
         comm = _comm(world)
         arena = SymmetricArena(comm, 1 << 16)
@@ -224,7 +242,7 @@ def test_offsets_that_differ_across_ranks_are_a_mismatch():
 
 
 def _pushed_calls(world, comm):
-    """Every case _direct_buffers decides on GIN peers, run on buffers from
+    """Every case routes.DirectRouter decides on GIN peers, run on buffers from
     alloc_symmetric: (collective, what, kernel, wrong elements)."""
     r, n = world.rank, world.size
     out = []
@@ -239,7 +257,7 @@ def _pushed_calls(world, comm):
         recv = send if in_place else comm.alloc_symmetric(rcount, dtype)
         if in_place and spec.scaled == catalogue.RECV:  # allgather in place: this rank's slot of recvbuf
             recv = comm.alloc_symmetric(rcount, dtype)
-            send = recv[r * count:(r + 1) * count]
+            send = recv[r * count : (r + 1) * count]
         for _ in range(2):  # twice: the second call's arrivals start from the first's count
             send[...] = x
             spec.call(comm, send, recv, "sum" if spec.reducing else None, 0, **kw)
@@ -261,6 +279,7 @@ def test_gin_peers_push_on_symmetric_buffers(nranks):
     """With peers over GIN the direct kernels push (direct.cu): AllReduce out of place
     on counts that split evenly, AllGather, AlltoAll; every other call keeps the ring,
     and asking for direct there says why."""
+
     def body(world):
         comm = _comm(world, path="gin")
         assert comm.direct_kernels == "push" and comm.gin_direct_refusal is None
@@ -272,17 +291,22 @@ def test_gin_peers_push_on_symmetric_buffers(nranks):
         with pytest.raises(ValueError, match="not in place"):
             comm.allreduce(x[:6], x[:6], algorithm="direct")
         with pytest.raises(ValueError, match="reduce_scatter has no direct kernel over GIN"):
-            comm.reduce_scatter(x[:world.size], y[:1], algorithm="direct")
+            comm.reduce_scatter(x[: world.size], y[:1], algorithm="direct")
         with pytest.raises(ValueError, match="must come from Communicator.alloc_symmetric"):
             comm.allgather(np.zeros(3, np.float32), np.zeros(3 * world.size, np.float32), algorithm="direct")
         comm.close()
         return out
 
     direct = {c: f"commref_direct_{c}" for c in ("allreduce", "allgather", "alltoall")}
-    expect = [("allreduce", "even", direct["allreduce"]), ("allreduce", "uneven", "commref_ring_allreduce"),
-              ("allreduce", "in place", "commref_ring_allreduce"),
-              ("allgather", "out of place", direct["allgather"]), ("allgather", "in place", direct["allgather"]),
-              ("alltoall", "direct", direct["alltoall"]), ("reduce_scatter", "auto", "commref_ring_reduce_scatter")]
+    expect = [
+        ("allreduce", "even", direct["allreduce"]),
+        ("allreduce", "uneven", "commref_ring_allreduce"),
+        ("allreduce", "in place", "commref_ring_allreduce"),
+        ("allgather", "out of place", direct["allgather"]),
+        ("allgather", "in place", direct["allgather"]),
+        ("alltoall", "direct", direct["alltoall"]),
+        ("reduce_scatter", "auto", "commref_ring_reduce_scatter"),
+    ]
     for out in ThreadWorld.run(nranks, body, timeout=60):  # (at 3 ranks "auto" may take the tree)
         assert [(c, w, k.replace("_tree_", "_ring_")) for c, w, k, _ in out] == expect
         assert [wrong for *_, wrong in out] == [0] * len(expect)
@@ -311,6 +335,7 @@ def test_lsa_and_gin_peers_push_together(monkeypatch):
 def test_engines_without_windows_keep_the_ring():
     """The unordered wire's engine (the Python proxy) carries no windows: no direct
     kernel over GIN, and asking for one names the engine."""
+
     def body(world):
         comm = _comm(world, path="gin", wire="unordered")
         refusal, kinds = comm.gin_direct_refusal, comm.direct_kernels
@@ -327,6 +352,7 @@ def test_engines_without_windows_keep_the_ring():
 def test_pushed_offsets_that_differ_across_ranks_are_a_mismatch():
     """A GIN put lands at this rank's offsets in the peer's window: the call each rank
     sends first (pushEnter) reports differing offsets instead of misplacing data."""
+
     def body(world):
         comm = _comm(world, path="gin")
         arena = SymmetricArena(comm, 1 << 16)

@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import pytest
 
-from commref.device_kernels import abi, loader
+from commref.device_kernels import abi, build, cpu_loader
 
 GRIDS = (1, 2, 3, 4, 5)
 BLOCKS = (1, 2, 7, 64, 1024)
@@ -30,8 +30,8 @@ SENTINEL = 0xA5A5A5A5A5A5A5A5
 
 
 @pytest.fixture(scope="module")
-def kernels() -> loader.CpuKernels:
-    return loader.cpu_kernels()
+def kernels() -> cpu_loader.CpuKernels:
+    return cpu_loader.cpu_kernels()
 
 
 def copy_args(src: int = 0, dst: int = 0, nbytes: int = 0) -> np.ndarray:
@@ -44,7 +44,7 @@ def selftest_expected(grid: int, block: int) -> np.ndarray:
     return (np.arange(grid, dtype=np.uint64) * 1_000_000 + block * (block + 1) // 2 + grid * 1000).astype(np.uint64)
 
 
-def run_selftest(kernels: loader.CpuKernels, grid: int, block: int) -> np.ndarray:
+def run_selftest(kernels: cpu_loader.CpuKernels, grid: int, block: int) -> np.ndarray:
     """Launches the self-test kernel; returns dst[0:grid] after checking that the
     element past the grid was not written."""
     dst = np.full(grid + 1, SENTINEL, dtype=np.uint64)
@@ -67,8 +67,9 @@ def test_selftest_repeated_with_shrinking_blocks(kernels):
     launch may show through."""
     for block in (1024, 64, 7, 2, 1, 7, 1024):
         for grid in (5, 1, 3):
-            np.testing.assert_array_equal(run_selftest(kernels, grid, block), selftest_expected(grid, block),
-                                          err_msg=f"grid={grid} block={block}")
+            np.testing.assert_array_equal(
+                run_selftest(kernels, grid, block), selftest_expected(grid, block), err_msg=f"grid={grid} block={block}"
+            )
 
 
 COPY_SIZES = (0, 1, 2, 7, 63, 64, 65, 1001, 4099, 65537, (1 << 20) + 3)
@@ -82,13 +83,13 @@ def test_copy_exact(kernels, grid, threads):
         for src_off, dst_off in ((0, 0), (1, 3)):  # aligned and odd addresses
             src_buf = rng.integers(0, 256, nbytes + src_off + 16, dtype=np.uint8)
             dst_buf = np.full(nbytes + dst_off + 16, 0x5A, dtype=np.uint8)
-            src = src_buf[src_off:src_off + nbytes]
+            src = src_buf[src_off : src_off + nbytes]
             args = copy_args(src_buf.ctypes.data + src_off, dst_buf.ctypes.data + dst_off, nbytes)
             assert kernels.launch("commref_copy", grid, threads, args) == abi.LAUNCH_OK
             where = f"bytes={nbytes} grid={grid} threads={threads} offsets={src_off},{dst_off}"
-            np.testing.assert_array_equal(dst_buf[dst_off:dst_off + nbytes], src, err_msg=where)
+            np.testing.assert_array_equal(dst_buf[dst_off : dst_off + nbytes], src, err_msg=where)
             assert (dst_buf[:dst_off] == 0x5A).all(), f"{where}: wrote before dst"
-            assert (dst_buf[dst_off + nbytes:] == 0x5A).all(), f"{where}: wrote past dst + bytes"
+            assert (dst_buf[dst_off + nbytes :] == 0x5A).all(), f"{where}: wrote past dst + bytes"
 
 
 def test_copy_more_blocks_than_bytes(kernels):
@@ -107,7 +108,7 @@ def test_empty_kernel(kernels):
 @pytest.mark.parametrize("grid,block", [(0, 1), (1, 0), (0, 0), (65536, 1), (1, 1025), (1, 4096), (70000, 2000)])
 def test_bad_dimensions_raise(kernels, grid, block):
     dst = np.full(2, SENTINEL, dtype=np.uint64)
-    with pytest.raises(loader.KernelError, match=rf"grid={grid} block={block}"):
+    with pytest.raises(build.KernelError, match=rf"grid={grid} block={block}"):
         kernels.launch("commref_engine_selftest", grid, block, copy_args(dst=dst.ctypes.data))
     assert (dst == SENTINEL).all(), "a rejected launch ran the kernel"
     # The engine is still usable after a rejected launch.
@@ -115,7 +116,7 @@ def test_bad_dimensions_raise(kernels, grid, block):
 
 
 def test_unknown_kernel_raises(kernels):
-    with pytest.raises(loader.KernelError, match="no kernel named"):
+    with pytest.raises(build.KernelError, match="no kernel named"):
         kernels.launch("commref_no_such_kernel", 1, 1, copy_args())
 
 
@@ -143,8 +144,10 @@ def test_concurrent_launches_from_python_threads(kernels):
                 dst = np.zeros(n, dtype=np.uint8)
                 status = kernels.launch("commref_copy", grid, block, copy_args(src.ctypes.data, dst.ctypes.data, n))
                 if status != abi.LAUNCH_OK or not np.array_equal(src, dst):
-                    errors.append(f"thread {i} iteration {it}: copy of {n} bytes grid={grid} block={block} "
-                                  f"status={status} wrong bytes={int(np.count_nonzero(src != dst))}")
+                    errors.append(
+                        f"thread {i} iteration {it}: copy of {n} bytes grid={grid} block={block} "
+                        f"status={status} wrong bytes={int(np.count_nonzero(src != dst))}"
+                    )
                     return
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"thread {i}: {type(e).__name__}: {e}")
@@ -167,8 +170,9 @@ def stream_args(base: int, words: int, nin: int, nout: int, shared: int, streame
 
 @pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("grid,threads", [(1, 1), (3, 1), (2, 4)])
-@pytest.mark.parametrize("shape", [(1, 1, 0), (2, 1, 0), (2, 2, 0), (2, 2, 2), (3, 1, 1), (1, 3, 0), (4, 4, 4),
-                                   (1, 1, 1), (1, 0, 0)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 0), (2, 1, 0), (2, 2, 0), (2, 2, 2), (3, 1, 1), (1, 3, 0), (4, 4, 4), (1, 1, 1), (1, 0, 0)]
+)
 def test_stream_sums_inputs_into_every_output(kernels, shape, grid, threads, streamed):
     """commref_stream: every output word = the wrapping sum of the inputs' words at its
     index (a copy for one input), outputs past `shared` after the inputs, inputs that

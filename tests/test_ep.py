@@ -1,5 +1,5 @@
-"""commref.ep (issue 17, items 4b and 5): MoE dispatch and combine in DeepEP's two modes
-on the device API, checked as DeepEP's tests check them (collectives/ep_check.py).
+"""commref.ep: MoE dispatch and combine in DeepEP's two modes
+on the device API, checked as DeepEP's tests check them (collectives/device_api/ep_check.py).
 
 - one node, 4 ranks over LSA, and 2 x 2 simulated nodes (LSA inside, GIN across) on the
   ordered and the unordered wire, with every protocol the ordering study clears there:
@@ -21,17 +21,17 @@ import re
 
 import numpy as np
 import pytest
+from conftest import clean_env, run_mpi
+from helpers import WORLD_TIMEOUT
 
 from commref import ep
 from commref.transports.errors import CapabilityError
 from commref.transports.gin import semantics
-from commref.transports.gin.plan import study_safe
-from commref.transports.world import NODES_ENV, ThreadWorld
-
-from conftest import clean_env, run_mpi
+from commref.transports.gin.study.cells import study_safe
+from commref.transports.nodes import NODES_ENV
+from commref.transports.thread_world import ThreadWorld
 
 E, K, T, HIDDEN, NTOK = 8, 3, 16, 64, 12
-WORLD_TIMEOUT = 60.0
 
 
 def _one_round(world, buf, seed):
@@ -45,8 +45,18 @@ def _one_round(world, buf, seed):
 
 
 def _exchange(world, protocol, **options):
-    with ep.Buffer(world, num_experts=E, hidden=HIDDEN, max_tokens_per_rank=T, num_topk=K, low_latency_mode=True,
-                   protocol=protocol, device="cpu", timeout=WORLD_TIMEOUT, **options) as buf:
+    with ep.Buffer(
+        world,
+        num_experts=E,
+        hidden=HIDDEN,
+        max_tokens_per_rank=T,
+        num_topk=K,
+        low_latency_mode=True,
+        protocol=protocol,
+        device="cpu",
+        timeout=WORLD_TIMEOUT,
+        **options,
+    ) as buf:
         first, d1 = _one_round(world, buf, seed=7)
         second, d2 = _one_round(world, buf, seed=7)  # the same inputs again: the same bytes received
         other, _ = _one_round(world, buf, seed=8)
@@ -79,15 +89,19 @@ GIN_CASES = [
 @pytest.mark.parametrize("wire,protocol,backend,cell", GIN_CASES, ids=[f"{w}-{p}-{b}" for w, p, b, _ in GIN_CASES])
 def test_two_by_two_nodes_over_gin(monkeypatch, wire, protocol, backend, cell):
     monkeypatch.setenv(NODES_ENV, "2")
-    results = ThreadWorld.run(4, _exchange, protocol, path="auto", wire=wire, backend=backend, seed=3,
-                              timeout=WORLD_TIMEOUT)
+    results = ThreadWorld.run(
+        4, _exchange, protocol, path="auto", wire=wire, backend=backend, seed=3, timeout=WORLD_TIMEOUT
+    )
     _assert_exact(results, protocol, cell)
     assert study_safe(cell[0], cell[2], cell[1])
 
 
 def test_every_protocol_is_refused_exactly_where_the_study_finds_its_cell_unsafe():
-    wires = {"ordered": semantics.ORDERED, "unordered": semantics.UNORDERED,
-             "unordered+flush_orders": semantics.Transport("u", ordered=False, flush_orders_later_writes=True)}
+    wires = {
+        "ordered": semantics.ORDERED,
+        "unordered": semantics.UNORDERED,
+        "unordered+flush_orders": semantics.Transport("u", ordered=False, flush_orders_later_writes=True),
+    }
     for column, transport in wires.items():
         for protocol, (row, strength) in ep.PROTOCOLS.items():
             assert ep.study_cell(protocol, transport) == (row, strength, column)
@@ -101,12 +115,27 @@ def test_weak_last_on_the_unordered_wire_is_refused_naming_the_study_cell(monkey
     monkeypatch.setenv(NODES_ENV, "2")
 
     def body(world):
-        with pytest.raises(CapabilityError, match=re.escape(
+        with pytest.raises(
+            CapabilityError,
+            match=re.escape(
                 "EP protocol 'weak-last' over GIN on the unordered wire: the ordering study finds last-put [weak] on "
                 "unordered unsafe (commref study --protocol last-put --transport unordered); use protocol 'strong' "
-                "or 'signal-per-put' or 'headers', or unsafe_ok=True to run it anyway")):
-            ep.Buffer(world, num_experts=E, hidden=HIDDEN, max_tokens_per_rank=T, num_topk=K, protocol="weak-last",
-                      device="cpu", path="auto", wire="unordered", backend="proxy", timeout=WORLD_TIMEOUT)
+                "or 'signal-per-put' or 'headers', or unsafe_ok=True to run it anyway"
+            ),
+        ):
+            ep.Buffer(
+                world,
+                num_experts=E,
+                hidden=HIDDEN,
+                max_tokens_per_rank=T,
+                num_topk=K,
+                protocol="weak-last",
+                device="cpu",
+                path="auto",
+                wire="unordered",
+                backend="proxy",
+                timeout=WORLD_TIMEOUT,
+            )
 
     ThreadWorld.run(4, body, timeout=WORLD_TIMEOUT)
 
@@ -118,9 +147,22 @@ def _stress(world, protocol, seeds):
     """Runs `protocol` on the unordered wire seed after seed until the checks catch wrong
     data on some rank (every rank stops at the same seed); (seed, problems) or (None, [])."""
     for seed in seeds:
-        with ep.Buffer(world, num_experts=E, hidden=HIDDEN, max_tokens_per_rank=T, num_topk=K, low_latency_mode=True,
-                       protocol=protocol, unsafe_ok=True, device="cpu", path="auto", wire="unordered",
-                       backend="proxy", seed=seed, timeout=WORLD_TIMEOUT) as buf:
+        with ep.Buffer(
+            world,
+            num_experts=E,
+            hidden=HIDDEN,
+            max_tokens_per_rank=T,
+            num_topk=K,
+            low_latency_mode=True,
+            protocol=protocol,
+            unsafe_ok=True,
+            device="cpu",
+            path="auto",
+            wire="unordered",
+            backend="proxy",
+            seed=seed,
+            timeout=WORLD_TIMEOUT,
+        ) as buf:
             assert buf.unsafe == (protocol == "weak-last")
             problems = []
             for it in range(2):
@@ -136,8 +178,9 @@ def test_weak_last_on_the_unordered_wire_delivers_wrong_data_that_the_checks_cat
     seed, problems = ThreadWorld.run(4, _stress, "weak-last", range(STRESS_SEEDS), timeout=4 * WORLD_TIMEOUT)[0]
     assert seed is not None, f"weak-last: no corruption in {STRESS_SEEDS} seeds"
     # what it looks like: rows that had not landed when the last put's weak signal had
-    assert any(re.search(r"(source tokens|tokens) \[.*\] != |row \d+ .*column \d+ holds|combined token", p)
-               for p in problems), problems
+    assert any(
+        re.search(r"(source tokens|tokens) \[.*\] != |row \d+ .*column \d+ holds|combined token", p) for p in problems
+    ), problems
     print(f"weak-last, wire seed {seed}: {len(problems)} problems, e.g. {problems[0]}")
     # the safe variant of the same exchange on the same seed: exact
     same, clean = ThreadWorld.run(4, _stress, "headers", [seed], timeout=4 * WORLD_TIMEOUT)[0]
@@ -146,33 +189,85 @@ def test_weak_last_on_the_unordered_wire_delivers_wrong_data_that_the_checks_cat
 
 def _refusals(world):
     out = []
-    with ep.Buffer(world, num_experts=4, hidden=HIDDEN, max_tokens_per_rank=4, num_topk=2, device="cpu",
-                   path="lsa", timeout=WORLD_TIMEOUT) as buf:
+    with ep.Buffer(
+        world,
+        num_experts=4,
+        hidden=HIDDEN,
+        max_tokens_per_rank=4,
+        num_topk=2,
+        device="cpu",
+        path="lsa",
+        timeout=WORLD_TIMEOUT,
+    ) as buf:
         x, topk, w = ep.make_inputs(0, 1, 4, HIDDEN, 4, 2)
         bad = [
-            ("topk_idx out of range", lambda: buf.get_dispatch_layout(np.full((4, 2), 4, np.int64)),
-             ValueError, r"topk_idx holds 4: expert indices are -1 \(none\) or 0 \.\. 3"),
-            ("topk_idx below -1", lambda: buf.dispatch(x, np.full((4, 2), -2, np.int64), w),
-             ValueError, r"topk_idx holds -2"),
-            ("topk_idx int32", lambda: buf.dispatch(x, topk.astype(np.int32), w), TypeError,
-             r"topk_idx must be int64, not int32"),
-            ("topk_idx 1-D", lambda: buf.dispatch(x, topk[:, 0], w), ValueError,
-             r"topk_idx must be 2-D \[tokens, 2\], not \(4,\)"),
-            ("topk_idx width", lambda: buf.dispatch(x, np.zeros((4, 3), np.int64), w), ValueError,
-             r"topk_idx must have shape \(4, 2\), not \(4, 3\)"),
-            ("too many tokens", lambda: buf.dispatch(x, np.zeros((5, 2), np.int64), w), ValueError,
-             r"5 tokens exceed max_tokens_per_rank \(4\)"),
-            ("x dtype", lambda: buf.dispatch(x.astype(np.float32), topk, w), TypeError,
-             r"x must be bfloat16, not float32"),
+            (
+                "topk_idx out of range",
+                lambda: buf.get_dispatch_layout(np.full((4, 2), 4, np.int64)),
+                ValueError,
+                r"topk_idx holds 4: expert indices are -1 \(none\) or 0 \.\. 3",
+            ),
+            (
+                "topk_idx below -1",
+                lambda: buf.dispatch(x, np.full((4, 2), -2, np.int64), w),
+                ValueError,
+                r"topk_idx holds -2",
+            ),
+            (
+                "topk_idx int32",
+                lambda: buf.dispatch(x, topk.astype(np.int32), w),
+                TypeError,
+                r"topk_idx must be int64, not int32",
+            ),
+            (
+                "topk_idx 1-D",
+                lambda: buf.dispatch(x, topk[:, 0], w),
+                ValueError,
+                r"topk_idx must be 2-D \[tokens, 2\], not \(4,\)",
+            ),
+            (
+                "topk_idx width",
+                lambda: buf.dispatch(x, np.zeros((4, 3), np.int64), w),
+                ValueError,
+                r"topk_idx must have shape \(4, 2\), not \(4, 3\)",
+            ),
+            (
+                "too many tokens",
+                lambda: buf.dispatch(x, np.zeros((5, 2), np.int64), w),
+                ValueError,
+                r"5 tokens exceed max_tokens_per_rank \(4\)",
+            ),
+            (
+                "x dtype",
+                lambda: buf.dispatch(x.astype(np.float32), topk, w),
+                TypeError,
+                r"x must be bfloat16, not float32",
+            ),
             ("x shape", lambda: buf.dispatch(x[:, :-1], topk, w), ValueError, r"x must have shape \(4, 64\)"),
-            ("weights dtype", lambda: buf.dispatch(x, topk, w.astype(np.float64)), TypeError,
-             r"topk_weights must be float32"),
-            ("x not contiguous", lambda: buf.dispatch(np.asfortranarray(x), topk, w), ValueError,
-             r"x must be contiguous"),
-            ("foreign handle", lambda: buf.combine(x, object()), ValueError,
-             r"combine needs the handle of a dispatch of this buffer"),
-            ("low latency off", lambda: buf.low_latency_dispatch(x, topk), ValueError,
-             r"the low-latency calls need a Buffer made with low_latency_mode=True"),
+            (
+                "weights dtype",
+                lambda: buf.dispatch(x, topk, w.astype(np.float64)),
+                TypeError,
+                r"topk_weights must be float32",
+            ),
+            (
+                "x not contiguous",
+                lambda: buf.dispatch(np.asfortranarray(x), topk, w),
+                ValueError,
+                r"x must be contiguous",
+            ),
+            (
+                "foreign handle",
+                lambda: buf.combine(x, object()),
+                ValueError,
+                r"combine needs the handle of a dispatch of this buffer",
+            ),
+            (
+                "low latency off",
+                lambda: buf.low_latency_dispatch(x, topk),
+                ValueError,
+                r"the low-latency calls need a Buffer made with low_latency_mode=True",
+            ),
             ("a list", lambda: buf.dispatch(x.tolist(), topk, w), TypeError, r"x must be a numpy array"),
         ]
         for what, call, exc, msg in bad:
@@ -189,10 +284,12 @@ def test_bad_input_is_refused_before_any_kernel_runs():
 
 def test_bad_buffer_options_are_refused():
     def body(world):
-        for kw, msg in ((dict(num_experts=6), r"num_experts \(6\) must be a multiple of the number of ranks \(4\)"),
-                        (dict(protocol="fast"), r"protocol must be auto or one of strong, signal-per-put"),
-                        (dict(num_topk=0), r"num_topk must be a positive integer"),
-                        (dict(dtype="int8"), r"dtype must be one of bfloat16, float16, float32")):
+        for kw, msg in (
+            (dict(num_experts=6), r"num_experts \(6\) must be a multiple of the number of ranks \(4\)"),
+            (dict(protocol="fast"), r"protocol must be auto or one of strong, signal-per-put"),
+            (dict(num_topk=0), r"num_topk must be a positive integer"),
+            (dict(dtype="int8"), r"dtype must be one of bfloat16, float16, float32"),
+        ):
             args = dict(num_experts=8, hidden=8, max_tokens_per_rank=4, num_topk=2, device="cpu") | kw
             with pytest.raises(ValueError, match=r"^commref\.ep: " + msg):
                 ep.Buffer(world, **args)
@@ -202,8 +299,17 @@ def test_bad_buffer_options_are_refused():
 
 def test_low_latency_combine_wants_the_dispatch_topk():
     def body(world):
-        with ep.Buffer(world, num_experts=4, hidden=8, max_tokens_per_rank=4, num_topk=2, low_latency_mode=True,
-                       device="cpu", path="lsa", timeout=WORLD_TIMEOUT) as buf:
+        with ep.Buffer(
+            world,
+            num_experts=4,
+            hidden=8,
+            max_tokens_per_rank=4,
+            num_topk=2,
+            low_latency_mode=True,
+            device="cpu",
+            path="lsa",
+            timeout=WORLD_TIMEOUT,
+        ) as buf:
             x, topk, w = ep.make_inputs(world.rank, 2, 4, 8, 4, 2)
             ll = buf.low_latency_dispatch(x, topk)
             launched = buf.launches
@@ -216,7 +322,7 @@ def test_low_latency_combine_wants_the_dispatch_topk():
 
 
 def test_bench_as_threads(capsys):
-    from commref.bench import ep as bench
+    from commref.bench import ep_bench as bench
 
     assert bench.main(["-t", "2", "--tokens", "4", "--hidden", "32", "-n", "2", "-w", "1"]) == 0
     out = capsys.readouterr().out
@@ -225,9 +331,15 @@ def test_bench_as_threads(capsys):
 
 @pytest.mark.mpi
 def test_bench_under_mpiexec_checks_both_implementations():
-    res = run_mpi(2, ["commref.bench.ep", "--tokens", "4,16", "--hidden", "32", "-n", "3", "-w", "1"], module=True,
-                  timeout=120, env=clean_env())
+    res = run_mpi(
+        2,
+        ["commref.bench.ep_bench", "--tokens", "4,16", "--hidden", "32", "-n", "3", "-w", "1"],
+        module=True,
+        timeout=120,
+        env=clean_env(),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = re.findall(r"^\s+(4|16)\s+32\s+\S+ \|\s+[\d.]+\s+[\d.]+\s+[\d.]+ \|\s+[\d.]+\s+[\d.]+\s+[\d.]+ \| 0$",
-                      res.stdout, re.M)
+    rows = re.findall(
+        r"^\s+(4|16)\s+32\s+\S+ \|\s+[\d.]+\s+[\d.]+\s+[\d.]+ \|\s+[\d.]+\s+[\d.]+\s+[\d.]+ \| 0$", res.stdout, re.M
+    )
     assert rows == ["4", "16"], res.stdout

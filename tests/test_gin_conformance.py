@@ -18,7 +18,7 @@ runs (weak-last and flush-signal too: a protocol that corrupts data must still b
 carried by a conforming wire), over several seeds, on network shm in ThreadWorld and
 on network mpi under mpiexec (2 processes; this file is also the MPI job's script).
 Then planted violations: a scheduler that treats strong signals as weak must fail the
-replay. And the planted strong-flag bug of issue 13 (the strong protocol's signals
+replay. And the planted strong-flag bug (the strong protocol's signals
 posted weak), measured on the adversarial unordered wire.
 """
 
@@ -29,15 +29,11 @@ import re
 import sys
 
 import numpy as np
+from helpers import collectives_run, traced_sweep
 
 from commref.transports.gin import semantics
-from commref.transports.gin.backends import BACKENDS
-from commref.transports.gin.semantics import Event, Plan, Put
-
-MODEL_ENABLED = semantics.enabled  # the judge, bound before any test patches the module
-SEGMENT_BYTES = 64
-SLOT_BYTES = 256
-COUNT = 1001
+from commref.transports.gin.replay import MODEL_ENABLED, Disallowed, replay, replay_trace
+from commref.transports.gin.semantics import Plan
 
 # (backend, wire, protocol) for every backend x wire the CPU supports
 MATRIX = [
@@ -52,129 +48,6 @@ MATRIX = [
     ("gda", "unordered", "weak-last"),
 ]
 SEEDS = (1, 2, 3, 4, 5, 6)
-
-
-def model_transport(backend: str, wire: str) -> semantics.Transport:
-    """The semantics a backend on a wire promises (the same rule plan.plan_gin applies)."""
-    return semantics.Transport(wire, ordered=wire == "ordered",
-                               flush_orders_later_writes=BACKENDS[backend].caps.local_completion_orders_later_writes)
-
-
-class Disallowed(AssertionError):
-    pass
-
-
-def replay(link, records, transport: semantics.Transport, strong_always: bool, segment_bytes: int) -> dict:
-    """Checks one link's records against semantics.enabled(); returns counts per kind.
-    Raises Disallowed at the first event the model does not allow at its point, or when
-    a posted event never landed."""
-    puts: list[Put] = []  # the live window of the plan (fully landed prefix dropped)
-    segs: list = []
-    landed: set = set()
-    base = 0  # seq of puts[0]
-    next_seq = 0
-    flushed = False
-    counts = {"post": 0, "seg": 0, "dup": 0, "signal": 0, "counter": 0, "get": 0, "hold": 0, "release": 0}
-
-    def check(k: int, ev: Event) -> None:
-        if ev in landed or ev not in MODEL_ENABLED(transport, Plan(puts, segs), landed, strong_always):
-            what = "signal" if ev.is_signal else f"segment {ev.segment} copy {ev.copy}"
-            pending = [(p.seq, sorted(e for e in {Event(i, s) for s in range(len(segs[i]))} if e not in landed))
-                       for i, p in enumerate(puts) if i < ev.put]
-            raise Disallowed(f"link {link}: record {k} ({records[k]}): {what} of put {base + ev.put} "
-                             f"({puts[ev.put].signal}) not enabled; earlier puts with data pending: "
-                             f"{[(s, e) for s, e in pending if e][:5]}")
-        landed.add(ev)
-
-    def index(k: int, seq: int) -> int:
-        i = seq - base
-        if not 0 <= i < len(puts):
-            raise Disallowed(f"link {link}: record {k} ({records[k]}) names put {seq}, not posted or already done")
-        return i
-
-    for k, rec in enumerate(records):
-        kind = rec[0]
-        if kind == "post":
-            _, seq, offset, nbytes, signal = rec
-            if seq != next_seq:
-                raise Disallowed(f"link {link}: post {seq} out of sequence (expected {next_seq})")
-            put = Put(link[1], seq, offset, nbytes, signal, flushed and next_seq > 0)
-            puts.append(put)
-            segs.append(semantics.segments(put, segment_bytes))
-            next_seq, flushed = next_seq + 1, False
-            counts["post"] += 1
-        elif kind == "flush":
-            flushed = True
-        elif kind == "seg":
-            _, seq, s, copy = rec
-            check(k, Event(index(k, seq), s, copy))
-            counts["dup" if copy else "seg"] += 1
-        elif kind == "data":  # ordered wire: the whole data in one piece, segments in address order
-            i = index(k, rec[1])
-            for s in range(len(segs[i])):
-                check(k, Event(i, s))
-                counts["seg"] += 1
-        elif kind == "signal":
-            check(k, Event(index(k, rec[1]), -1))
-            counts["signal"] += 1
-        elif kind == "counter":  # a local completion: semantics.py does not order it against landings
-            if not 0 <= rec[1] < next_seq:
-                raise Disallowed(f"link {link}: record {k} ({rec}) names put {rec[1]}, never posted")
-            counts["counter"] += 1
-        elif kind in ("get", "hold", "release"):
-            counts[kind] += 1
-        elif kind != "doorbell":
-            raise Disallowed(f"link {link}: unknown record {rec}")
-        # drop the fully landed prefix (it cannot change what enabled() says of later puts)
-        n = 0
-        while n < len(puts) and all(Event(n, s) in landed for s in range(len(segs[n]))) and (
-                puts[n].signal is None or Event(n, -1) in landed):
-            n += 1
-        if n:
-            del puts[:n], segs[:n]
-            landed = {Event(e.put - n, e.segment, e.copy) for e in landed if e.put >= n}
-            base += n
-    if puts:
-        raise Disallowed(f"link {link}: puts {base}..{next_seq - 1} never fully landed "
-                         f"(first: {puts[0]}, landed {sorted(e for e in landed if e.put == 0)})")
-    return counts
-
-
-def replay_trace(trace: dict, backend: str, wire: str, segment_bytes: int = SEGMENT_BYTES) -> dict:
-    transport = model_transport(backend, wire)
-    total: dict = {}
-    for link, records in trace.items():
-        for key, n in replay(link, records, transport, BACKENDS[backend].strong_always, segment_bytes).items():
-            total[key] = total.get(key, 0) + n
-    return total
-
-
-def traced_sweep(world, seed, timeout, count=COUNT, slot_bytes=SLOT_BYTES, segment_bytes=SEGMENT_BYTES, **gin):
-    """One reduced sweep of every GIN collective (float32 sum, `count` elements, out of
-    place) with the proxy's trace on; `gin`: the Communicator's GIN keywords. Returns
-    (this rank's proxy trace, wrong elements here, strong flags the proxy received)."""
-    from commref.collectives import check
-    from commref.collectives.catalogue import NAMES
-    from commref.collectives.communicator import Communicator
-
-    comm = Communicator(world, "cpu", timeout=timeout, path="gin", seed=seed, max_channels=1, slot_bytes=slot_bytes,
-                        segment_bytes=segment_bytes, **gin)
-    try:
-        comm.proxy.trace = {}
-        cases = check.cases(list(NAMES), ["float32"], ["sum"], [], [count], world.size, seed,
-                            direct=False, in_place=(False,), denormals=False)
-        wrong = sum(check.run_case(comm, c) for c in cases)
-        world.barrier(what="traced sweep done")
-        proxy = comm.proxy
-    finally:
-        comm.close()  # quiesces the proxy: everything posted has landed
-    return {k: list(v) for k, v in proxy.trace.items()}, wrong, getattr(proxy, "strong_seen", 0)
-
-
-def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network="shm"):
-    """Per seed: traced_sweep's (trace, wrong elements, strong flags received)."""
-    return [traced_sweep(world, seed, timeout, backend=backend, wire=wire, network=network, gin_protocol=protocol)
-            for seed in seeds]
 
 
 def watch_flags(strip_strong: bool):
@@ -203,18 +76,23 @@ def watch_flags(strip_strong: bool):
 # the MPI job (this file run under mpiexec): network mpi, each rank replays its own trace
 # ---------------------------------------------------------------------------------------
 
+
 def _mpi_main(seeds: list[int]) -> None:
-    from commref.transports.world import MPIWorld
+    from commref.transports.mpi_world import MPIWorld
 
     world = MPIWorld()
     for backend, wire, protocol in MATRIX:
-        for seed, (trace, wrong, _) in zip(seeds, collectives_run(world, backend, wire, protocol, seeds,
-                                                                           network="mpi")):
+        for seed, (trace, wrong, _) in zip(
+            seeds, collectives_run(world, backend, wire, protocol, seeds, network="mpi")
+        ):
             try:
                 counts = replay_trace(trace, backend, wire)
-                print(f"rank {world.rank} {backend} {wire} {protocol} seed {seed}: conforms "
-                      f"{counts['seg']} segments {counts['signal']} signals {counts['hold']} holds "
-                      f"wrong {wrong}", flush=True)
+                print(
+                    f"rank {world.rank} {backend} {wire} {protocol} seed {seed}: conforms "
+                    f"{counts['seg']} segments {counts['signal']} signals {counts['hold']} holds "
+                    f"wrong {wrong}",
+                    flush=True,
+                )
             except Disallowed as e:
                 print(f"rank {world.rank} {backend} {wire} {protocol} seed {seed}: DISALLOWED {e}", flush=True)
     world.barrier(what="conformance done")
@@ -232,7 +110,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 
 from commref.transports.gin import scheduler  # noqa: E402
-from commref.transports.world import ThreadWorld  # noqa: E402
+from commref.transports.thread_world import ThreadWorld  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -266,12 +144,14 @@ def test_collectives_over_shm_conform(backend, wire, protocol):
 
 
 def test_collectives_over_mpi_conform():
-    from conftest import run_mpi
+    from conftest import clean_env, run_mpi
 
-    from conftest import clean_env
-
-    proc = run_mpi(2, [os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__))),
-                       *map(str, SEEDS[:3])], timeout=120, env={**clean_env(), "COMMREF_GIN_ENGINE": "python"})
+    proc = run_mpi(
+        2,
+        [os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__))), *map(str, SEEDS[:3])],
+        timeout=120,
+        env={**clean_env(), "COMMREF_GIN_ENGINE": "python"},
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     bad = re.findall(r"rank \d [^:]*: DISALLOWED.*", proc.stdout)
@@ -283,10 +163,24 @@ def test_collectives_over_mpi_conform():
 def test_replay_catches_a_strong_signal_before_an_earlier_put(monkeypatch):
     """Planted violation: the scheduler sees every strong signal as weak (it lands once
     its own data has), and nothing forces a held put. The replay must fail."""
+
     def weak_view(transport, plan, landed, strong_always=False):
-        weak = Plan([p if p.signal is None else p.__class__(p.ctx, p.seq, p.offset, p.nbytes,
-                                                            semantics.Signal(False, p.signal.target, p.signal.value),
-                                                            p.after_flush) for p in plan.puts], plan.segs)
+        weak = Plan(
+            [
+                p
+                if p.signal is None
+                else p.__class__(
+                    p.ctx,
+                    p.seq,
+                    p.offset,
+                    p.nbytes,
+                    semantics.Signal(False, p.signal.target, p.signal.value),
+                    p.after_flush,
+                )
+                for p in plan.puts
+            ],
+            plan.segs,
+        )
         return MODEL_ENABLED(transport, weak, landed, False)
 
     monkeypatch.setattr(semantics, "enabled", weak_view)
@@ -329,6 +223,7 @@ def test_hold_back_is_reproducible_and_bounded():
     """The scheduler alone, driven without threads: the same posted sequence and seed give
     the same trace, holds included, whatever the idle releases; no put is held past
     HOLD_DOORBELLS doorbells; a strong signal forces every earlier held put first."""
+
     class NoWire:
         def land_data(self, *a):
             pass
@@ -342,8 +237,13 @@ def test_hold_back_is_reproducible_and_bounded():
         sc.trace = {}
         for step in range(120):
             for i in range(4):
-                sc.post(1, 0, 256 * (step % 4) + 64 * i, np.zeros(64, np.uint8),
-                        semantics.Signal(strong) if i == 3 else None)
+                sc.post(
+                    1,
+                    0,
+                    256 * (step % 4) + 64 * i,
+                    np.zeros(64, np.uint8),
+                    semantics.Signal(strong) if i == 3 else None,
+                )
             sc.doorbell(1, 0)
             if idle_every and step % idle_every == 0:
                 sc.release_held()
@@ -371,6 +271,43 @@ def test_hold_back_is_reproducible_and_bounded():
         assert [r for r in c if r[0] == "hold"] == [r for r in a if r[0] == "hold"]
 
 
+def test_a_batched_link_lands_nothing_before_its_doorbell_whenever_deliver_runs():
+    """gin.h: on an unordered wire the landing order is a function of the seed and the
+    posted sequence, never of when descriptors reached the proxy. A batched scheduler (the
+    kernels ring doorbells) lands nothing of a batch however often the proxy's loop calls
+    deliver() between its puts and its doorbell, and the trace is the same whether it
+    called it or not. Not batched, deliver() lands the first batch at random."""
+
+    class NoWire:
+        def land_data(self, *a):
+            pass
+
+        def signal(self, *a):
+            pass
+
+    def drive(batched, deliver_between):
+        sc = scheduler.DeliveryScheduler(semantics.UNORDERED, False, NoWire(), 7, 0, 64, {"events": 0}, batched=batched)
+        sc.trace = {}
+        early = 0
+        for step in range(40):
+            for i in range(4):
+                sc.post(1, 0, 256 * (step % 4) + 64 * i, np.zeros(128, np.uint8), semantics.Signal(False))
+                if deliver_between:
+                    early += sum(sc.deliver() for _ in range(8))
+            sc.doorbell(1, 0)
+        sc.release_held()
+        assert not sc.pending()
+        return sc.trace[(1, 0)], early
+
+    quiet, _ = drive(True, False)
+    busy, early = drive(True, True)
+    assert early == 0 and busy == quiet
+    replay((1, 0), busy, semantics.UNORDERED, False, 64)
+    assert sum(r[0] == "hold" for r in busy) > 10
+    unbatched, early = drive(False, True)
+    assert early > 0 and unbatched != quiet  # the first batch landed before its doorbell
+
+
 PLANTED_SEEDS = range(4)
 PLANTED_SLOT_BYTES = 16384  # a slot of 64 + 16384 bytes goes as 4 puts of about 4 KiB under strong
 PLANTED_SEGMENT_BYTES = 4096
@@ -381,9 +318,18 @@ def _planted_run(world, seed, timeout):
     """The collectives over GIN (proxy, unordered wire, strong) through slots large enough
     that the strong protocol splits each into several puts with the strong signal on the
     last; returns (this rank's proxy trace, wrong elements here)."""
-    trace, wrong, _ = traced_sweep(world, seed, timeout, count=PLANTED_COUNT, slot_bytes=PLANTED_SLOT_BYTES,
-                                   segment_bytes=PLANTED_SEGMENT_BYTES, backend="proxy", wire="unordered",
-                                   network="shm", gin_protocol="strong")
+    trace, wrong, _ = traced_sweep(
+        world,
+        seed,
+        timeout,
+        count=PLANTED_COUNT,
+        slot_bytes=PLANTED_SLOT_BYTES,
+        segment_bytes=PLANTED_SEGMENT_BYTES,
+        backend="proxy",
+        wire="unordered",
+        network="shm",
+        gin_protocol="strong",
+    )
     return trace, wrong
 
 
@@ -419,7 +365,7 @@ def _planted_seed(seed, strip_strong, timeout):
 
 
 def test_planted_strong_flag_bug():
-    """Issue 13's planted bug: the strong protocol's signals arrive weak (abi.GIN_STRONG
+    """The planted bug: the strong protocol's signals arrive weak (abi.GIN_STRONG
     cleared where the proxy takes the descriptors). A slot of 64 + 16 KiB goes under
     strong as 4 puts (connection.h, kGinStrongMinPutBytes), the header in the first, the
     strong signal on the last only: the protocol relies on the strong signal covering
@@ -441,4 +387,5 @@ def test_planted_strong_flag_bug():
         if kind is not None:
             failed[seed] = kind
     assert len(failed) >= len(PLANTED_SEEDS) // 2, (
-        f"stripping the strong flag broke only seeds {failed} of {list(PLANTED_SEEDS)}")
+        f"stripping the strong flag broke only seeds {failed} of {list(PLANTED_SEEDS)}"
+    )

@@ -1,5 +1,5 @@
-"""A lossy link under the GIN wires and the reliability layer above it (issue 16,
-part 1: transports/gin/faults.py).
+"""A lossy link under the GIN wires and the reliability layer above it
+(transports/gin/faults.py).
 
 - the fault spec: parsed from the CLI's words, bad values refused in one line, and
   refused where it cannot run (the native engine, beside the wire model);
@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 import pytest
+from conftest import clean_env, run_mpi
+from helpers import CHECK_MODULE, WORLD_TIMEOUT, assert_check_clean, traced_sweep
 
 from commref.collectives import check
 from commref.collectives.communicator import Communicator
@@ -30,14 +32,11 @@ from commref.transports.errors import CapabilityError, CommAborted, CommMismatch
 from commref.transports.gin import faults
 from commref.transports.gin.faults import FaultSpec, ReliableWire
 from commref.transports.gin.options import GinOptions
+from commref.transports.gin.replay import replay_trace
 from commref.transports.gin.wires import Wire
-from commref.transports.options import OptionError
-from commref.transports.world import ThreadWorld
+from commref.transports.option_types import OptionError
+from commref.transports.thread_world import ThreadWorld
 
-from conftest import clean_env, run_mpi
-from test_gin_conformance import replay_trace
-
-WORLD_TIMEOUT = 60.0
 FAULTS = "drop=0.05,dup=0.05,delay=0.05"
 
 
@@ -45,9 +44,11 @@ def test_fault_spec_parses_the_cli_words_and_refuses_bad_ones():
     assert FaultSpec.parse(FAULTS) == FaultSpec(0.05, 0.05, 0.05)
     assert FaultSpec.parse("dup=0.2") == FaultSpec(dup=0.2) and str(FaultSpec(dup=0.2)) == "dup=0.2"
     assert not FaultSpec.parse("none").active and str(FaultSpec()) == "none"
-    for bad, message in [("drop=1", "fault drop must be a probability in [0, 1), not 1.0"),
-                         ("drip=0.1", "fault must look like drop=0.05,dup=0.05,delay=0.05"),
-                         ("delay=soon", "fault delay must be a probability in [0, 1), not 'soon'")]:
+    for bad, message in [
+        ("drop=1", "fault drop must be a probability in [0, 1), not 1.0"),
+        ("drip=0.1", "fault must look like drop=0.05,dup=0.05,delay=0.05"),
+        ("delay=soon", "fault delay must be a probability in [0, 1), not 'soon'"),
+    ]:
         with pytest.raises(OptionError, match=re.escape(message)):
             FaultSpec.parse(bad)
     with pytest.raises(OptionError, match="faults in the Python proxy: choose one"):
@@ -102,20 +103,38 @@ def test_every_packet_lands_once_in_order_under_heavy_faults():
 
 def _sweep(world, opts, dtypes, ops, counts):
     with Communicator(world, "cpu", path="gin", **{"timeout": WORLD_TIMEOUT, **opts}) as comm:
-        cases = check.cases(["allreduce", "allgather", "reduce_scatter", "broadcast"], dtypes, ops, [], counts,
-                            world.size, 11, direct=False)
+        cases = check.cases(
+            ["allreduce", "allgather", "reduce_scatter", "broadcast"],
+            dtypes,
+            ops,
+            [],
+            counts,
+            world.size,
+            11,
+            direct=False,
+        )
         wrong = check.run_sweep(comm, cases)
         return len(cases), sum(wrong), dict(comm.proxy.stats)
 
 
-@pytest.mark.parametrize("opts", [
-    dict(wire="unordered", backend="proxy"),
-    dict(wire="ordered", backend="rc"),
-    dict(wire="unordered", backend="gda", gin_protocol="signal-per-put", max_channels=2, slot_bytes=512),
-])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(wire="unordered", backend="proxy"),
+        dict(wire="ordered", backend="rc"),
+        dict(wire="unordered", backend="gda", gin_protocol="signal-per-put", max_channels=2, slot_bytes=512),
+    ],
+)
 def test_collectives_over_a_lossy_wire_are_exact(opts):
-    results = ThreadWorld.run(3, _sweep, dict(opts, fault=FAULTS, seed=11), ["float32", "int8"], ["sum", "max"],
-                              [0, 1, 7, 3001], timeout=WORLD_TIMEOUT * 3)
+    results = ThreadWorld.run(
+        3,
+        _sweep,
+        dict(opts, fault=FAULTS, seed=11),
+        ["float32", "int8"],
+        ["sum", "max"],
+        [0, 1, 7, 3001],
+        timeout=WORLD_TIMEOUT * 3,
+    )
     ncases, wrong, _ = results[0]
     total = {k: sum(r[2][k] for r in results) for k in faults.STATS}
     assert ncases > 50 and wrong == 0, (opts, wrong)
@@ -123,8 +142,6 @@ def test_collectives_over_a_lossy_wire_are_exact(opts):
 
 
 def test_conformance_holds_with_faults_and_the_wire_lands_in_the_scheduled_order(monkeypatch):
-    from test_gin_conformance import traced_sweep
-
     monkeypatch.setenv("COMMREF_GIN_ENGINE", "python")
     logs: dict = {}  # rank -> its wire's landing log
     original = ReliableWire.__init__
@@ -134,8 +151,9 @@ def test_conformance_holds_with_faults_and_the_wire_lands_in_the_scheduled_order
         self.log = logs.setdefault(self.rank, [])
 
     monkeypatch.setattr(ReliableWire, "__init__", logged)
-    results = ThreadWorld.run(2, lambda world: traced_sweep(world, 3, 30.0, backend="proxy", wire="unordered",
-                                                            fault=FAULTS), timeout=120)
+    results = ThreadWorld.run(
+        2, lambda world: traced_sweep(world, 3, 30.0, backend="proxy", wire="unordered", fault=FAULTS), timeout=120
+    )
     for rank, (trace, wrong, _) in enumerate(results):
         counts = replay_trace(trace, "proxy", "unordered")
         assert wrong == 0 and counts["seg"] > 100 and counts["signal"] > 20, counts
@@ -163,8 +181,9 @@ def test_letting_duplicates_through_corrupts(monkeypatch):
 
     monkeypatch.setattr(ReliableWire, "_arrive", no_dedup)
     try:
-        results = ThreadWorld.run(3, _sweep, dict(wire="ordered", fault="dup=0.3", timeout=5.0), ["int32"], ["sum"],
-                                  [3001], timeout=30)
+        results = ThreadWorld.run(
+            3, _sweep, dict(wire="ordered", fault="dup=0.3", timeout=5.0), ["int32"], ["sum"], [3001], timeout=30
+        )
         failed = sum(r[1] for r in results) > 0
     except (CommMismatch, CommTimeout, CommAborted) as e:  # a double-counted credit or ready signal
         failed = e
@@ -172,11 +191,18 @@ def test_letting_duplicates_through_corrupts(monkeypatch):
 
 
 def test_study_stress_with_faults_agrees_with_the_matrix():
-    from commref.transports.gin.study import protocols as pr
+    from commref.transports.gin.study import signaling as pr
     from commref.transports.gin.study.stress import run_stress
 
-    cells = run_stress([pr.PROTOCOL_BY_NAME[n] for n in ("last-put", "ll-flag-8B")], None, None, (2, 2), seeds=2,
-                       messages=2, faults=FaultSpec.parse(FAULTS))
+    cells = run_stress(
+        [pr.PROTOCOL_BY_NAME[n] for n in ("last-put", "ll-flag-8B")],
+        None,
+        None,
+        (2, 2),
+        seeds=2,
+        messages=2,
+        faults=FaultSpec.parse(FAULTS),
+    )
     assert cells and all(c.agrees for c in cells), [c.key() for c in cells if not c.agrees]
     assert sum(c.orders_checked for c in cells) > 0 and sum(c.orders_disallowed for c in cells) == 0
     assert any(c.corrupted for c in cells if c.verdict == "unsafe")
@@ -193,24 +219,50 @@ def test_the_native_engine_refuses_a_lossy_wire(monkeypatch):
 
 
 def test_cli_refuses_a_bad_fault_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "commref.cli", "check", "--np", "2", "--path", "gin", "--fault",
-                           "drop=1.5"], capture_output=True, text=True, timeout=60, env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "commref.cli", "check", "--np", "2", "--path", "gin", "--fault", "drop=1.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        "commref check: error: argument --fault: fault drop must be a probability in [0, 1), not 1.5"), proc.stderr
+        "commref check: error: argument --fault: fault drop must be a probability in [0, 1), not 1.5"
+    ), proc.stderr
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("wire", [["--wire", "unordered"], ["--wire", "ordered", "--backend", "rc"]])
 def test_check_with_faults_under_mpiexec(wire, shm_leak_check):
-    args = ["commref.cli", "check", "all_reduce", "all_gather", "reduce_scatter", "--path", "gin", *wire, "--fault",
-            FAULTS, "--seed", "11", "--dtype", "float32", "int8", "--count", "0", "1", "7", "3001"]
+    args = [
+        *CHECK_MODULE,
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "--path",
+        "gin",
+        *wire,
+        "--fault",
+        FAULTS,
+        "--seed",
+        "11",
+        "--dtype",
+        "float32",
+        "int8",
+        "--count",
+        "0",
+        "1",
+        "7",
+        "3001",
+    ]
     proc = run_mpi(3, args, timeout=180, module=True, env=clean_env())
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
-    assert m and int(m.group(1)) > 0 and (int(m.group(2)), int(m.group(3))) == (0, 0), out[-2000:]
-    f = re.search(r"^# GIN faults drop=0.05,dup=0.05,delay=0.05, seed 11: (\d+) packets: (\d+) dropped, (\d+) "
-                  r"duplicated, (\d+) delayed; (\d+) retransmitted, (\d+) duplicates dropped", proc.stdout, re.M)
+    assert_check_clean(proc)
+    f = re.search(
+        r"^# GIN faults drop=0.05,dup=0.05,delay=0.05, seed 11: (\d+) packets: (\d+) dropped, (\d+) "
+        r"duplicated, (\d+) delayed; (\d+) retransmitted, (\d+) duplicates dropped",
+        proc.stdout,
+        re.M,
+    )
     assert f, proc.stdout[-2000:]
     packets, dropped, duplicated, delayed, retransmitted, dup_dropped = map(int, f.groups())
     assert packets > 1000 and retransmitted >= dropped > 0 and dup_dropped >= duplicated > 0 and delayed > 0

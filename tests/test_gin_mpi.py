@@ -9,25 +9,37 @@ names the missing capability. No /dev/shm/commref-* file may be left behind.
 
 from __future__ import annotations
 
-import re
-
 import pytest
-
 from conftest import run_mpi
+from helpers import CHECK_MODULE, SMALL_CHECK, assert_check_clean, multi_channel_check
+
+from commref.collectives.catalogue import KERNEL_NAMES
 
 pytestmark = pytest.mark.mpi
 
-CHECK = ["commref.cli", "check", "--path", "gin"]
-REDUCED = ["--dtype", "float32", "bfloat16", "--op", "sum", "max", "avg", "--count", "0", "1", "7", "1001",
-           "2049", "--slot-bytes", "512"]
+CHECK = [*CHECK_MODULE, "--path", "gin"]
+REDUCED = [
+    "--dtype",
+    "float32",
+    "bfloat16",
+    "--op",
+    "sum",
+    "max",
+    "avg",
+    "--count",
+    "0",
+    "1",
+    "7",
+    "1001",
+    "2049",
+    "--slot-bytes",
+    "512",
+]
 
 
 def _assert_clean(proc, cases: int) -> None:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
-    assert m, out[-4000:]
-    assert (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (cases, 0, 0), m.group(0)
+    s = assert_check_clean(proc)
+    assert (s.cases, s.wrong, s.bad_cases) == (cases, 0, 0), s
 
 
 # (allreduce ring+tree, reduce_scatter, reduce) x 3 ops + (allgather, broadcast); x 2 dtypes x 5 counts x 2,
@@ -45,7 +57,8 @@ PUSHED_CASES = 3 * 2 * 4 * 2 + 2 * 5 * 2 + 2 * 5
 @pytest.mark.parametrize("network", ["mpi", "shm"])
 @pytest.mark.parametrize("nranks", [2, 3, 5])
 def test_check_over_gin(nranks, network, wire, shm_leak_check):
-    args = [*CHECK, *REDUCED, "--network", network, "--wire", wire, "--seed", str(nranks * 7 + len(network))]
+    args = [*CHECK_MODULE, *KERNEL_NAMES, "--path", "gin", *REDUCED, "--network", network, "--wire", wire]
+    args += ["--seed", str(nranks * 7 + len(network))]
     proc = run_mpi(nranks, args, timeout=90, module=True)
     _assert_clean(proc, REDUCED_CASES + (PUSHED_CASES if wire == "ordered" else 0))
     assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
@@ -54,14 +67,21 @@ def test_check_over_gin(nranks, network, wire, shm_leak_check):
 def test_check_over_gin_rc_two_channels(shm_leak_check):
     """rc (every signal strong, ordered wire) over MPI with the work split across two
     channels (8.4 MB per rank; the CPU tuner splits from 4 MiB per channel)."""
-    args = [*CHECK, "allreduce", "reduce_scatter", "--dtype", "float32", "--op", "sum", "--algorithm", "ring",
-            "--count", "2100001", "--channels", "2", "--slot-bytes", "65536", "--backend", "rc", "--network", "mpi"]
+    args = [*CHECK, *multi_channel_check(2, 65536), "--backend", "rc", "--network", "mpi"]
     _assert_clean(run_mpi(2, args, timeout=90, module=True), 4 + 2)  # + 2 on denormal inputs
 
 
 def test_no_backend_qualifies_fails_at_setup(shm_leak_check):
-    args = [*CHECK, "allreduce", "--dtype", "float32", "--op", "sum", "--count", "7", "--backend", "gda",
-            "--gin-protocol", "strong", "--network", "mpi"]
+    args = [
+        *CHECK,
+        *SMALL_CHECK,
+        "--backend",
+        "gda",
+        "--gin-protocol",
+        "strong",
+        "--network",
+        "mpi",
+    ]
     proc = run_mpi(2, args, timeout=60, module=True)
     assert proc.returncode != 0
     assert "no GIN backend meets the requirements: gda lacks strong signals" in proc.stdout + proc.stderr

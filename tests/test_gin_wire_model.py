@@ -1,4 +1,4 @@
-"""The GIN wire model (GinOptions.wire_rate, wire_latency; native_engine.cpp, "Wire model"):
+"""The GIN wire model (GinOptions.wire_rate, wire_latency; native_engine/wire.h, "Wire model"):
 each rank's wire sends its descriptors in queue order at wire_rate bytes/s, and each
 takes effect wire_latency after it is sent.
 
@@ -13,22 +13,21 @@ takes effect wire_latency after it is sent.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+from conftest import clean_env, run_mpi
+from helpers import CHECK_MODULE, assert_check_clean
 
 from commref.collectives.communicator import Communicator
 from commref.collectives.options import CommOptions
 from commref.transports.errors import CapabilityError
 from commref.transports.gin.options import GinOptions
-from commref.transports.options import OptionError
-from commref.transports.world import ThreadWorld
-
-from conftest import clean_env, run_mpi
+from commref.transports.option_types import OptionError
+from commref.transports.thread_world import ThreadWorld
 
 
 def test_wire_model_options_read_numbers_and_units():
@@ -94,26 +93,30 @@ def test_the_python_engine_does_not_carry_the_model(monkeypatch):
 
 @pytest.mark.mpi
 def test_check_with_the_wire_model_under_mpiexec(shm_leak_check):
-    args = ["commref.cli", "check", "allreduce", "allgather", "reduce_scatter", "--path", "gin", "--wire-rate",
-            "2G", "--wire-latency", "20us", "--dtype", "float32", "int32", "--op", "sum", "max",
-            "--count", "0", "1", "7", "1009"]
+    args = [*CHECK_MODULE, *"allreduce allgather reduce_scatter --path gin --wire-rate 2G --wire-latency 20us".split()]
+    args += "--dtype float32 int32 --op sum max --count 0 1 7 1009".split()
     proc = run_mpi(2, args, timeout=120, module=True, env=clean_env())
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
-    assert m and int(m.group(1)) > 0 and (int(m.group(2)), int(m.group(3))) == (0, 0), out[-2000:]
+    assert_check_clean(proc)
     assert "# GIN wire model: 2 GB/s per rank's wire, 20 us latency" in proc.stdout, proc.stdout[-2000:]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["check", "--np", "2", "--path", "gin", "--wire", "unordered", "--wire-latency", "5us"],
-     "commref check: error: the wire model (wire_rate, wire_latency) runs in the native GIN engine, which carries "
-     "the ordered wire, not the unordered one"),
-    (["bench", "all_reduce", "--np", "2", "--path", "gin", "--wire-rate", "fast"],
-     "commref bench: error: argument --wire-rate: wire_rate must be a number >= 0 in bytes/s, e.g. 12.5G, "
-     "not 'fast' (comma-separated for several)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["check", "--np", "2", "--path", "gin", "--wire", "unordered", "--wire-latency", "5us"],
+            "commref check: error: the wire model (wire_rate, wire_latency) runs in the native GIN engine, "
+            "which carries the ordered wire, not the unordered one",
+        ),
+        (
+            ["bench", "all_reduce", "--np", "2", "--path", "gin", "--wire-rate", "fast"],
+            "commref bench: error: argument --wire-rate: wire_rate must be a number >= 0 in bytes/s, e.g. 12.5G, "
+            "not 'fast' (comma-separated for several)",
+        ),
+    ],
+)
 def test_cli_refuses_a_bad_wire_model_before_any_rank_starts(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "commref.cli", *argv], capture_output=True, text=True, timeout=60,
-                          env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "commref.cli", *argv], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == message, proc.stderr

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from commref.collectives import check
+from commref.collectives.catalogue import KERNEL_NAMES as COLLECTIVES
 from commref.collectives.communicator import Communicator
-from commref.collectives.catalogue import NAMES as COLLECTIVES
 from commref.collectives.options import cuda_available
-from commref.transports.world import ThreadWorld
+from commref.transports.thread_world import ThreadWorld
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

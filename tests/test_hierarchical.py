@@ -1,4 +1,4 @@
-"""The hierarchical algorithm (issue 14, part 3: collectives/hierarchical.py) and the
+"""The hierarchical algorithm (collectives/hierarchical.py) and the
 world split it stands on.
 
 - World.split: members, node identity and deadlines carried over; a failure in the
@@ -21,17 +21,15 @@ import time
 
 import numpy as np
 import pytest
+from conftest import clean_env, run_mpi
+from helpers import CHECK_MODULE, WORLD_TIMEOUT, assert_check_clean
 
 from commref.collectives import check, tuner
 from commref.collectives.communicator import Communicator
 from commref.collectives.hierarchical import NodeShape, node_shape
 from commref.transports.errors import CommAborted
-from commref.transports.world import NODES_ENV, ThreadWorld
-
-from conftest import clean_env, run_mpi
-
-WORLD_TIMEOUT = 60.0
-
+from commref.transports.nodes import NODES_ENV
+from commref.transports.thread_world import ThreadWorld
 
 # ---- World.split ----
 
@@ -97,20 +95,30 @@ def test_tuner_takes_hierarchical_from_its_threshold_and_refuses_it_where_it_can
         tuner.plan("broadcast", "hierarchical", big, 4, "cpu", 2, False, shape)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["check", "--np", "5", "--nodes", "2", "--path", "auto", "--algorithm", "hierarchical"],
-     "commref check: error: --algorithm hierarchical with --np 5 and --nodes 2: it needs the same number of ranks "
-     "on every node (ranks per node: [3, 2])"),
-    (["check", "--np", "4", "--algorithm", "hierarchical"],
-     "commref check: error: --algorithm hierarchical with --np 4 and --nodes 1: it needs ranks on several nodes "
-     "(this job is one node)"),
-    (["check", "--np", "4", "--nodes", "2"],
-     "commref check: error: --path lsa needs every rank on one node, not 2 nodes: use --path auto (LSA inside a "
-     "node, GIN between nodes) or --path gin"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["check", "--np", "5", "--nodes", "2", "--path", "auto", "--algorithm", "hierarchical"],
+            "commref check: error: --algorithm hierarchical with --np 5 and --nodes 2: it needs the same number of "
+            "ranks on every node (ranks per node: [3, 2])",
+        ),
+        (
+            ["check", "--np", "4", "--algorithm", "hierarchical"],
+            "commref check: error: --algorithm hierarchical with --np 4 and --nodes 1: it needs ranks on several nodes "
+            "(this job is one node)",
+        ),
+        (
+            ["check", "--np", "4", "--nodes", "2", "--path", "lsa"],  # a left-out --path is auto with --nodes
+            "commref check: error: --path lsa --nodes 2: LSA needs every rank on one node; use --path auto (LSA "
+            "inside a node, GIN between nodes, the default with --nodes), or --path gin",
+        ),
+    ],
+)
 def test_cli_refuses_a_job_that_cannot_run_it_before_any_rank_starts(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "commref.cli", *argv], capture_output=True, text=True, timeout=60,
-                          env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "commref.cli", *argv], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == message, proc.stderr
 
 
@@ -120,8 +128,11 @@ def test_a_communicator_that_cannot_run_it_says_why(monkeypatch):
     def body(world):
         with Communicator(world, "cpu", path="auto", timeout=WORLD_TIMEOUT) as comm:
             x = np.ones(8, np.float32)
-            with pytest.raises(ValueError, match=r"rank \d: algorithm 'hierarchical' cannot run on this "
-                                                 r"communicator: it needs the same number of ranks on every node"):
+            with pytest.raises(
+                ValueError,
+                match=r"rank \d: algorithm 'hierarchical' cannot run on this "
+                r"communicator: it needs the same number of ranks on every node",
+            ):
                 comm.allreduce(x, x.copy(), algorithm="hierarchical")
 
     ThreadWorld.run(5, body, timeout=WORLD_TIMEOUT)
@@ -133,27 +144,46 @@ def test_a_communicator_that_cannot_run_it_says_why(monkeypatch):
 def _sweep(world, opts, dtypes, ops, counts):
     with Communicator(world, "cpu", timeout=WORLD_TIMEOUT, **opts) as comm:
         assert isinstance(comm.node_shape, NodeShape)
-        cases = check.cases(["allreduce", "reduce_scatter", "allgather"], dtypes, ops, ["hierarchical"], counts,
-                            world.size, 5, hierarchical=True)
+        cases = check.cases(
+            ["allreduce", "reduce_scatter", "allgather"],
+            dtypes,
+            ops,
+            ["hierarchical"],
+            counts,
+            world.size,
+            5,
+            hierarchical=True,
+        )
         wrong = check.run_sweep(comm, cases)
         return cases, wrong, [c.nranks for c in (comm.hierarchy().intra, comm.hierarchy().inter)]
 
 
-@pytest.mark.parametrize("nranks, nodes, opts", [
-    (4, 2, dict(path="auto", wire="ordered")),
-    (4, 2, dict(path="auto", wire="unordered", max_channels=2, slot_bytes=256)),
-    (6, 3, dict(path="auto")),
-    (6, 2, dict(path="gin", max_channels=2, slot_bytes=512)),
-])
+@pytest.mark.parametrize(
+    "nranks, nodes, opts",
+    [
+        (4, 2, dict(path="auto", wire="ordered")),
+        (4, 2, dict(path="auto", wire="unordered", max_channels=2, slot_bytes=256)),
+        (6, 3, dict(path="auto")),
+        (6, 2, dict(path="gin", max_channels=2, slot_bytes=512)),
+    ],
+)
 def test_hierarchical_collectives_are_exact(nranks, nodes, opts, monkeypatch):
     monkeypatch.setenv(NODES_ENV, str(nodes))
     counts = [0, 1, 2, 7, 1009]  # 1, 7 and 1009 leave a tail that does not split into the node's ranks
-    results = ThreadWorld.run(nranks, _sweep, opts, ["float32", "int32", "bfloat16"],
-                              ["sum", "prod", "min", "avg"], counts, timeout=WORLD_TIMEOUT * 4)
+    results = ThreadWorld.run(
+        nranks,
+        _sweep,
+        opts,
+        ["float32", "int32", "bfloat16"],
+        ["sum", "prod", "min", "avg"],
+        counts,
+        timeout=WORLD_TIMEOUT * 4,
+    )
     cases, wrong, teams = results[0]
     assert teams == [nranks // nodes, nodes]
     assert {c.coll for c in cases} == {"allreduce", "reduce_scatter", "allgather"} and all(
-        c.algorithm == "hierarchical" for c in cases)
+        c.algorithm == "hierarchical" for c in cases
+    )
     assert {c.in_place for c in cases} == {False, True} and "avg" in {c.op for c in cases}
     bad = [(c, w) for c, w in zip(cases, wrong) if w]
     assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:4]}"
@@ -185,7 +215,7 @@ def test_symmetric_buffers_run_the_intra_node_phases_direct(monkeypatch):
             comm.allreduce(send, recv, algorithm="hierarchical")
             ok = bool(np.array_equal(recv, 4 * np.arange(n, dtype=np.float32) + 6))
             intra = comm.hierarchy().intra
-            direct = sorted({p.kernel for p in intra._calls.values() if p.direct})
+            direct = sorted({p.kernel for p in intra.planned() if p.direct})
             comm.free_symmetric(send)
             comm.free_symmetric(recv)
             return ok, direct
@@ -196,23 +226,60 @@ def test_symmetric_buffers_run_the_intra_node_phases_direct(monkeypatch):
 
 @pytest.mark.mpi
 def test_check_hierarchical_under_mpiexec(shm_leak_check):
-    args = ["commref.cli", "check", "--path", "auto", "--nodes", "2", "--algorithm", "hierarchical", "--network",
-            "mpi", "--dtype", "float32", "int64", "--op", "sum", "avg", "--count", "0", "1", "7", "1009"]
+    args = [
+        *CHECK_MODULE,
+        "--path",
+        "auto",
+        "--nodes",
+        "2",
+        "--algorithm",
+        "hierarchical",
+        "--network",
+        "mpi",
+        "--dtype",
+        "float32",
+        "int64",
+        "--op",
+        "sum",
+        "avg",
+        "--count",
+        "0",
+        "1",
+        "7",
+        "1009",
+    ]
     proc = run_mpi(6, args, timeout=180, module=True, env=clean_env())
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
-    assert m and int(m.group(1)) > 0 and (int(m.group(2)), int(m.group(3))) == (0, 0), out[-2000:]
+    assert_check_clean(proc)
     assert re.search(r"^allreduce\s+hierarchical\s+float32", proc.stdout, re.M), proc.stdout[-2000:]
 
 
 def test_bench_reports_team_rows_and_both_algorithms_side_by_side(monkeypatch):
-    from commref.bench.harness import build_parser, run_rank
+    from commref.bench.arguments import build_parser
+    from commref.bench.harness import run_rank
 
     monkeypatch.setenv(NODES_ENV, "2")
-    a = build_parser().parse_args(["all_reduce", "-b", "256K", "-e", "256K", "-n", "2", "-w", "1", "-t", "4",
-                                   "--nodes", "2", "--path", "auto", "--algorithm", "ring,hierarchical",
-                                   "--no-bound"])
+    a = build_parser().parse_args(
+        [
+            "all_reduce",
+            "-b",
+            "256K",
+            "-e",
+            "256K",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-t",
+            "4",
+            "--nodes",
+            "2",
+            "--path",
+            "auto",
+            "--algorithm",
+            "ring,hierarchical",
+            "--no-bound",
+        ]
+    )
     doc = ThreadWorld.run(4, run_rank, a, out=lambda s: None, timeout=WORLD_TIMEOUT)[0]
     rows = {r["series"]: r for r in doc["rows"]}
     assert list(rows) == ["auto/ring", "intra-node/auto", "inter-node/auto", "auto/hierarchical"]

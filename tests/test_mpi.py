@@ -11,25 +11,19 @@ import re
 import sys
 
 import pytest
-
 from conftest import clean_env, mpiexec, run_cmd, run_mpi
+from helpers import CHECK_MODULE, assert_check_clean, check_summary, multi_channel_check
 
 pytestmark = pytest.mark.mpi
 
-CHECK = ["commref.cli", "check"]
-REDUCED = ["--dtype", "float32", "bfloat16", "int8", "uint64", "--op", "sum", "prod", "avg", "max",
-           "--count", "0", "1", "7", "1001", "4099"]
+CHECK = CHECK_MODULE
+REDUCED = "--dtype float32 bfloat16 int8 uint64 --op sum prod avg max --count 0 1 7 1001 4099".split()
 
 
 def _assert_clean(proc, min_cases: int = 1) -> int:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
-    assert m, out[-4000:]
-    assert "0 wrong elements" in proc.stdout
-    assert int(m.group(2)) == 0 and int(m.group(3)) == 0
-    assert int(m.group(1)) >= min_cases
-    return int(m.group(1))
+    s = assert_check_clean(proc)
+    assert s.cases >= min_cases
+    return s.cases
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
@@ -41,8 +35,11 @@ def test_check_reduced(nranks, shm_leak_check):
     # (allreduce ring+tree+direct, reduce_scatter ring+direct, reduce) x 4 ops
     # + (allgather ring+direct, broadcast); x 4 dtypes x 5 counts x 2; alltoall ring+direct
     # x 4 dtypes x 5 counts out of place; and on denormal inputs the 6 reducing pairs x
-    # 3 ops (not prod) x 2 floating dtypes x 5 counts
-    assert cases == (6 * 4 + 3) * 4 * 5 * 2 + 2 * 4 * 5 + 6 * 3 * 2 * 5
+    # 3 ops (not prod) x 2 floating dtypes x 5 counts; per dtype and count, the collectives
+    # of sends and receives (gather and scatter in and out of place, alltoallv and sendrecv
+    # out of place, hypercube allgather both ways on powers of two) and one group case
+    composed = 2 + 2 + 1 + 1 + (2 if nranks & (nranks - 1) == 0 else 0) + 1
+    assert cases == (6 * 4 + 3) * 4 * 5 * 2 + 2 * 4 * 5 + 6 * 3 * 2 * 5 + composed * 4 * 5
     assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
 
 
@@ -51,26 +48,47 @@ def test_check_full_default_sweep(shm_leak_check):
     cases = _assert_clean(proc)
     # 10 dtypes x (6 reducing (collective, algorithm) x 5 ops + 3 moving) x 4 counts x 2 placements,
     # alltoall ring+direct x 10 dtypes x 4 counts out of place, and on denormal inputs 6
-    # reducing pairs x 4 ops (not prod) x 4 floating dtypes x 4 counts
-    assert cases == 10 * (6 * 5 + 3) * 4 * 2 + 2 * 10 * 4 + 6 * 4 * 4 * 4
+    # reducing pairs x 4 ops (not prod) x 4 floating dtypes x 4 counts; the collectives of
+    # sends and receives (9 cases per dtype and count at 4 ranks, as above) and the group cases
+    assert cases == 10 * (6 * 5 + 3) * 4 * 2 + 2 * 10 * 4 + 6 * 4 * 4 * 4 + 9 * 10 * 4
     assert re.search(r"^allreduce +ring +bfloat16 denormal ", proc.stdout, re.M)
     for coll in ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall"):
         assert coll in proc.stdout
+    for coll in ("gather", "scatter", "alltoallv", "sendrecv", "hypercube", "group"):
+        assert re.search(rf"^{coll} ", proc.stdout, re.M), coll
     assert re.search(r"^allgather +direct +uint8 ", proc.stdout, re.M)
     assert re.search(r"^alltoall +direct +bfloat16 ", proc.stdout, re.M)
-    assert "(alltoall out-of-place only: no in-place form)" in proc.stdout
+    summary = check_summary(proc.stdout)
+    assert summary.what.startswith(
+        "counts [0, 1, 7, 1001], in-place and out-of-place, alltoall, alltoallv, sendrecv, group out-of-place only;"
+    )
 
 
 def test_check_multi_channel(shm_leak_check):
     """8.4 MB per rank: the CPU tuner uses two channels of shared-memory FIFOs."""
-    args = [*CHECK, "allreduce", "reduce_scatter", "--dtype", "float32", "--op", "sum", "--algorithm", "ring",
-            "--count", "2100001", "--channels", "3", "--slot-bytes", "4096"]
+    args = [*CHECK, *multi_channel_check(3, 4096)]
     _assert_clean(run_mpi(2, args, timeout=120, module=True), min_cases=4)
 
 
 def test_check_threads_per_block(shm_leak_check):
-    args = [*CHECK, "allreduce", "allgather", "--dtype", "float16", "uint64", "--op", "sum", "min", "--count", "1",
-            "999", "--threads", "8", "--slot-bytes", "128"]
+    args = [
+        *CHECK,
+        "allreduce",
+        "allgather",
+        "--dtype",
+        "float16",
+        "uint64",
+        "--op",
+        "sum",
+        "min",
+        "--count",
+        "1",
+        "999",
+        "--threads",
+        "8",
+        "--slot-bytes",
+        "128",
+    ]
     _assert_clean(run_mpi(3, args, timeout=90, module=True))
 
 
@@ -78,8 +96,26 @@ def test_check_relaunch_np(shm_leak_check):
     """`commref check --np 2` outside MPI relaunches itself under mpiexec."""
     if mpiexec() is None:
         pytest.skip("mpiexec not found")
-    cmd = [sys.executable, "-m", "commref.cli", "check", "--np", "2", "reduce", "broadcast", "--dtype", "int8",
-           "float32", "--op", "sum", "max", "--count", "0", "5", "300"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "commref.cli",
+        "check",
+        "--np",
+        "2",
+        "reduce",
+        "broadcast",
+        "--dtype",
+        "int8",
+        "float32",
+        "--op",
+        "sum",
+        "max",
+        "--count",
+        "0",
+        "5",
+        "300",
+    ]
     proc = run_cmd(cmd, timeout=90, env=clean_env())
     _assert_clean(proc)
     assert "# commref check: 2 ranks, device cpu" in proc.stdout
@@ -89,8 +125,19 @@ def test_check_relaunch_np(shm_leak_check):
 
 def test_check_single_process_no_mpi():
     """Without --np and outside MPI: a one-rank ThreadWorld."""
-    cmd = [sys.executable, "-m", "commref.cli", "check", "allreduce", "--dtype", "float32", "--op", "avg",
-           "--count", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "commref.cli",
+        "check",
+        "allreduce",
+        "--dtype",
+        "float32",
+        "--op",
+        "avg",
+        "--count",
+        "3",
+    ]
     proc = run_cmd(cmd, timeout=60, env=clean_env())
     _assert_clean(proc)
     assert "# commref check: 1 ranks, device cpu" in proc.stdout

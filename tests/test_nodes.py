@@ -1,4 +1,4 @@
-"""Simulated nodes (issue 14, part 1): COMMREF_HOSTID / COMMREF_NODES (transports/world.node_of)
+"""Simulated nodes: COMMREF_HOSTID / COMMREF_NODES (transports/nodes.node_of)
 and `--nodes N` on commref check and bench.
 
 - node identity: the override, the split into nodes of consecutive ranks (uneven too),
@@ -9,7 +9,7 @@ and `--nodes N` on commref check and bench.
 - exactness: every collective with `path="auto"` on simulated nodes, ThreadWorld (5
   ranks on 2 nodes, both wires; 6 ranks on 3 nodes, where channel 1's ring is not rank
   order) and MPI (`commref check --np 4 --nodes 2`, `--np 5 --nodes 2 --network mpi`);
-- topology (issue 14, part 2): each channel's ring crosses each node boundary once,
+- topology: each channel's ring crosses each node boundary once,
   successive channels leave and enter a node at different ranks, each tree is spanning
   with one link per pair of nodes it joins; the communicator builds its tables from
   every rank's node;
@@ -19,24 +19,21 @@ and `--nodes N` on commref check and bench.
 from __future__ import annotations
 
 import ctypes
-import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from conftest import clean_env, run_mpi
+from helpers import CHECK_MODULE, WORLD_TIMEOUT, assert_check_clean, run_gin_sweep
 
 from commref.collectives import check, topology
-from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.catalogue import KERNEL_NAMES as COLLECTIVES
 from commref.collectives.communicator import Communicator
 from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError
-from commref.transports.world import HOSTID_ENV, NODES_ENV, ThreadWorld, check_nodes, node_of
-
-from conftest import clean_env, run_mpi
-from test_gin import _run_sweep, many_channels  # noqa: F401 (a fixture)
-
-WORLD_TIMEOUT = 60.0
+from commref.transports.nodes import HOSTID_ENV, NODES_ENV, check_nodes, node_of
+from commref.transports.thread_world import ThreadWorld
 
 
 def test_node_identity_splits_consecutive_ranks_and_honours_the_override():
@@ -46,8 +43,11 @@ def test_node_identity_splits_consecutive_ranks_and_honours_the_override():
     assert node_of("h", 3, 4, {HOSTID_ENV: "rack7", NODES_ENV: "2"}) == "rack7"  # the override wins
     assert check_nodes("4", 4) == 4
     for bad in ("0", "5", "two", ""):
-        with pytest.raises(ValueError, match=r"^COMMREF_NODES \(--nodes\) must be an integer from 1 to the number "
-                                             r"of ranks \(4\), not "):
+        with pytest.raises(
+            ValueError,
+            match=r"^COMMREF_NODES \(--nodes\) must be an integer from 1 to the number "
+            r"of ranks \(4\), not ",
+        ):
             check_nodes(bad, 4)
 
 
@@ -74,9 +74,12 @@ def test_lsa_path_across_nodes_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv(NODES_ENV, "2")
 
     def body(world):
-        with pytest.raises(CapabilityError, match=r"rank \d: path 'lsa' needs every peer on this rank's node "
-                                                  r"\(\S+/node\d\); ranks \[.*\] are on other nodes: use "
-                                                  r"path='auto' or 'gin'"):
+        with pytest.raises(
+            CapabilityError,
+            match=r"rank \d: path 'lsa' needs every peer on this rank's node "
+            r"\(\S+/node\d\); ranks \[.*\] are on other nodes: use "
+            r"path='auto' or 'gin'",
+        ):
             Communicator(world, "cpu", path="lsa", timeout=WORLD_TIMEOUT)
 
     ThreadWorld.run(4, body, timeout=WORLD_TIMEOUT)
@@ -85,8 +88,13 @@ def test_lsa_path_across_nodes_is_refused_in_one_line(monkeypatch):
 @pytest.mark.parametrize("wire", ["ordered", "unordered"])
 def test_collectives_on_simulated_nodes_are_exact(wire, monkeypatch):
     monkeypatch.setenv(NODES_ENV, "2")
-    _run_sweep(5, dict(path="auto", wire=wire, max_channels=2, slot_bytes=256), ["float32", "int8"], ["sum", "max"],
-               [0, 1, 7, 1009])
+    run_gin_sweep(
+        5,
+        dict(path="auto", wire=wire, max_channels=2, slot_bytes=256),
+        ["float32", "int8"],
+        ["sum", "max"],
+        [0, 1, 7, 1009],
+    )
 
 
 # 8 ranks: one node, the splits COMMREF_NODES makes (even and uneven), one rank per
@@ -129,7 +137,10 @@ def test_rings_cross_each_node_boundary_once_at_rotating_ranks(layout, nchannels
         assert sorted(ring) == list(range(n)) and ring[0] == 0
         for pos, r in enumerate(ring):  # the records and the table describe the same ring
             assert (peers[r][c]["ringPos"], peers[r][c]["ringPrev"], peers[r][c]["ringNext"]) == (
-                pos, ring[pos - 1], ring[(pos + 1) % n])
+                pos,
+                ring[pos - 1],
+                ring[(pos + 1) % n],
+            )
         exits = [(ring[p], ring[(p + 1) % n]) for p in range(n) if nodes[ring[p]] != nodes[ring[(p + 1) % n]]]
         assert sorted(nodes[a] for a, _ in exits) == sorted(set(nodes)) if len(groups) > 1 else not exits, exits
         assert sorted(nodes[b] for _, b in exits) == sorted(nodes[a] for a, _ in exits)
@@ -175,12 +186,14 @@ def _topology_sweep(world, counts):
     comm = Communicator(world, "cpu", path="auto", max_channels=2, slot_bytes=256, timeout=WORLD_TIMEOUT)
     try:
         nodes = [node_of(world.host, r, world.size, {NODES_ENV: "3"}) for r in range(world.size)]
-        record = comm._record.record
+        record = comm.launch_record.record
         table = np.frombuffer((ctypes.c_int32 * (2 * world.size)).from_address(int(record["ringRanks"])), np.int32)
-        tables_ok = ((table.reshape(2, -1) == topology.ring_ranks(nodes, 2)).all()
-                     and record["peers"][:2].tobytes() == topology.channel_peers(world.rank, nodes, 2)[:2].tobytes())
-        case_list = check.cases(list(COLLECTIVES), ["float32", "int32"], ["sum", "max"], [], counts, world.size, 5,
-                                direct=False)
+        tables_ok = (table.reshape(2, -1) == topology.ring_ranks(nodes, 2)).all() and record["peers"][
+            :2
+        ].tobytes() == topology.channel_peers(world.rank, nodes, 2)[:2].tobytes()
+        case_list = check.cases(
+            list(COLLECTIVES), ["float32", "int32"], ["sum", "max"], [], counts, world.size, 5, direct=False
+        )
         wrong = check.run_sweep(comm, case_list)
         return tables_ok, case_list, wrong
     finally:
@@ -198,9 +211,15 @@ def test_collectives_exact_on_node_rings_that_are_not_rank_order(many_channels, 
     results = ThreadWorld.run(6, _topology_sweep, counts, timeout=WORLD_TIMEOUT * 4)
     assert all(ok for ok, _, _ in results), "the communicator's tables differ from topology's"
     case_list, wrong = results[0][1], results[0][2]
-    assert {(c.coll, c.algorithm) for c in case_list} >= {("allreduce", "ring"), ("allreduce", "tree"),
-                                                     ("allgather", "ring"), ("reduce_scatter", "ring"),
-                                                     ("reduce", "ring"), ("broadcast", "ring"), ("alltoall", "ring")}
+    assert {(c.coll, c.algorithm) for c in case_list} >= {
+        ("allreduce", "ring"),
+        ("allreduce", "tree"),
+        ("allgather", "ring"),
+        ("reduce_scatter", "ring"),
+        ("reduce", "ring"),
+        ("broadcast", "ring"),
+        ("alltoall", "ring"),
+    }
     assert len({c.root for c in case_list if c.coll in ("reduce", "broadcast")}) > 1
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert all(r[2] == wrong for r in results) and not bad, f"{len(bad)} failing cases, first: {bad[:4]}"
@@ -209,22 +228,44 @@ def test_collectives_exact_on_node_rings_that_are_not_rank_order(many_channels, 
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_, nodes, extra", [(4, 2, []), (5, 2, ["--network", "mpi"])])
 def test_check_on_simulated_nodes_under_mpiexec(np_, nodes, extra, shm_leak_check):
-    args = ["commref.cli", "check", "--path", "auto", "--nodes", str(nodes), *extra, "--dtype", "float32", "int32",
-            "--op", "sum", "min", "--count", "0", "1", "7", "1009"]
+    args = [
+        *CHECK_MODULE,
+        "--path",
+        "auto",
+        "--nodes",
+        str(nodes),
+        *extra,
+        "--dtype",
+        "float32",
+        "int32",
+        "--op",
+        "sum",
+        "min",
+        "--count",
+        "0",
+        "1",
+        "7",
+        "1009",
+    ]
     proc = run_mpi(np_, args, timeout=120, module=True, env=clean_env())
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    m = re.search(r"^# (\d+) cases, .* (\d+) wrong elements in (\d+) cases", proc.stdout, re.M)
-    assert m and int(m.group(1)) > 0 and (int(m.group(2)), int(m.group(3))) == (0, 0), out[-2000:]
+    assert_check_clean(proc)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["check", "--np", "4", "--nodes", "5"], "commref check: error: COMMREF_NODES (--nodes) must be an integer "
-                                             "from 1 to the number of ranks (4), not 5"),
-    (["bench", "all_reduce", "--np", "2", "--nodes", "3"], "commref bench: error: COMMREF_NODES (--nodes) must be "
-                                                          "an integer from 1 to the number of ranks (2), not 3"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["check", "--np", "4", "--nodes", "5"],
+            "commref check: error: COMMREF_NODES (--nodes) must be an integer from 1 to the number of ranks (4), not 5",
+        ),
+        (
+            ["bench", "all_reduce", "--np", "2", "--nodes", "3"],
+            "commref bench: error: COMMREF_NODES (--nodes) must be an integer from 1 to the number of ranks (2), not 3",
+        ),
+    ],
+)
 def test_cli_refuses_more_nodes_than_ranks_before_any_rank_starts(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "commref.cli", *argv], capture_output=True, text=True, timeout=60,
-                          env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "commref.cli", *argv], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == message, proc.stderr

@@ -7,7 +7,7 @@ from commref.collectives import check, topology
 from commref.collectives.communicator import Communicator
 from commref.collectives.verify import DTYPES, OPS
 from commref.transports.gin import semantics
-from commref.transports.world import ThreadWorld
+from commref.transports.thread_world import ThreadWorld
 
 
 @given(st.integers(1, 64))
@@ -38,8 +38,10 @@ def test_double_binary_tree_spreads_inner_nodes(n):
     assert len(inner_both) <= n // 2 + 1
 
 
-@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 300), st.booleans(), st.booleans()), min_size=1,
-                max_size=5), st.sampled_from([64, 128]))
+@given(
+    st.lists(st.tuples(st.integers(0, 1), st.integers(0, 300), st.booleans(), st.booleans()), min_size=1, max_size=5),
+    st.sampled_from([64, 128]),
+)
 def test_ordered_wire_lands_each_context_in_posting_order(ops, seg):
     """On an ordered wire, whatever the order of choices, each context's events land in
     posting order."""
@@ -71,8 +73,14 @@ def _allreduce_case(world, count, dtype, op, algorithm, channels):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 5), st.integers(0, 3000), st.sampled_from(list(DTYPES)), st.sampled_from(list(OPS)),
-       st.sampled_from(["ring", "tree"]), st.integers(1, 3))
+@given(
+    st.integers(1, 5),
+    st.integers(0, 3000),
+    st.sampled_from(list(DTYPES)),
+    st.sampled_from(list(OPS)),
+    st.sampled_from(["ring", "tree"]),
+    st.integers(1, 3),
+)
 def test_allreduce_matches_reference(nranks, count, dtype, op, algorithm, channels):
     wrong = ThreadWorld.run(nranks, _allreduce_case, count, dtype, op, algorithm, channels, timeout=60)
     assert sum(wrong) == 0

@@ -19,27 +19,26 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers import GEOMETRIES, QUICK_BENCH, WORLD_TIMEOUT, bench_args, check_summary
 
 from commref.collectives import check, protocols, tuner
-from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.catalogue import KERNEL_NAMES as COLLECTIVES
 from commref.collectives.communicator import Communicator
 from commref.collectives.options import CommOptions
-from commref.device_kernels import abi, loader
+from commref.device_kernels import abi, cpu_loader
 from commref.transports.errors import CapabilityError, CommMismatch, CommTimeout
 from commref.transports.gin import semantics
 from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import BACKENDS
 from commref.transports.gin.options import GinOptions
-from commref.transports.gin.plan import GinPlan, line_cell
+from commref.transports.gin.plan import GinPlan
 from commref.transports.gin.study import explorer
-from commref.transports.gin.study import protocols as study
-from commref.transports.options import OptionError
-from commref.transports.world import ThreadWorld
-
-from test_collectives_thread import GEOMETRIES, many_channels  # noqa: F401 - a fixture
+from commref.transports.gin.study import signaling as study
+from commref.transports.gin.study.cells import line_cell
+from commref.transports.option_types import OptionError
+from commref.transports.thread_world import ThreadWorld
 
 LINE_PROTOCOLS = ("ll", "ll128")
-WORLD_TIMEOUT = 60.0  # the sweeps of 5 ranks on a loaded 2-core host
 DTYPES = ["float32", "bfloat16", "int8", "uint64"]
 OPS = ["sum", "prod", "max", "avg"]
 # GEOMETRIES' slots of 128 and 256 bytes make LL slots of 64 data bytes and LL128 slots
@@ -48,10 +47,27 @@ OPS = ["sum", "prod", "max", "avg"]
 
 def _sweep(world, protocol, geometry, counts, colls=tuple(COLLECTIVES), dtypes=tuple(DTYPES), **options):
     threads, channels, slot, nsteps = geometry
-    with Communicator(world, "cpu", max_channels=channels, slot_bytes=slot, nsteps=nsteps, threads=threads,
-                      timeout=WORLD_TIMEOUT, **options) as comm:
-        case_list = check.cases(list(colls), list(dtypes), OPS, [], counts,
-                                world.size, seed=11, protocols=[protocol], direct=not comm.peer_mask)
+    with Communicator(
+        world,
+        "cpu",
+        max_channels=channels,
+        slot_bytes=slot,
+        nsteps=nsteps,
+        threads=threads,
+        timeout=WORLD_TIMEOUT,
+        **options,
+    ) as comm:
+        case_list = check.cases(
+            list(colls),
+            list(dtypes),
+            OPS,
+            [],
+            counts,
+            world.size,
+            seed=11,
+            protocols=[protocol],
+            direct=not comm.peer_mask,
+        )
         return case_list, check.run_sweep(comm, case_list)
 
 
@@ -59,15 +75,29 @@ def _assert_exact(results, protocol):
     case_list, wrong = results[0]
     assert all(r[1] == wrong for r in results), "ranks disagree on the per-case totals"
     ran = {(c.coll, c.algorithm) for c in case_list if c.protocol == protocol}
-    assert ran >= {("allreduce", "ring"), ("allreduce", "tree"), ("allgather", "ring"), ("reduce_scatter", "ring"),
-                   ("broadcast", "ring"), ("reduce", "ring"), ("alltoall", "ring")}, ran
+    assert ran >= {
+        ("allreduce", "ring"),
+        ("allreduce", "tree"),
+        ("allgather", "ring"),
+        ("reduce_scatter", "ring"),
+        ("broadcast", "ring"),
+        ("reduce", "ring"),
+        ("alltoall", "ring"),
+    }, ran
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:5]}"
 
 
 @pytest.mark.parametrize("protocol", LINE_PROTOCOLS)
-@pytest.mark.parametrize("nranks, geometry", [(1, "1thread-3ch-slot128-2steps"), (2, "4fibers-2ch-slot256-4steps"),
-                                              (3, "4fibers-2ch-slot256-4steps"), (5, "1thread-3ch-slot128-2steps")])
+@pytest.mark.parametrize(
+    "nranks, geometry",
+    [
+        (1, "1thread-3ch-slot128-2steps"),
+        (2, "4fibers-2ch-slot256-4steps"),
+        (3, "4fibers-2ch-slot256-4steps"),
+        (5, "1thread-3ch-slot128-2steps"),
+    ],
+)
 def test_sweep(protocol, nranks, geometry, many_channels):
     counts = [0, 1, 7, 1001, 3 * 1024 + 5]
     results = ThreadWorld.run(nranks, _sweep, protocol, GEOMETRIES[geometry], counts, timeout=WORLD_TIMEOUT)
@@ -79,9 +109,18 @@ def test_sweep(protocol, nranks, geometry, many_channels):
 def test_sweep_over_gin(protocol, wire, nranks):
     """Every peer over GIN (network shm): the proxy lands the staged lines (landLines)
     while the receiver polls them."""
-    results = ThreadWorld.run(nranks, _sweep, protocol, (1, 2, 256, 4), [0, 7, 1001, 5000],
-                              ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall"),
-                              ("float32", "int8"), path="gin", wire=wire, timeout=WORLD_TIMEOUT)
+    results = ThreadWorld.run(
+        nranks,
+        _sweep,
+        protocol,
+        (1, 2, 256, 4),
+        [0, 7, 1001, 5000],
+        ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall"),
+        ("float32", "int8"),
+        path="gin",
+        wire=wire,
+        timeout=WORLD_TIMEOUT,
+    )
     _assert_exact(results, protocol)
 
 
@@ -142,7 +181,7 @@ def test_a_missing_peer_ends_a_line_wait_at_its_deadline(protocol):
 def test_this_cpu_reports_what_it_guarantees():
     import platform
 
-    support = loader.cpu_kernels().protocol_support
+    support = cpu_loader.cpu_kernels().protocol_support
     if platform.machine() == "x86_64":
         flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
         assert support & abi.CPU_STORE_ORDER
@@ -155,7 +194,8 @@ def test_this_cpu_reports_what_it_guarantees():
 def _without_avx(world):
     with Communicator(world, "cpu", timeout=5.0) as comm:
         x = np.ones(16, np.float32)
-        picked = comm._plan_call(comm_spec("allreduce"), "ring", x.dtype, x.size, "sum", 0, False)  # noqa: SLF001
+        comm.allreduce(x, np.zeros_like(x), algorithm="ring")  # auto's protocol, as planned
+        picked = comm.planned("allreduce", x.size)[-1]
         try:
             comm.allreduce(x, np.zeros_like(x), protocol="ll")
         except CapabilityError as e:
@@ -163,14 +203,8 @@ def _without_avx(world):
     return picked.protocol, None
 
 
-def comm_spec(name):
-    from commref.collectives import catalogue
-
-    return catalogue.get(name)
-
-
 def test_a_cpu_without_atomic_16_byte_accesses_refuses_ll(monkeypatch):
-    monkeypatch.setattr(loader.CpuKernels, "protocol_support", property(lambda self: abi.CPU_STORE_ORDER))
+    monkeypatch.setattr(cpu_loader.CpuKernels, "protocol_support", property(lambda self: abi.CPU_STORE_ORDER))
     monkeypatch.setattr(tuner, "LL_MAX_BYTES", 1 << 20)  # auto would take LL for this call
     with pytest.raises(CapabilityError, match="protocol 'll' cannot run on this communicator: rank 0: LL needs"):
         ThreadWorld.run(2, lambda w: Communicator(w, "cpu", protocol="ll"), timeout=10.0)
@@ -181,7 +215,7 @@ def test_a_cpu_without_atomic_16_byte_accesses_refuses_ll(monkeypatch):
 
 # The cell of the ordering study that models each (protocol, wire, segment bytes), worked
 # out by hand from how the proxies land a segment (landLines: 16-byte lines whole, in
-# ascending order; docs/ordering.md, "Which protocols GIN carries").
+# ascending order; docs/ordering.md, "What GIN carries: LL and LL128 over the runtime's wires").
 WIRES = {
     "ordered": semantics.ORDERED,
     "unordered": semantics.UNORDERED,
@@ -209,8 +243,13 @@ EXPECTED_CELLS = {
 def test_gin_accepts_a_protocol_where_the_study_proves_its_cell_safe(protocol, wire, segment_bytes):
     cell = EXPECTED_CELLS[protocol, wire, segment_bytes]
     assert line_cell(protocol, WIRES[wire], segment_bytes) == cell
-    plan = GinPlan(GinOptions(path="gin", segment_bytes=segment_bytes), peer_mask=2, backend=BACKENDS["proxy"],
-                   transport=WIRES[wire], network="shm")
+    plan = GinPlan(
+        GinOptions(path="gin", segment_bytes=segment_bytes),
+        peer_mask=2,
+        backend=BACKENDS["proxy"],
+        transport=WIRES[wire],
+        network="shm",
+    )
     why = plan.protocol_refusal(protocol, "cpu", abi.CPU_ATOMIC_16 | abi.CPU_STORE_ORDER)
     if cell is None:
         assert why and "no cell of the ordering study" in why, why
@@ -232,8 +271,9 @@ def test_the_study_cells_the_runtime_relies_on_have_both_verdicts():
 
 
 def test_gin_refuses_where_no_cell_applies():
-    plan = GinPlan(GinOptions(path="gin"), peer_mask=2, backend=BACKENDS["proxy"], transport=semantics.ORDERED,
-                   network="shm")
+    plan = GinPlan(
+        GinOptions(path="gin"), peer_mask=2, backend=BACKENDS["proxy"], transport=semantics.ORDERED, network="shm"
+    )
     everything = abi.CPU_ATOMIC_16 | abi.CPU_STORE_ORDER
     assert plan.protocol_refusal("simple", "cuda", 0) is None
     assert "copy-engine proxy" in plan.protocol_refusal("ll", "cuda", everything)
@@ -312,8 +352,14 @@ class _FakeNvml:
 
 def test_gpus_refuse_ll128_where_nvlink_is_not_established():
     gpu, switch = 0, 1
-    nvml = _FakeNvml({"0000:01:00.0": [("00000000:02:00.0", gpu)], "0000:02:00.0": [("00000000:01:00.0", gpu)],
-                      "0000:03:00.0": [("00000000:a0:00.0", switch)], "0000:04:00.0": [("00000000:a1:00.0", switch)]})
+    nvml = _FakeNvml(
+        {
+            "0000:01:00.0": [("00000000:02:00.0", gpu)],
+            "0000:02:00.0": [("00000000:01:00.0", gpu)],
+            "0000:03:00.0": [("00000000:a0:00.0", switch)],
+            "0000:04:00.0": [("00000000:a1:00.0", switch)],
+        }
+    )
     reach = {bus: protocols.nvlink_reach(bus, nvml) for bus in nvml.links}
     pair = [("h", 1, "0000:01:00.0"), ("h", 2, "0000:02:00.0")]
     assert protocols.gpu_refusals(0, pair, [reach[b] for _, _, b in pair]) == {}
@@ -339,7 +385,7 @@ def test_landing_copies_every_byte_at_any_alignment():
             dst = np.zeros(300, np.uint8)
             land(dst.ctypes.data + at, src.ctypes.data + 3, n)
             want = np.zeros(300, np.uint8)
-            want[at:at + n] = src[3:3 + n]
+            want[at : at + n] = src[3 : 3 + n]
             assert np.array_equal(dst, want), (at, n)
 
 
@@ -391,10 +437,9 @@ def test_check_cases_per_protocol():
 
 
 def test_bench_measures_protocols_side_by_side():
-    from commref.bench.harness import build_parser, run_rank
+    from commref.bench.harness import run_rank
 
-    a = build_parser().parse_args(["all_reduce", "-b", "8", "-e", "4K", "-f", "32", "-n", "2", "-w", "1",
-                                   "--no-baseline", "--no-bound", "--protocol", "simple,ll,ll128"])
+    a = bench_args("all_reduce", "-b", "8", "-e", "4K", "-f", "32", *QUICK_BENCH, "--protocol", "simple,ll,ll128")
     doc = ThreadWorld.run(2, run_rank, a, out=lambda s: None, timeout=WORLD_TIMEOUT)[0]
     labels = [r["series"] for r in doc["rows"]]
     assert labels == ["lsa/simple", "lsa/ll", "lsa/ll128"] * 2, labels  # 8 B and 256 B
@@ -405,9 +450,12 @@ def test_bench_measures_protocols_side_by_side():
 def test_commref_check_runs_the_cases_once_per_protocol(capsys):
     from commref import cli
 
-    assert cli.main(["check", "allreduce", "--dtype", "int8", "--op", "sum", "--count", "7", "--protocol",
-                     "ll", "ll128"]) == 0
+    assert (
+        cli.main(["check", "allreduce", "--dtype", "int8", "--op", "sum", "--count", "7", "--protocol", "ll", "ll128"])
+        == 0
+    )
     out = capsys.readouterr().out
     for label in ("ring/ll ", "ring/ll128", "tree/ll ", "tree/ll128", "direct"):
         assert f"allreduce      {label}" in out, out
-    assert " 0 wrong elements in 0 cases" in out, out
+    summary = check_summary(out)
+    assert summary and (summary.rows, summary.cases, summary.wrong) == (5, 10, 0), out

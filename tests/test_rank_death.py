@@ -13,7 +13,7 @@
   with a non-zero status well inside COMMREF_TIMEOUT, no rank process survives, and
   /dev/shm holds no commref or MPICH segment of the job afterwards; the same for a
   rank killed while every window file exists.
-- The launcher's own watch (transports/launch.py), with a stand-in process manager
+- The launcher's own watch (transports/launcher.py), with a stand-in process manager
   that does not end the job itself: a rank that died ends the job, ranks that outlive
   their process manager are killed, a rank that exits normally is no death.
 """
@@ -29,15 +29,14 @@ import time
 
 import numpy as np
 import pytest
+from conftest import REPO, TESTS, clean_env, mpiexec
+from helpers import orphan_segments
 
 from commref.collectives import catalogue
 from commref.collectives.communicator import Communicator
-from commref.transports import launch
+from commref.transports import launcher
 from commref.transports.errors import CommAborted, CommTimeout
-from commref.transports.world import ThreadWorld
-
-from conftest import REPO, TESTS, clean_env, mpiexec
-from test_cli import _orphans
+from commref.transports.thread_world import ThreadWorld
 
 ABORT_LATENCY_S = 1.0  # the promise: bystanders raise CommAborted within this of the failure
 COMM_TIMEOUT_S = 30.0  # the bystanders' own deadline: an abort noticed by deadline would take this long
@@ -80,10 +79,18 @@ def _raise_mid_collective(world, coll: str, algorithm: str, path: str, victim: i
 
 # (collective, algorithm, path): every kernel; GIN for one ring and the tree. The victim
 # is the root of the rooted collectives (rank 0), so that nobody can complete without it.
-CASES = [("allreduce", "ring", "lsa"), ("allreduce", "tree", "lsa"), ("allgather", "ring", "lsa"),
-         ("reduce_scatter", "ring", "lsa"), ("broadcast", "ring", "lsa"), ("reduce", "ring", "lsa"),
-         ("alltoall", "ring", "lsa"), ("allreduce", "ring", "gin"), ("allreduce", "tree", "gin"),
-         ("allgather", "ring", "gin")]
+CASES = [
+    ("allreduce", "ring", "lsa"),
+    ("allreduce", "tree", "lsa"),
+    ("allgather", "ring", "lsa"),
+    ("reduce_scatter", "ring", "lsa"),
+    ("broadcast", "ring", "lsa"),
+    ("reduce", "ring", "lsa"),
+    ("alltoall", "ring", "lsa"),
+    ("allreduce", "ring", "gin"),
+    ("allreduce", "tree", "gin"),
+    ("allgather", "ring", "gin"),
+]
 
 
 @pytest.mark.parametrize("coll, algorithm, path", CASES)
@@ -92,8 +99,7 @@ def test_rank_raising_mid_collective_aborts_every_other_rank_within_a_second(col
     outcome: dict = {}
     t0 = time.monotonic()
     with pytest.raises(Boom):
-        ThreadWorld.run(nranks, _raise_mid_collective, coll, algorithm, path, victim, outcome,
-                        timeout=COMM_TIMEOUT_S)
+        ThreadWorld.run(nranks, _raise_mid_collective, coll, algorithm, path, victim, outcome, timeout=COMM_TIMEOUT_S)
     assert time.monotonic() - t0 < COMM_TIMEOUT_S / 2
     for rank in set(range(nranks)) - {victim}:
         exc, ended = outcome[rank]
@@ -171,7 +177,7 @@ RAISING_JOB = """
 import sys, time
 import numpy as np
 from commref.collectives.communicator import Communicator
-from commref.transports.world import MPIWorld
+from commref.transports.mpi_world import MPIWorld
 
 world = MPIWorld()
 with Communicator(world, "cpu", path=sys.argv[1], max_channels=2) as comm:
@@ -195,8 +201,11 @@ def test_mpi_rank_raising_mid_collective_ends_the_job_promptly(tmp_path, capfd, 
         pytest.skip("mpiexec not found")
     script = tmp_path / "raise.py"
     script.write_text(RAISING_JOB)
-    rc = launch.run_job([exe, "-n", "3", sys.executable, "-m", "mpi4py", str(script), path],
-                        env=clean_env(COMMREF_TIMEOUT=str(COMM_TIMEOUT_S)), timeout=4 * COMM_TIMEOUT_S)
+    rc = launcher.run_job(
+        [exe, "-n", "3", sys.executable, "-m", "mpi4py", str(script), path],
+        env=clean_env(COMMREF_TIMEOUT=str(COMM_TIMEOUT_S)),
+        timeout=4 * COMM_TIMEOUT_S,
+    )
     ended = time.time()
     out, err = capfd.readouterr()
     assert rc != 0 and "rank 1 fails in the middle of an allreduce" in err, err[-2000:]
@@ -214,7 +223,7 @@ PROMPT_S = 5.0  # "well inside COMMREF_TIMEOUT": from the kill to the launcher's
 
 
 def _pid_alive(pid: int) -> bool:
-    proc = launch._process(pid)
+    proc = launcher._process(pid)
     return proc is not None and proc[0] not in ("Z", "X")
 
 
@@ -223,11 +232,18 @@ def _run_killed(tmp_path, argv: list[str], kill: str) -> dict:
     (tests/kill_hook/sitecustomize.py); returns what happened."""
     if mpiexec() is None:
         pytest.skip("mpiexec not found")
-    before = launch.shm_segments()
+    before = launcher.shm_segments()
     env = clean_env(COMMREF_TIMEOUT=str(JOB_TIMEOUT_S), COMMREF_TEST_KILL=kill, COMMREF_TEST_KILL_DIR=str(tmp_path))
     env["PYTHONPATH"] = KILL_HOOK + os.pathsep + env["PYTHONPATH"]
-    proc = subprocess.Popen([sys.executable, "-m", "commref", *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "commref", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=4 * JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -239,15 +255,22 @@ def _run_killed(tmp_path, argv: list[str], kill: str) -> dict:
     assert killed.exists(), f"the rank was never killed (status {proc.returncode})\n{out[-2000:]}\n{err[-2000:]}"
     victim, killed_at = killed.read_text().split()
     ranks = [int(p.read_text()) for p in tmp_path.glob("rank-*.pid")]
-    return {"status": proc.returncode, "seconds": ended - float(killed_at), "victim": int(victim), "ranks": ranks,
-            "alive": [p for p in ranks if _pid_alive(p)], "orphans": _orphans(before), "stdout": out, "stderr": err}
+    return {
+        "status": proc.returncode,
+        "seconds": ended - float(killed_at),
+        "victim": int(victim),
+        "ranks": ranks,
+        "alive": [p for p in ranks if _pid_alive(p)],
+        "orphans": orphan_segments(before),
+        "stdout": out,
+        "stderr": err,
+    }
 
 
 # The 5th collective call of rank 2, killed 5 ms into it (inside its kernel; 4 MB per
 # call, so its peers are blocked in theirs waiting for its data).
 KILLED_JOBS = {
-    "check": ["check", "allreduce", "allgather", "--np", "3", "--count", "1000000", "--dtype", "float32", "int32",
-              "--op", "sum", "max"],
+    "check": "check allreduce allgather --np 3 --count 1000000 --dtype float32 int32 --op sum max".split(),
     "bench": ["bench", "all_reduce", "--np", "3", "-b", "4M", "-e", "4M", "-n", "50", "-w", "2", "--no-baseline"],
 }
 
@@ -268,8 +291,11 @@ def test_rank_killed_mid_collective_ends_the_job(tmp_path, command):
 def test_rank_killed_while_windows_are_mapped_leaves_no_segment(tmp_path):
     """Killed between creating its window file and unlinking it (every rank's window
     file exists then): the launcher removes the job's files and MPICH's."""
-    r = _run_killed(tmp_path, ["check", "allreduce", "--np", "3", "--count", "7", "--dtype", "float32", "--op", "sum"],
-                    "1:barrier=windows mapped:1:0")
+    r = _run_killed(
+        tmp_path,
+        ["check", "allreduce", "--np", "3", "--count", "7", "--dtype", "float32", "--op", "sum"],
+        "1:barrier=windows mapped:1:0",
+    )
     assert r["status"] not in (0, 2), r["stderr"][-2000:]
     assert r["seconds"] < PROMPT_S, f"the job ended {r['seconds']:.2f} s after the kill"
     assert not r["alive"], f"rank processes outlived the job: {r['alive']}"
@@ -290,8 +316,8 @@ import glob, os, subprocess, sys, time
 n, mode, tag = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 rank = '''
 import os, signal, sys, time
-from commref.transports import launch
-launch.announce_rank()
+from commref.transports import launcher
+launcher.announce_rank()
 me, mode = int(sys.argv[1]), sys.argv[2]
 if mode == "kill" and me == 1:
     time.sleep(0.5)
@@ -319,8 +345,9 @@ def _fake_job(tmp_path, mode: str, capfd) -> tuple[int, float, str]:
     script = tmp_path / "manager.py"
     script.write_text(FAKE_MANAGER)
     t0 = time.time()
-    rc = launch.run_job([sys.executable, str(script), "3", mode, str(tmp_path)], env=clean_env(), timeout=60,
-                        grace_s=2)
+    rc = launcher.run_job(
+        [sys.executable, str(script), "3", mode, str(tmp_path)], env=clean_env(), timeout=60, grace_s=2
+    )
     ended = time.time()
     if mode == "kill":
         t0 = float((tmp_path / "killed").read_text())
@@ -336,7 +363,7 @@ def _survivors(tmp_path) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if b"launch.announce_rank()" in cmd and str(tmp_path).encode() in cmd and _pid_alive(int(pid)):
+        if b"launcher.announce_rank()" in cmd and str(tmp_path).encode() in cmd and _pid_alive(int(pid)):
             mine.append(int(pid))
     return mine
 
@@ -371,8 +398,16 @@ def test_job_directory_is_removed(tmp_path, capfd):
 
 def test_a_rank_starting_after_its_job_ended_exits(tmp_path):
     gone = tmp_path / "commref-job-ended"
-    proc = subprocess.run([sys.executable, "-c", "from commref.transports import launch; launch.announce_rank(); "
-                           "print('still running')"], env=clean_env(COMMREF_JOB_DIR=str(gone), PMI_RANK="2"),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from commref.transports import launcher; launcher.announce_rank(); print('still running')",
+        ],
+        env=clean_env(COMMREF_JOB_DIR=str(gone), PMI_RANK="2"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and "still running" not in proc.stdout
     assert proc.stderr.strip() == f"commref: rank 2: its job has ended (no {gone}); exiting"

@@ -1,5 +1,5 @@
 """A CPU call that repeats an earlier one's arguments on the same arrays skips the buffer
-checks and the planning (collectives/launch.py, RepeatedCall). What it must keep:
+checks and the planning (collectives/launch_record.py, RepeatedCall). What it must keep:
 
 - every result exact, whatever the mix of repeated, in-place and new calls (the one
   launch record is rewritten whenever another call used it last);
@@ -23,7 +23,7 @@ import pytest
 from commref.collectives import verify
 from commref.collectives.communicator import Communicator
 from commref.transports.errors import CommAborted, CommMismatch
-from commref.transports.world import ThreadWorld
+from commref.transports.thread_world import ThreadWorld
 
 TIMEOUT = 20.0
 
@@ -55,7 +55,7 @@ def test_repeated_calls_stay_exact_and_rewrite_the_record():
                 if i % 7 == 0:  # another op on the same arrays: another RepeatedCall
                     comm.allreduce(small, y_small, "max")
                     wrong += int((y_small != np.max([_input(k, n, 2)[0] for k in range(n)], axis=0)).sum())
-            kept = len(comm._repeated)
+            kept = comm.kept_calls
             return wrong, kept
         finally:
             comm.close()
@@ -174,15 +174,15 @@ def test_symmetric_windows_drop_kept_calls():
             x, exp = _input(r, n, 8)
             y = np.empty_like(x)
             comm.allreduce(x, y)
-            kept = len(comm._repeated)
+            kept = comm.kept_calls
             a = comm.alloc_symmetric(8, np.float32)
-            after_alloc = len(comm._repeated)
+            after_alloc = comm.kept_calls
             a[...] = x
             comm.allreduce(a, y)
             comm.allreduce(a, y)
             ok = bool((y == exp).all())
             comm.free_symmetric(a)
-            return kept, after_alloc, len(comm._repeated), ok
+            return kept, after_alloc, comm.kept_calls, ok
         finally:
             comm.close()
 

@@ -14,7 +14,7 @@ import pytest
 from commref.collectives import catalogue, tuner, verify
 from commref.collectives.communicator import Communicator
 from commref.collectives.symmetric import SymmetricArena
-from commref.transports.world import ThreadWorld
+from commref.transports.thread_world import ThreadWorld
 
 COUNT = 600_001  # 2.4 MB of float32: 1.2 MB per rank's part at 2 ranks, streamed slots
 
@@ -24,8 +24,13 @@ def _run_all(world, stores, path):
     r, n = world.rank, world.size
     arena = SymmetricArena(comm, 4 * (COUNT * n * 4 + SymmetricArena.ALIGN)) if path == "lsa" else None
     wrong = {}
-    for coll, op in (("allreduce", "avg"), ("reduce_scatter", "sum"), ("allgather", None), ("broadcast", None),
-                     ("reduce", "max")):
+    for coll, op in (
+        ("allreduce", "avg"),
+        ("reduce_scatter", "sum"),
+        ("allgather", None),
+        ("broadcast", None),
+        ("reduce", "max"),
+    ):
         dt = np.dtype(np.float32)
         x = verify.make_input(coll, dt, op, 3, r, n, COUNT)
         exp = verify.expected_output(coll, dt, op, 3, r, n, COUNT, 0)
@@ -65,8 +70,11 @@ def _run_ring_receives(world, stores, path):
     r, n = world.rank, world.size
     dt = np.dtype(np.float32)
     wrong = {}
-    for coll, op, count in (("allreduce", "sum", RECEIVED_COUNT), ("allgather", None, RECEIVED_COUNT // n),
-                            ("broadcast", None, RECEIVED_COUNT)):
+    for coll, op, count in (
+        ("allreduce", "sum", RECEIVED_COUNT),
+        ("allgather", None, RECEIVED_COUNT // n),
+        ("broadcast", None, RECEIVED_COUNT),
+    ):
         x = verify.make_input(coll, dt, op, 5, r, n, count)
         exp = verify.expected_output(coll, dt, op, 5, r, n, count, 0)
         rc = catalogue.get(coll).counts(count, n)[1]
@@ -82,8 +90,8 @@ def _run_ring_receives(world, stores, path):
             wrong["allreduce in place"] = verify.count_wrong(buf, exp)
         elif coll == "allgather":
             buf = np.zeros(rc, dt)
-            buf[r * count:(r + 1) * count] = x
-            comm.allgather(buf[r * count:(r + 1) * count], buf, algorithm="ring")
+            buf[r * count : (r + 1) * count] = x
+            comm.allgather(buf[r * count : (r + 1) * count], buf, algorithm="ring")
             wrong["allgather in place"] = verify.count_wrong(buf, exp)
     comm.close()
     return wrong
@@ -95,8 +103,13 @@ def test_ring_receive_steps_streamed_into_a_large_recvbuf_are_exact(stores, nran
     """Receive steps (recv, recvCopySend) stream their stores into the recvbuf from
     4 MiB received per thread (Prims::streamReceived); 3 ranks take recvCopySend."""
     for per_rank in ThreadWorld.run(nranks, _run_ring_receives, stores, path, timeout=120):
-        assert set(per_rank) == {"allreduce", "allreduce in place", "allgather", "allgather in place",
-                                 "broadcast"} and not any(per_rank.values()), per_rank
+        assert set(per_rank) == {
+            "allreduce",
+            "allreduce in place",
+            "allgather",
+            "allgather in place",
+            "broadcast",
+        } and not any(per_rank.values()), per_rank
 
 
 class _Clock:

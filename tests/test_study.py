@@ -13,13 +13,20 @@ from commref.cli import main as cli_main
 from commref.transports.gin import semantics as sem
 from commref.transports.gin.semantics import Event, Plan, Put, Signal
 from commref.transports.gin.study import explorer, report, stress
-from commref.transports.gin.study import protocols as pr
+from commref.transports.gin.study import signaling as pr
 
-COLUMNS = ["ordered", "ordered/2ctx", "unordered", "unordered+block128", "unordered+duplicates",
-           "unordered+flush_orders", "unordered/2ctx"]
+COLUMNS = [
+    "ordered",
+    "ordered/2ctx",
+    "unordered",
+    "unordered+block128",
+    "unordered+duplicates",
+    "unordered+flush_orders",
+    "unordered/2ctx",
+]
 
 # Expected verdicts, one letter per column above (S safe, U unsafe), reasoned from the
-# GIN contract (DESIGN.md) and semantics.enabled(), before running the explorer:
+# GIN contract (docs/gin.md) and semantics.enabled(), before running the explorer:
 #
 # - ordered: per-context FIFO, so every event of a context lands after every earlier one:
 #   anything the receiver waits for (a signal, the last byte, the last line) implies all
@@ -56,21 +63,24 @@ COLUMNS = ["ordered", "ordered/2ctx", "unordered", "unordered+block128", "unorde
 #   flush-signal's weak bare signal becomes safe. Protocols without a flush as unordered.
 EXPECTED_ROWS = {
     # protocol, strength       ord  o/2c unord b128 dup flush u/2c
-    ("signal-per-put", "weak"):   "S U S S S S U",
+    ("signal-per-put", "weak"): "S U S S S S U",
     ("signal-per-put", "strong"): "S U S S S S U",
-    ("last-put", "weak"):         "S U U U U U U",
-    ("last-put", "strong"):       "S U S S S S U",
-    ("flush-signal", "weak"):     "S U U U U S U",
-    ("flush-signal", "strong"):   "S U S S S S U",
-    ("counted-writes", "-"):      "S S S S U S S",
-    ("headers", "weak"):          "S U S S S S U",
-    ("headers", "strong"):        "S U S S S S U",
-    ("ll-flag", "-"):             "S S S S S S S",
-    ("ll-flag-8B", "-"):          "S S U S U U U",
-    ("poll-last-byte", "-"):      "S U U U U U U",
+    ("last-put", "weak"): "S U U U U U U",
+    ("last-put", "strong"): "S U S S S S U",
+    ("flush-signal", "weak"): "S U U U U S U",
+    ("flush-signal", "strong"): "S U S S S S U",
+    ("counted-writes", "-"): "S S S S U S S",
+    ("headers", "weak"): "S U S S S S U",
+    ("headers", "strong"): "S U S S S S U",
+    ("ll-flag", "-"): "S S S S S S S",
+    ("ll-flag-8B", "-"): "S S U S U U U",
+    ("poll-last-byte", "-"): "S U U U U U U",
 }
-EXPECTED = {(p, s, col): ("safe" if v == "S" else "unsafe")
-            for (p, s), row in EXPECTED_ROWS.items() for col, v in zip(COLUMNS, row.split())}
+EXPECTED = {
+    (p, s, col): ("safe" if v == "S" else "unsafe")
+    for (p, s), row in EXPECTED_ROWS.items()
+    for col, v in zip(COLUMNS, row.split())
+}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +136,7 @@ def test_every_counterexample_replays_to_a_wrong_read(matrix):
         stale = pr.stale_ranges(prog, mem, read)
         assert stale, f"{c.key()}: the receiver's read is correct at the end of the trace"
         for off, n in stale:  # stale bytes still hold what was there before the message
-            assert all(b == pr.STALE for b in mem.window[off:off + n])
+            assert all(b == pr.STALE for b in mem.window[off : off + n])
         # The trace printers agree with it.
         assert "UNSAFE" in report.trace_lines(c)[0]
         assert report.cell_json(c)["counterexample"]["read"]["stale"] == [[o, o + n] for o, n in stale]
@@ -236,8 +246,9 @@ def test_no_event_disables_another():
 
 
 def test_larger_bound_keeps_verdicts():
-    cells = explorer.run_matrix(protocols=[pr.PROTOCOL_BY_NAME["last-put"], pr.PROTOCOL_BY_NAME["headers"]],
-                                bound=(5, 3))
+    cells = explorer.run_matrix(
+        protocols=[pr.PROTOCOL_BY_NAME["last-put"], pr.PROTOCOL_BY_NAME["headers"]], bound=(5, 3)
+    )
     for c in cells:
         assert c.verdict == EXPECTED[c.key()], c.key()
         assert c.safe or c.shapes_checked <= 15
@@ -251,8 +262,12 @@ def test_programs():
     assert prog.puts[2].signal == Signal(False)
     # Split contexts: data on 0, bare signals on 1, sequence numbers per context.
     prog = pr.SignalPerPut().program(pr.Shape(2, 1), "strong", True)
-    assert [(p.ctx, p.seq, p.nbytes, p.signal is not None) for p in prog.puts] == \
-        [(0, 0, 64, False), (1, 0, 0, True), (0, 1, 64, False), (1, 1, 0, True)]
+    assert [(p.ctx, p.seq, p.nbytes, p.signal is not None) for p in prog.puts] == [
+        (0, 0, 64, False),
+        (1, 0, 0, True),
+        (0, 1, 64, False),
+        (1, 1, 0, True),
+    ]
     # Every payload byte differs from the stale fill, so a stale byte shows.
     for proto in pr.PROTOCOLS:
         prog = proto.program(pr.Shape(4, 4), proto.strengths[-1], False)
@@ -265,8 +280,11 @@ def test_programs():
 
 def test_semantics_target_memory():
     tr = sem.Transport("u+dup", ordered=False, duplicates=True)
-    puts = [Put(0, 0, 0, 16), Put(0, 1, 16, 8, Signal(True, ("index", 2), 5)),
-            Put(0, 2, 0, 0, Signal(False, ("va", 32), 3))]
+    puts = [
+        Put(0, 0, 0, 16),
+        Put(0, 1, 16, 8, Signal(True, ("index", 2), 5)),
+        Put(0, 2, 0, 0, Signal(False, ("va", 32), 3)),
+    ]
     plan = Plan.of(puts, 8)
     payload = [bytes(range(1, 17)), bytes(range(17, 25)), b""]
     mem = sem.TargetMemory.fresh(40)
@@ -293,8 +311,12 @@ def test_cli_json_and_filters(capsys):
     assert cli_main(["study", "--protocol", "last-put", "--transport", "unordered", "ordered", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     got = {(c["protocol"], c["strength"], c["transport"]): c["verdict"] for c in out["cells"]}
-    assert got == {("last-put", "weak", "unordered"): "unsafe", ("last-put", "weak", "ordered"): "safe",
-                   ("last-put", "strong", "unordered"): "safe", ("last-put", "strong", "ordered"): "safe"}
+    assert got == {
+        ("last-put", "weak", "unordered"): "unsafe",
+        ("last-put", "weak", "ordered"): "safe",
+        ("last-put", "strong", "unordered"): "safe",
+        ("last-put", "strong", "ordered"): "safe",
+    }
     cex = next(c for c in out["cells"] if c["verdict"] == "unsafe")["counterexample"]
     assert [t["what"] for t in cex["trace"]] == ["op1 seg0 [64,128)", "op1 signal (weak, index 0 += 1) -> 1"]
     assert cex["read"]["stale"] == [[0, 64]]
@@ -317,9 +339,14 @@ def test_stress_on_the_proxy_agrees_with_the_explorer():
     context show theirs, and every delivery order the proxy produced is one
     semantics.enabled() allows for the explorer's plan of the program."""
     P, M = pr.PROTOCOL_BY_NAME, pr.MODEL_BY_NAME
-    picks = [("last-put", "strong", "unordered"), ("headers", "weak", "unordered+duplicates"),
-             ("flush-signal", "weak", "unordered+flush_orders"), ("ll-flag", None, "unordered"),
-             ("ll-flag-8B", None, "unordered"), ("signal-per-put", "weak", "unordered/2ctx")]
+    picks = [
+        ("last-put", "strong", "unordered"),
+        ("headers", "weak", "unordered+duplicates"),
+        ("flush-signal", "weak", "unordered+flush_orders"),
+        ("ll-flag", None, "unordered"),
+        ("ll-flag-8B", None, "unordered"),
+        ("signal-per-put", "weak", "unordered/2ctx"),
+    ]
     cells = []
     for p, s, m in picks:
         cells += stress.run_stress([P[p]], [M[m]], [s] if s else None, seeds=2, messages=4)
@@ -335,7 +362,9 @@ def test_stress_on_the_proxy_agrees_with_the_explorer():
         else:
             assert c.corrupted > 0 and c.example, c
     text = report.format_stress(cells, 2, 4, pr.DEFAULT_BOUND)
-    assert "0 not allowed" in text and "disagreements (a safe cell corrupted, or an order the model forbids): none" in text
+    assert (
+        "0 not allowed" in text and "disagreements (a safe cell corrupted, or an order the model forbids): none" in text
+    )
 
 
 @pytest.mark.parametrize("network", ["shm", "mpi"])
@@ -348,9 +377,29 @@ def test_stress_under_mpirun_agrees_with_the_explorer(network, shm_leak_check):
     from conftest import run_mpi
 
     t0 = time.perf_counter()
-    r = run_mpi(2, ["commref.cli", "study", "--stress", "--json", "--protocol", "last-put", "ll-flag-8B",
-                    "--transport", "ordered", "unordered", "--seeds", "2", "--messages", "4", "--network", network],
-                timeout=60, module=True)
+    r = run_mpi(
+        2,
+        [
+            "commref.cli",
+            "study",
+            "--stress",
+            "--json",
+            "--protocol",
+            "last-put",
+            "ll-flag-8B",
+            "--transport",
+            "ordered",
+            "unordered",
+            "--seeds",
+            "2",
+            "--messages",
+            "4",
+            "--network",
+            network,
+        ],
+        timeout=60,
+        module=True,
+    )
     elapsed = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(r.stdout)  # rank 0 alone prints
@@ -371,10 +420,116 @@ def test_stress_under_mpirun_agrees_with_the_explorer(network, shm_leak_check):
 def test_stress_np_and_network_checks(capsys):
     """--np is for --stress only, and 2 ranks only; the mpi wire needs MPI. Each is one
     line `commref study: error: ...` and exit status 2, before anything runs."""
-    for argv, message in [(["--np", "2", "--protocol", "last-put"], "--np needs --stress"),
-                          (["--stress", "--np", "3"], "--np must be 2"),
-                          (["--stress", "--network", "mpi", "--protocol", "last-put"], "--network mpi needs --np 2")]:
+    for argv, message in [
+        (["--np", "2", "--protocol", "last-put"], "--np needs --stress"),
+        (["--stress", "--np", "3"], "--np must be 2"),
+        (["--stress", "--network", "mpi", "--protocol", "last-put"], "--network mpi needs --np 2"),
+    ]:
         assert cli_main(["study", *argv]) == 2
         captured = capsys.readouterr()
         assert captured.err.startswith(f"commref study: error: {message}") and captured.err.count("\n") == 1
         assert captured.out == ""
+
+
+def _unsafe_cells(protocols, models):
+    P, M = pr.PROTOCOL_BY_NAME, pr.MODEL_BY_NAME
+    cells = explorer.run_matrix([P[p] for p in protocols], [M[m] for m in models])
+    return cells, [c for c in cells if not c.safe]
+
+
+def test_chart_draws_each_counterexample():
+    """`commref study --plot`: one message sequence chart per unsafe cell, titled by
+    protocol [strength] x transport, with one posting arrow per piece the sender posts,
+    one landing arrow per event of the counterexample (a duplicate placement included),
+    the receiver's wait and one stale-read mark."""
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib (pip install 'commref[bench]')")
+    from commref.transports.gin.study import chart
+
+    cells, unsafe = _unsafe_cells(
+        ["last-put", "counted-writes", "ll-flag-8B"], ["ordered", "unordered", "unordered+duplicates", "unordered/2ctx"]
+    )
+    # last-put weak: unord, +dup, unord/2ctx; strong: unord/2ctx; counted-writes: +dup; ll-flag-8B: 3 unordered.
+    assert len(unsafe) == 8
+    fig = chart.figure(cells)
+    try:
+        axes = [ax for ax in fig.axes if ax.get_title()]
+        assert len(axes) == len(unsafe)
+        for ax, c in zip(axes, unsafe):
+            assert ax.get_title().startswith(f"{c.protocol} [{c.strength or '-'}] x {c.model}\n")
+            _, model, prog = explorer.cell_program(c)
+            landings = [t for t in ax.texts if t.get_gid() == chart.LANDING_GID]
+            posts = [t for t in ax.texts if t.get_gid() == chart.POST_GID]
+            assert len(landings) == len(c.events), c.key()
+            assert len(posts) == sum(1 for e in prog.plan.all_events(model.transport) if e.copy == 0), c.key()
+            assert len([a for a in ax.collections if a.get_gid() == chart.STALE_GID]) == 1
+            assert len([p for p in ax.patches if p.get_gid() == chart.WAIT_GID]) == 1
+        dup = next(ax for ax, c in zip(axes, unsafe) if c.protocol == "counted-writes")
+        assert any(t.get_text().startswith("2. op0 seg0 [0,64) duplicate") for t in dup.texts)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    with pytest.raises(ValueError, match="every selected cell is safe"):
+        chart.figure([c for c in cells if c.safe])
+
+
+def test_cli_plot_writes_the_chart(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib (pip install 'commref[bench]')")
+    path = tmp_path / "study.png"
+    assert cli_main(["study", "--protocol", "last-put", "--plot", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"# --plot: 8 counterexamples drawn to {path}" in out  # last-put: 6 weak + 2 strong unsafe cells
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    safe = tmp_path / "safe.png"
+    assert cli_main(["study", "--protocol", "ll-flag", "--plot", str(safe)]) == 0
+    assert "no counterexample to draw" in capsys.readouterr().out and not safe.exists()
+    assert cli_main(["study", "--plot", str(tmp_path / "nowhere" / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("commref study: error: no folder ") and err.count("\n") == 1
+
+
+def test_text_output_starts_with_title_and_legend(capsys):
+    assert cli_main(["study", "--protocol", "headers", "ll-flag-8B", "poll-last-byte", "--bound", "2x2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("commref study: can a receiver following each protocol (rows) read stale data")
+    assert "2 puts x 2 segments" in lines[0]
+    table = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["ord", "ord/2ctx"])
+    legend = lines[1:table]
+    for name in ("headers", "ll-flag-8B", "poll-last-byte"):
+        line = next(ln for ln in legend if ln.split()[:1] == [name])
+        assert pr.PROTOCOL_BY_NAME[name].doc in line
+    for m in pr.MODELS:
+        assert any(ln.split()[:2] == [m.short, f"{m.name}:"] for ln in legend), m.name
+    for mark in ("[weak] [strong]", "[-]", "safe", "UNSAFE"):
+        assert any(ln.strip().startswith(mark + " ") for ln in legend), mark
+    assert legend.index("Rows: protocol [signal strength]; a protocol is a sender program and a receiver check:") == 0
+    # The model lines are the legend's: not repeated after the table.
+    assert not any(ln.strip().startswith("unord/2ctx ") for ln in lines[table + 1 :])
+
+
+def test_stress_prints_its_own_table_unless_explore(capsys):
+    argv = [
+        "study",
+        "--stress",
+        "--seeds",
+        "1",
+        "--messages",
+        "1",
+        "--protocol",
+        "last-put",
+        "--transport",
+        "unordered",
+        "--strength",
+        "weak",
+    ]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Corrupted messages per cell on the GIN proxy")
+    assert "U 1/1" in out or "U 0/1" in out
+    assert "can a receiver following" not in out and "UNSAFE" not in out and "cells, 1 unsafe" not in out
+    assert "wrong: stale bytes" not in out
+    assert cli_main(argv + ["--explore"]) == 0
+    both = capsys.readouterr().out
+    assert both.startswith("commref study: can a receiver following")
+    assert "wrong: stale bytes" in both and "# 1 cells, 1 unsafe" in both
+    assert both.index("# 1 cells, 1 unsafe") < both.index("Corrupted messages per cell on the GIN proxy")

@@ -1,6 +1,6 @@
 """ThreadSanitizer build of the CPU engine and the kernels, run in a ThreadWorld.
 
-The same sources are built with loader.TSAN_FLAGS and run in a subprocess that
+The same sources are built with cpu_loader.TSAN_FLAGS and run in a subprocess that
 preloads the compiler's libtsan (python itself is not instrumented; the preload
 provides the runtime that the instrumented library needs and intercepts pthreads,
 malloc and the like, so the GIL and Python's locks are seen as synchronization).
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from commref.device_kernels import loader
+from commref.device_kernels import abi, build, cpu_loader, gpu_loader
 
 REPO = Path(__file__).resolve().parents[1]
 TSAN_EXITCODE = 66
@@ -40,7 +40,7 @@ TSAN_OPTIONS = f"halt_on_error=0 exitcode={TSAN_EXITCODE} report_signal_unsafe=0
 RUN_TIMEOUT_S = 600
 
 # Runs in the TSan subprocess: argv = library path, threads per block, connection path.
-SCRIPT = r'''
+SCRIPT = r"""
 import ctypes, json, sys, threading
 from pathlib import Path
 
@@ -48,15 +48,15 @@ import numpy as np
 
 from commref.collectives import catalogue, communicator, tuner, verify
 from commref.collectives.symmetric import SymmetricArena
-from commref.device_kernels import abi, loader
-from commref.transports.world import ThreadWorld
+from commref.device_kernels import abi, cpu_loader
+from commref.transports.thread_world import ThreadWorld
 
 lib, threads, path = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 assert hasattr(ctypes.CDLL(None), "__tsan_switch_to_fiber"), "the TSan runtime is not loaded"
-tsan_kernels = loader.CpuKernels(lib)
-# The Communicator takes its kernels from loader.cpu_kernels(): hand it the TSan build
+tsan_kernels = cpu_loader.CpuKernels(lib)
+# The Communicator takes its kernels from cpu_loader.cpu_kernels(): hand it the TSan build
 # (the uninstrumented library is never built nor loaded in this process).
-loader.cpu_kernels = lambda defines=(): tsan_kernels
+cpu_loader.cpu_kernels = lambda defines=(): tsan_kernels
 # Small messages on several channels, so that blocks also run on the engine's workers.
 tuner.BYTES_PER_CHANNEL = 1024
 assert tuner.plan("allreduce", "ring", 3001 * 4, 3, "cpu", 3).nchannels == 3, "small messages are not split"
@@ -126,17 +126,18 @@ for t in ths: t.start()
 for t in ths: t.join()
 result["engine/concurrent_selftest"] = len(errors)
 print("RESULT " + json.dumps({"wrong": result, "errors": errors}), flush=True)
-'''
+"""
 
 
 def find_libtsan() -> tuple[str | None, str]:
     """The compiler's ThreadSanitizer runtime, or None and why not."""
     try:
-        cxx = loader.host_compiler()
-    except loader.KernelError as e:
+        cxx = cpu_loader.host_compiler()
+    except build.KernelError as e:
         return None, f"no ThreadSanitizer runtime: {e}"
-    out = subprocess.run([cxx, "-print-file-name=libtsan.so"], capture_output=True, text=True,
-                         check=False).stdout.strip()
+    out = subprocess.run(
+        [cxx, "-print-file-name=libtsan.so"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     # Without the runtime the compiler echoes the bare name back.
     if not out or not os.path.isabs(out) or not os.path.exists(out):
         return None, f"no ThreadSanitizer runtime: `{cxx} -print-file-name=libtsan.so` gave {out!r}"
@@ -149,18 +150,27 @@ if LIBTSAN is None:
 pytestmark = pytest.mark.skipif(LIBTSAN is None, reason=WHY_NO_TSAN)
 
 
+# The script reduces int32 with sum only: both builds hold that one reduction instance
+# (and every data-movement kernel), as a GPU module does (gpu_loader.specialization),
+# which makes each build a fraction of the forty instances' compile time.
+INT32_SUM = gpu_loader.specialization((abi.DTYPE_CODES["int32"], abi.OP_CODES["sum"]))
+
+
 @pytest.fixture(scope="module")
 def tsan_library() -> Path:
-    return loader.build_cpu_library(flags=loader.TSAN_FLAGS)
+    return cpu_loader.build_cpu_library(flags=cpu_loader.TSAN_FLAGS, defines=INT32_SUM)
 
 
 @pytest.fixture(scope="module")
 def broken_tsan_library() -> Path:
-    return loader.build_cpu_library(flags=loader.TSAN_FLAGS, defines=("COMMREF_TEST_BROKEN_RELEASE",))
+    return cpu_loader.build_cpu_library(
+        flags=cpu_loader.TSAN_FLAGS, defines=(*INT32_SUM, "COMMREF_TEST_BROKEN_RELEASE")
+    )
 
 
-def run_under_tsan(lib: Path, threads: int, tmp_path: Path,
-                   path: str = "lsa") -> tuple[subprocess.CompletedProcess, dict | None]:
+def run_under_tsan(
+    lib: Path, threads: int, tmp_path: Path, path: str = "lsa"
+) -> tuple[subprocess.CompletedProcess, dict | None]:
     script = tmp_path / "tsan_collectives.py"
     script.write_text(SCRIPT)
     env = dict(os.environ)
@@ -168,12 +178,19 @@ def run_under_tsan(lib: Path, threads: int, tmp_path: Path,
     env["TSAN_OPTIONS"] = TSAN_OPTIONS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("COMMREF_TIMEOUT", "120")
-    proc = subprocess.run([sys.executable, str(script), str(lib), str(threads), path], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(lib), str(threads), path],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
     result = None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
     return proc, result
 
 
@@ -185,10 +202,14 @@ def reports(stderr: str) -> list[str]:
 def describe(proc: subprocess.CompletedProcess, limit: int = 12000) -> str:
     hint = ""
     if "unexpected memory mapping" in proc.stderr:
-        hint = ("hint: this ThreadSanitizer runtime does not support the kernel's address-space randomisation; "
-                "try `sysctl vm.mmap_rnd_bits=28`\n")
-    return (f"{hint}exit status {proc.returncode}\n--- stdout (tail) ---\n{proc.stdout[-3000:]}\n"
-            f"--- stderr (head) ---\n{proc.stderr[:limit]}")
+        hint = (
+            "hint: this ThreadSanitizer runtime does not support the kernel's address-space randomisation; "
+            "try `sysctl vm.mmap_rnd_bits=28`\n"
+        )
+    return (
+        f"{hint}exit status {proc.returncode}\n--- stdout (tail) ---\n{proc.stdout[-3000:]}\n"
+        f"--- stderr (head) ---\n{proc.stderr[:limit]}"
+    )
 
 
 @pytest.mark.parametrize("path", ["lsa", "gin"])
@@ -200,8 +221,11 @@ def test_tsan_clean_collectives(tsan_library, tmp_path, threads, path):
     found = reports(proc.stderr)
     summaries = sorted(set(re.findall(r"SUMMARY: ThreadSanitizer: .*", proc.stderr)))
     assert "WARNING: ThreadSanitizer" not in proc.stderr, (
-        f"{len(found)} ThreadSanitizer report(s) with threads={threads} path={path}:\n" + "\n".join(summaries) + "\n"
-        + describe(proc))
+        f"{len(found)} ThreadSanitizer report(s) with threads={threads} path={path}:\n"
+        + "\n".join(summaries)
+        + "\n"
+        + describe(proc)
+    )
     assert proc.returncode == 0, describe(proc)
     assert result is not None, describe(proc)
     bad = {case: n for case, n in result["wrong"].items() if n}
@@ -215,7 +239,8 @@ def test_tsan_clean_collectives(tsan_library, tmp_path, threads, path):
 def test_tsan_detects_broken_release(broken_tsan_library, tmp_path, threads):
     proc, result = run_under_tsan(broken_tsan_library, threads, tmp_path)
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
-        "a relaxed flag publish went unnoticed by ThreadSanitizer\n" + describe(proc))
+        "a relaxed flag publish went unnoticed by ThreadSanitizer\n" + describe(proc)
+    )
     assert proc.returncode == TSAN_EXITCODE, describe(proc)
     # The races are on what the flags publish: FIFO slots and step headers, written by
     # the sender (lsaPost, reduceCopy) and read by the receiver (lsaWaitReady, reduceCopy).

@@ -1,4 +1,5 @@
-"""Tests of commref.transports.world (ThreadWorld in-process, MPIWorld under mpiexec) and
+"""Tests of the worlds (transports/world.py, thread_world.py in-process, mpi_world.py under
+mpiexec), their deadlines (deadlines.py), CPU binding (cpu_binding.py) and
 commref.transports.errors."""
 
 from __future__ import annotations
@@ -16,19 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from commref.transports.cpu_binding import CPU_BIND_ENV, CpuBinding, cpu_share, default_cpu_binding
+from commref.transports.deadlines import TIMEOUT_ENV, default_timeout
 from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
-from commref.transports.world import (
-    CPU_BIND_ENV,
-    TIMEOUT_ENV,
-    CpuBinding,
-    MPIWorld,
-    ThreadWorld,
-    World,
-    cpu_share,
-    default_cpu_binding,
-    default_timeout,
-    world_from_env,
-)
+from commref.transports.mpi_world import MPIWorld, world_from_env
+from commref.transports.thread_world import ThreadWorld
+from commref.transports.world import World
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPI_SCRIPT = os.path.join(REPO, "tests", "mpi_world_script.py")
@@ -80,8 +74,7 @@ def test_thread_world_collectives(nranks: int) -> None:
         assert world.kind == "thread"
         assert (world.size, world.local_rank, world.local_size) == (nranks, world.rank, nranks)
         gathered = world.allgather(world.rank * 10)
-        roots = [world.bcast(f"from {root}" if world.rank == root else None, root=root)
-                 for root in range(nranks)]
+        roots = [world.bcast(f"from {root}" if world.rank == root else None, root=root) for root in range(nranks)]
         for i in range(3):
             world.barrier(what=f"b{i}")
         again = world.allgather((world.rank, world.host))
@@ -323,8 +316,10 @@ def test_launched_under_mpi_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_launched_under_mpi_does_not_import_mpi() -> None:
-    code = ("import sys; from commref.transports.world import MPIWorld; MPIWorld.launched_under_mpi(); "
-            "assert 'mpi4py.MPI' not in sys.modules")
+    code = (
+        "import sys; from commref.transports.mpi_world import MPIWorld; MPIWorld.launched_under_mpi(); "
+        "assert 'mpi4py.MPI' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
@@ -337,8 +332,9 @@ def _mpiexec() -> str | None:
     return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
 
 
-def _launch(mode: str, *extra: str, nranks: int = 3, launcher: tuple[str, ...] = (),
-            env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+def _launch(
+    mode: str, *extra: str, nranks: int = 3, launcher: tuple[str, ...] = (), env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], float]:
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
@@ -349,7 +345,11 @@ def _launch(mode: str, *extra: str, nranks: int = 3, launcher: tuple[str, ...] =
     start = time.monotonic()
     proc = subprocess.run(
         [mpiexec, "-n", str(nranks), *launcher, sys.executable, "-m", "mpi4py", MPI_SCRIPT, mode, *extra],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return proc, time.monotonic() - start
 

@@ -13,16 +13,17 @@ import sys
 import time
 
 from commref.collectives import check
+from commref.collectives.catalogue import KERNEL_NAMES as COLLECTIVES
 from commref.collectives.communicator import Communicator
-from commref.collectives.catalogue import NAMES as COLLECTIVES
+from commref.collectives.gpu_stream import use_rank_gpu
 from commref.collectives.hierarchical import NodeShape
-from commref.transports.world import ThreadWorld
+from commref.transports.thread_world import ThreadWorld
 
 
 def body(world, args):
     import cupy
 
-    with cupy.cuda.Device(0):
+    with cupy.cuda.Device(use_rank_gpu(world)):
         # Each rank on a non-blocking stream of its own, current for everything it does:
         # on CUDA's legacy default stream one rank's work would wait for the other ranks'
         # spinning kernels (the Communicator refuses that stream when ranks share a GPU).
@@ -31,8 +32,17 @@ def body(world, args):
         gin = dict(path=args.path, backend=args.backend, gin_protocol=args.gin_protocol) if args.path != "lsa" else {}
         comm = Communicator(world, "cuda", max_channels=args.channels, **gin)
         try:
-            cases = check.cases(list(COLLECTIVES), args.dtype, args.op, args.algorithm, args.count, world.size, 1,
-                                direct=False, hierarchical=isinstance(comm.node_shape, NodeShape))
+            cases = check.cases(
+                list(COLLECTIVES),
+                args.dtype,
+                args.op,
+                args.algorithm,
+                args.count,
+                world.size,
+                1,
+                direct=False,
+                hierarchical=isinstance(comm.node_shape, NodeShape),
+            )
             return cases, check.run_sweep(comm, cases, stream=stream)
         finally:
             comm.close()
@@ -51,7 +61,7 @@ def main():
     p.add_argument("--gin-protocol", default="strong")
     args = p.parse_args()
     t0 = time.time()
-    results = ThreadWorld.run(args.np, body, args, timeout=60)
+    results = ThreadWorld.run(args.np, body, args)  # every wait's deadline: $COMMREF_TIMEOUT
     cases, wrong = results[0]
     print(check.format_table(check.summary_rows(cases, wrong), args.np, f"cuda (ThreadWorld, one GPU, {args.path})"))
     print(f"# {len(cases)} cases, {sum(wrong)} wrong elements, {time.time() - t0:.1f} s")

@@ -83,20 +83,22 @@ def _install() -> None:
         return
     n, delay = int(n), float(delay)
     if point == "collective":
+
         def patch(module):
             cls = module.Communicator
             cls._collective = _counting(cls._collective, lambda *a, **k: True, n, delay)
 
         sys.meta_path.insert(0, _PatchOnImport("commref.collectives.communicator", patch))
     elif point.startswith("barrier="):
-        what = point[len("barrier="):]
+        what = point[len("barrier=") :]
 
         def patch(module):
             cls = module.MPIWorld
-            cls.barrier = _counting(cls.barrier, lambda self, w="barrier", *a, **k: w == what or k.get("what") == what,
-                                    n, delay)
+            cls.barrier = _counting(
+                cls.barrier, lambda self, w="barrier", *a, **k: w == what or k.get("what") == what, n, delay
+            )
 
-        sys.meta_path.insert(0, _PatchOnImport("commref.transports.world", patch))
+        sys.meta_path.insert(0, _PatchOnImport("commref.transports.mpi_world", patch))
     else:
         raise ValueError(f"COMMREF_TEST_KILL: unknown point {point!r}")
 
