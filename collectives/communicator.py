@@ -1,12 +1,8 @@
 """Communicator: the collectives, sends and receives of a world's ranks, nccl4py-shaped.
 
-Method names and argument order follow nccl4py: allreduce(sendbuf, recvbuf, op),
-allgather(sendbuf, recvbuf), reduce_scatter(sendbuf, recvbuf, op),
-broadcast(sendbuf, recvbuf, root), reduce(sendbuf, recvbuf, op, root),
-alltoall(sendbuf, recvbuf), gather(sendbuf, recvbuf, root), scatter(sendbuf, recvbuf,
-root), alltoallv(sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls) (groups of
-sends and receives: p2p_collectives.py), send(sendbuf, peer), recv(recvbuf, peer); in place with
-NCCL's layouts (catalogue.py; alltoall has none); group_start() / group_end() / group()
+Method names and argument order follow nccl4py (allreduce(sendbuf, recvbuf, op), ...,
+alltoallv(sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls), send(sendbuf,
+peer), recv(recvbuf, peer)); in place with NCCL's layouts (catalogue.py); groups
 (groups.py); split(color, key) makes a child communicator (ncclCommSplit). Buffers are
 checked before anything is launched (buffers.py: TypeError or ValueError on the rank
 that got them). What must agree across ranks (collective, algorithm, dtype, op, root,
@@ -193,38 +189,16 @@ class Communicator:
         self._collective("reduce", sendbuf, recvbuf, op, root, stream, algorithm, protocol=protocol)
 
     def alltoall(self, sendbuf, recvbuf, *, stream=None, algorithm=None, protocol=None) -> None:
-        """NCCL's ncclAlltoAll: sendbuf and recvbuf hold nranks * count elements each
-        (count: elements per peer, sendbuf.size // nranks); block j of sendbuf lands in
-        block `rank` of rank j's recvbuf. Out of place only: NCCL defines no in-place
-        alltoall, so overlapping buffers raise ValueError. Algorithms: "ring" (plain
-        buffers, forwarded along the ring over LSA or GIN), "direct" (recvbufs from
-        alloc_symmetric and every peer over LSA: each block stored once into its peer's
-        recvbuf)."""
+        """ncclAlltoAll: sendbuf and recvbuf hold nranks * count elements each; block j of
+        sendbuf lands in block `rank` of rank j's recvbuf. Out of place only (NCCL has no
+        in-place alltoall: overlapping buffers raise ValueError). Algorithms: "ring" (plain
+        buffers, forwarded along the ring), "direct" (recvbufs from alloc_symmetric, every
+        peer over LSA: each block stored once into its peer's recvbuf)."""
         self._collective("alltoall", sendbuf, recvbuf, None, 0, stream, algorithm, protocol=protocol)
 
-    # ---- composed of sends and receives (nccl4py names and argument order: p2p_collectives.py) ----
+    # ---- composed of sends and receives (nccl4py names and argument order; contracts: p2p_collectives.py) ----
 
-    def gather(self, sendbuf, recvbuf, root: int, *, stream=None, algorithm=None) -> None:
-        """ncclGather: every rank's sendbuf (count elements) lands in block `rank` of the
-        root's recvbuf (nranks * count); recvbuf is only looked at on the root. A group
-        of sends and receives (algorithm "p2p"); in place: sendbuf == recvbuf + rank * count."""
-        p2p_collectives.gather(self, sendbuf, recvbuf, root, stream=stream, algorithm=algorithm)
-
-    def scatter(self, sendbuf, recvbuf, root: int, *, stream=None, algorithm=None) -> None:
-        """ncclScatter: block r of the root's sendbuf (nranks * count) lands in rank r's
-        recvbuf (count); sendbuf is only looked at on the root. In place: recvbuf ==
-        sendbuf + rank * count."""
-        p2p_collectives.scatter(self, sendbuf, recvbuf, root, stream=stream, algorithm=algorithm)
-
-    def alltoallv(
-        self, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls, *, stream=None, algorithm=None
-    ) -> None:
-        """sendcounts[j] elements from sendbuf[sdispls[j]:] go to rank j and land at
-        rdispls[rank] of rank j's recvbuf (elements). recvcounts[i] must equal rank i's
-        sendcounts[rank]: where they differ both ranks raise CommMismatch. Out of place only."""
-        p2p_collectives.alltoallv(
-            self, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls, stream=stream, algorithm=algorithm
-        )
+    gather, scatter, alltoallv = p2p_collectives.gather, p2p_collectives.scatter, p2p_collectives.alltoallv
 
     # ---- point-to-point and groups (nccl4py names and argument order: p2p.py, groups.py) ----
 

@@ -83,6 +83,10 @@ def _copy(dst, src) -> None:
 
 
 def gather(comm, sendbuf, recvbuf, root: int, *, stream=None, algorithm=None) -> None:
+    """ncclGather (Communicator.gather): every rank's sendbuf (count elements) lands in
+    block `rank` of the root's recvbuf (nranks * count); recvbuf is only looked at on the
+    root. A group of sends and receives (algorithm "p2p"); in place: sendbuf == recvbuf +
+    rank * count."""
     _algorithm(comm, "gather", algorithm)
     root, r, n = _root(comm, root), comm.rank, comm.nranks
     s = _flat(comm, sendbuf, "sendbuf")
@@ -105,6 +109,9 @@ def gather(comm, sendbuf, recvbuf, root: int, *, stream=None, algorithm=None) ->
 
 
 def scatter(comm, sendbuf, recvbuf, root: int, *, stream=None, algorithm=None) -> None:
+    """ncclScatter (Communicator.scatter): block r of the root's sendbuf (nranks * count)
+    lands in rank r's recvbuf (count); sendbuf is only looked at on the root. In place:
+    recvbuf == sendbuf + rank * count."""
     _algorithm(comm, "scatter", algorithm)
     root, r, n = _root(comm, root), comm.rank, comm.nranks
     out = _flat(comm, recvbuf, "recvbuf")
@@ -151,6 +158,10 @@ def _counts(comm, what: str, values, buf_size: int, displs) -> list[tuple[int, i
 
 
 def alltoallv(comm, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls, *, stream=None, algorithm=None) -> None:
+    """Communicator.alltoallv: sendcounts[j] elements from sendbuf[sdispls[j]:] go to rank
+    j and land at rdispls[rank] of rank j's recvbuf (elements). recvcounts[i] must equal
+    rank i's sendcounts[rank]: where they differ both ranks raise CommMismatch. Out of
+    place only."""
     _algorithm(comm, "alltoallv", algorithm)
     r, n = comm.rank, comm.nranks
     s, out = _flat(comm, sendbuf, "sendbuf"), _flat(comm, recvbuf, "recvbuf")

@@ -91,6 +91,27 @@ def gin_comm(world, **opts) -> Communicator:
     return Communicator(world, "cpu", timeout=WORLD_TIMEOUT, **opts)
 
 
+def errors_per_rank(nranks: int, make_comm, body, timeout: float = 60) -> list:
+    """Each rank's (exception type name, message, seconds) of body(world, comm) on a
+    ThreadWorld, or None where it raised nothing; `make_comm(world)` builds the
+    communicator. The ranks meet after the body, so one rank's error is not another's
+    abort."""
+
+    def rank(world):
+        comm = make_comm(world)
+        t0 = time.monotonic()
+        try:
+            body(world, comm)
+            out = None
+        except Exception as e:
+            out = (type(e).__name__, str(e), time.monotonic() - t0)
+        world.barrier(what="test done", timeout=30)
+        comm.close()
+        return out
+
+    return ThreadWorld.run(nranks, rank, timeout=timeout)
+
+
 def close_after_barrier(world, comm) -> None:
     """Closes `comm` once every rank is done: a stopped proxy drops what it has not
     delivered yet (see Communicator.close)."""

@@ -104,11 +104,10 @@ if __name__ == "__main__":
 # the tests
 # ---------------------------------------------------------------------------------------
 
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 from conftest import clean_env, run_mpi  # noqa: E402
-from helpers import WORLD_TIMEOUT, close_after_barrier  # noqa: E402
+from helpers import WORLD_TIMEOUT, close_after_barrier, errors_per_rank  # noqa: E402
 
 from commref.bench import plugins  # noqa: E402
 from commref.collectives import catalogue, check, group_check, p2p_collectives, verify  # noqa: E402
@@ -215,20 +214,7 @@ def test_exact_over_gin_on_the_unordered_wire():
 
 def _errors(nranks, body, **kw):
     """Each rank's (exception type name, message, seconds) of body(world, comm), or None."""
-
-    def rank(world):
-        comm = _comm(world, **kw)
-        t0 = time.monotonic()
-        try:
-            body(world, comm)
-            out = None
-        except Exception as e:
-            out = (type(e).__name__, str(e), time.monotonic() - t0)
-        world.barrier(what="test done", timeout=30)
-        comm.close()
-        return out
-
-    return ThreadWorld.run(nranks, rank, timeout=60)
+    return errors_per_rank(nranks, lambda world: _comm(world, **kw), body)
 
 
 DEADLINE = 5.0

@@ -13,11 +13,10 @@
 from __future__ import annotations
 
 import re
-import time
 
 import numpy as np
 import pytest
-from helpers import close_after_barrier
+from helpers import close_after_barrier, errors_per_rank
 
 from commref import CommAborted, CommMismatch, CommTimeout, Communicator
 from commref.transports.thread_world import ThreadWorld
@@ -36,20 +35,7 @@ def _comm(world, transport="lsa") -> Communicator:
 
 def _run(body, *args, nranks=2):
     """Each rank's (exception type name, message, seconds) of body(world, comm), or None."""
-
-    def rank(world):
-        comm = _comm(world, *args)
-        t0 = time.monotonic()
-        try:
-            body(world, comm)
-            out = None
-        except Exception as e:
-            out = (type(e).__name__, str(e), time.monotonic() - t0)
-        world.barrier(what="test done", timeout=30)
-        comm.close()
-        return out
-
-    return ThreadWorld.run(nranks, rank, timeout=60)
+    return errors_per_rank(nranks, lambda world: _comm(world, *args), body)
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
