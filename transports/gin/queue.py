@@ -200,6 +200,12 @@ class HostProducer(_Queue):
         self._wake(self.idle_addr)
         return slot
 
+    def wake(self) -> None:
+        """Wakes the engine if it sleeps on the idle word (nothing otherwise), as kernels
+        ring before they wait on a signal: on network mpi a peer's messages do not wake
+        it, so a host waiting for one rings between its polls."""
+        self._wake(self.idle_addr)
+
 
 class QueueRegion:
     """A rank's GIN queue and counters: `queue` (uint8, the queue region: ring then

@@ -214,6 +214,7 @@ class HostRma:
                     del pending[word]
             if not pending:
                 break
+            self.producer.wake()  # an engine asleep would take a peer's message late (network mpi)
             self._check_alive()
             if time.monotonic() > deadline:
                 word, (count, peer, index, ctx) = next(iter(pending.items()))
@@ -276,6 +277,7 @@ class HostRma:
         deadline = time.monotonic() + self.timeout
         spins = 0
         while self.producer.consumed() <= slot:
+            self.producer.wake()
             self._check_alive()
             if time.monotonic() > deadline:
                 raise CommTimeout(
