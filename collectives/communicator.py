@@ -401,6 +401,8 @@ class Communicator:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if getattr(self, "_rma", None) is not None:  # the engine that carried them stops below
+            self._rma.invalidate()
         errors = setup.release(self)
         if self.owns_world:
             self.world.free()

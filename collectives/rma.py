@@ -173,6 +173,12 @@ class Rma:
         reg.is_valid = False
         del self.windows[reg.handle]
 
+    def invalidate(self) -> None:
+        """Marks every registered window deregistered (the communicator closes)."""
+        for reg in self.windows.values():
+            reg.is_valid = False
+        self.windows.clear()
+
     def _window(self, window, what: str) -> RegisteredWindow:
         if not isinstance(window, RegisteredWindow):
             raise TypeError(f"rank {self.rank}: {what}: window must be a RegisteredWindow, got {type(window).__name__}")

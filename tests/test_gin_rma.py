@@ -37,10 +37,15 @@ def _comm(world, backend="proxy", wire="ordered", **opts):
     )
 
 
-def lands(world, backend, wire, network="shm", seed=0):
+def lands(world, backend, wire, network="shm", seed=0, fault=None):
     """Every rank puts a stamped block into every peer's window, on each (context, signal
-    index), then waits for every peer's; returns the blocks that arrived wrong."""
-    comm = _comm(world, backend, wire, network=network, seed=seed, rma_contexts=2, rma_signals=3, max_channels=1)
+    index), runs an AllReduce (kernels' GIN traffic on their own contexts in between),
+    then waits for every peer's blocks; returns the blocks that arrived wrong (and
+    ("allreduce", wrong elements) if the AllReduce was wrong)."""
+    more = {} if fault is None else {"fault": fault}
+    comm = _comm(
+        world, backend, wire, network=network, seed=seed, rma_contexts=2, rma_signals=3, max_channels=1, **more
+    )
     n, block = world.size, 300
     slots = [(c, s) for c in range(2) for s in range(3)]
     buf = np.zeros(n * len(slots) * block, np.uint8)
@@ -51,6 +56,10 @@ def lands(world, backend, wire, network="shm", seed=0):
         for k, (c, s) in enumerate(slots):
             src = ((np.arange(block) + 31 * world.rank + k) % 251).astype(np.uint8)
             comm.put_signal(src, peer, win, (world.rank * len(slots) + k) * block, signal_index=s, context=c)
+    x = np.arange(1001, dtype=np.float32) * (world.rank + 1)
+    y = np.empty_like(x)
+    comm.allreduce(x, y)
+    expected = np.arange(1001, dtype=np.float32) * (n * (n + 1) // 2)
     comm.wait_signal([WaitSignalDesc(1, p, s, c) for p in range(n) if p != world.rank for c, s in slots])
     wrong = []
     for p in range(n):
@@ -59,6 +68,8 @@ def lands(world, backend, wire, network="shm", seed=0):
             want = np.zeros(block, np.uint8) if p == world.rank else ((np.arange(block) + 31 * p + k) % 251)
             if not (buf[at : at + block] == want).all():
                 wrong.append((p, k))
+    if not (y == expected).all():
+        wrong.append(("allreduce", int((y != expected).sum())))
     world.barrier(what="lands: checked")
     comm.deregister_window(win)
     assert not win.is_valid
@@ -66,12 +77,13 @@ def lands(world, backend, wire, network="shm", seed=0):
     return wrong
 
 
-def strong_promise(world, backend, wire, network="shm", seed=0, rounds=200):
+def strong_promise(world, backend, wire, network="shm", seed=0, rounds=200, fault=None):
     """Rank 0 sends `rounds` rounds of three puts (one larger than the staging ring, so
     posted in pieces) to rank 1, each put's signal strong; rank 1 checks every put's data
     as soon as its signal is seen, then acks, so rank 0 overwrites only checked data.
     Returns (rounds checked, failures)."""
-    comm = _comm(world, backend, wire, network=network, seed=seed, segment_bytes=64, rma_staging=4096)
+    more = {} if fault is None else {"fault": fault}
+    comm = _comm(world, backend, wire, network=network, seed=seed, segment_bytes=64, rma_staging=4096, **more)
     sizes = (1000, 64, 9000)  # 9000 > rma_staging: three pieces
     offsets = np.cumsum((0, *sizes))
     buf = np.zeros(int(offsets[-1]), np.uint8)
@@ -213,6 +225,19 @@ def test_put_signal_lands(backend, wire, engine, nranks):
 def test_strong_signal_promise_on_the_unordered_wire(seed):
     results = ThreadWorld.run(2, strong_promise, "proxy", "unordered", "shm", seed, timeout=120)
     assert results[1] == (200 * 3, 0), results
+
+
+LOSSY = "drop=0.05,dup=0.05,delay=0.05"  # a lossy link under the wire, SRD's reliability layer above
+
+
+@pytest.mark.parametrize("wire", ["ordered", "unordered"])
+def test_put_signal_lands_on_a_lossy_wire(wire):
+    assert ThreadWorld.run(3, lands, "proxy", wire, "shm", 4, LOSSY, timeout=TIMEOUT) == [[]] * 3
+
+
+def test_strong_signal_promise_on_a_lossy_unordered_wire():
+    results = ThreadWorld.run(2, strong_promise, "proxy", "unordered", "shm", 5, 100, LOSSY, timeout=120)
+    assert results[1] == (100 * 3, 0), results
 
 
 @pytest.mark.parametrize("backend, wire, engine", STRONG, indirect=["engine"])
