@@ -35,7 +35,7 @@ def _args(argv=None):
 
 
 def _rma_block(comm, win, buf, src, iters: int) -> float:
-    from commref import WaitSignalDesc
+    from commref.collectives.rma import WaitSignalDesc
 
     peer = 1 - comm.rank
     wait = [WaitSignalDesc(1, peer)]
@@ -66,7 +66,7 @@ def _mpi_block(mpi_comm, rank: int, buf, src, iters: int) -> float:
 
 
 def run(world, a) -> dict | None:
-    from commref import Communicator
+    from commref.collectives.communicator import Communicator
 
     network = "mpi" if world.kind == "mpi" else "shm"
     comm = Communicator(world, "cpu", path="gin", backend=a.backend, wire=a.wire, network=network, max_channels=1)
