@@ -107,6 +107,26 @@ def strong_promise(world, backend, wire, network="shm", seed=0, rounds=200, faul
     return checked, bad
 
 
+def stream(world, backend, wire, network="shm", puts=24, nbytes=40_000):
+    """Rank 0 posts `puts` puts of `nbytes` (over the native engine's 16 KiB inline limit
+    on network mpi, so sent from the staging ring itself) back to back through a
+    64 KiB staging ring, each into its own block of rank 1's window; rank 1 waits for them
+    all and returns the blocks that are wrong (staging reused under a send in flight)."""
+    comm = _comm(world, backend, wire, network=network, rma_staging=64 << 10)
+    buf = np.zeros(puts * nbytes, np.uint8)
+    win = comm.register_window(buf)
+    wrong = []
+    if world.rank == 0:
+        for i in range(puts):
+            comm.put_signal(np.full(nbytes, i + 1, np.uint8), 1, win, i * nbytes)
+    elif world.rank == 1:
+        comm.wait_signal([WaitSignalDesc(puts, 0)])
+        wrong = [i for i in range(puts) if not (buf[i * nbytes : (i + 1) * nbytes] == i + 1).all()]
+    world.barrier(what="stream: done")
+    comm.close()
+    return wrong
+
+
 def ping_pong(world, backend, wire, network="shm", rounds=100, nbytes=4096):
     """Rank 0 and 1 bounce a buffer `rounds` times, each adding one to it; returns the
     final value seen (rounds * 2 when every hop carried the previous one's data) and the
@@ -166,6 +186,8 @@ if __name__ == "__main__":
         out = {"wrong": lands(world, backend, wire, network="mpi")}
     elif mode == "promise":
         out = dict(zip(("checked", "bad"), strong_promise(world, backend, wire, network="mpi", rounds=100)))
+    elif mode == "stream":
+        out = {"wrong": stream(world, backend, wire, network="mpi")}
     elif mode == "ping-pong":
         value, hop = ping_pong(world, backend, wire, network="mpi", rounds=200)
         out = {"value": value, "hop_us": hop * 1e6}
@@ -238,6 +260,11 @@ def test_put_signal_lands_on_a_lossy_wire(wire):
 def test_strong_signal_promise_on_a_lossy_unordered_wire():
     results = ThreadWorld.run(2, strong_promise, "proxy", "unordered", "shm", 5, 100, LOSSY, timeout=120)
     assert results[1] == (100 * 3, 0), results
+
+
+@pytest.mark.parametrize("backend, wire, engine", STRONG, indirect=["engine"])
+def test_staging_ring_reuse(backend, wire, engine):
+    assert ThreadWorld.run(2, stream, backend, wire, timeout=TIMEOUT) == [[], []]
 
 
 @pytest.mark.parametrize("backend, wire, engine", STRONG, indirect=["engine"])
@@ -373,6 +400,12 @@ def test_mpi_put_signal_lands(backend, wire):
 def test_mpi_strong_signal_promise_on_the_unordered_wire():
     r = _mpi("promise", "unordered", "proxy")
     assert (r[1]["checked"], r[1]["bad"]) == (300, 0), r
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend, wire", MPI_STRONG)
+def test_mpi_staging_ring_reuse_waits_for_sends(backend, wire):
+    assert [r["wrong"] for r in _mpi("stream", wire, backend)] == [[], []]
 
 
 @pytest.mark.mpi

@@ -17,9 +17,11 @@ nothing a kernel posts shares an ordering domain, a signal word or a window with
   (nccl4py's WaitSignalDesc.peer) and counts that peer's arrivals alone.
 - Data: put_signal copies the caller's bytes into the staging ring (STAGING_WINDOW,
   `staging` bytes, this rank's only) and posts a put from there to the peer's copy of
-  the window with a strong signal (inc by 1) on the put; the ring's bytes are reused once
-  the engine has consumed the descriptor that reads them (the queue's consumed word:
-  the engine copies or sends a put's source before it consumes it). A put longer than
+  the window with a strong signal (inc by 1) on the put. Before the ring's bytes are
+  written again, a flush (GIN_FLUSH on the host context) is posted and waited for until
+  consumed: a flush makes every earlier put's source reusable on every engine (the
+  native engine on network mpi sends a put over 16 KiB from its source after it has
+  consumed the put, and completes those sends at a flush). A put longer than
   the ring is posted as several puts, the signal on the last: a strong signal covers
   every earlier put of its (context, peer).
 - The promise, where the backend has strong signals: once wait_signal has seen a
@@ -126,7 +128,7 @@ class HostRma:
         peers[self.rank] = ring.ctypes.data
         self.staging = HostWindow(staging, ring, int(ring.ctypes.data), peers)
         self._head = 0  # the staging ring's next free byte
-        self._staged: list[tuple[int, int, int]] = []  # (queue slot, start, end) not known consumed
+        self._staged: list[tuple[int, int, int]] = []  # (queue slot, start, end) since the last flush
         self.windows: dict[int, HostWindow] = {}
         engine.add_window(STAGING_WINDOW, self.staging)
 
@@ -259,14 +261,13 @@ class HostRma:
     def _stage(self, nbytes: int) -> int:
         """Where `nbytes` (at most the ring's size) may be written in the staging ring: the
         next free bytes, or the ring's start when they do not fit before its end, once
-        every earlier put that reads them has been consumed."""
+        every earlier put that reads them has its source reusable (a flush consumed)."""
         at = self._head if self._head + nbytes <= self.staging.nbytes else 0
         end = at + nbytes
-        overlap = [slot for slot, s, e in self._staged if s < end and at < e]
-        if overlap:
-            self._wait_consumed(max(overlap), "staging ring space")
-        consumed = self.producer.consumed()
-        self._staged = [t for t in self._staged if t[0] >= consumed]
+        if any(s < end and at < e for _, s, e in self._staged):
+            flush = self._post(abi.GIN_FLUSH, 0, -1, HOST_CONTEXT_BASE)
+            self._wait_consumed(flush, "staging ring space (a flush)")
+            self._staged.clear()  # every put before the flush has a reusable source
         self._head = end
         return at
 
