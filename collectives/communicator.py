@@ -282,7 +282,8 @@ class Communicator:
         """Collective (nccl4py's register_window): `buffer`, a writeable C-contiguous numpy
         array of the same size on every rank, as a window that peers' put_signal writes
         into; returns its handle. Needs a CPU communicator with GIN peers (path='gin')
-        and, across processes, network='mpi': CapabilityError on every rank otherwise."""
+        and, across processes, network='mpi' or a buffer from alloc_symmetric:
+        CapabilityError on every rank otherwise."""
         self.check_usable("register_window")
         if self._rma is None:
             self._rma = rma.Rma(self, collective=True)

@@ -139,17 +139,28 @@ class Rma:
         every rank) as a window every rank's put_signal may address."""
         c = self.comm
         local = _bytes_of(buffer, "register_window buffer", self.rank, write=True)
-        why = None
+        why, home = None, None
         if c.world.kind != "thread" and c.gin.network == "shm":
-            why = (
-                "network shm across processes lands puts in the peer's memory directly, which a buffer "
-                "of one process is not; use network='mpi'"
+            home = self._symmetric_home(local)
+            if home is None:
+                why = (
+                    "network shm across processes lands puts in the peer's memory directly, which a buffer "
+                    "of one process is not; use network='mpi', or a buffer from alloc_symmetric"
+                )
+        refusals = c.world.allgather((why, home and home[1:]), what="register_window")
+        first = next(((r, w) for r, (w, _) in enumerate(refusals) if w is not None), None)
+        if first is None and home is not None and len({h for _, h in refusals}) != 1:
+            first = (
+                0,
+                f"the buffers lie at different (symmetric window, offset) on the ranks: {[h for _, h in refusals]}",
             )
-        refusals = c.world.allgather(why, what="register_window")
-        first = next(((r, w) for r, w in enumerate(refusals) if w is not None), None)
         if first is not None:
             raise CapabilityError(f"rank {self.rank}: register_window refused: rank {first[0]}: {first[1]}")
-        window = host_window(c.world, local, c.gin.network)
+        peers = None
+        if home is not None:  # each peer's copy is mapped here, at the same offset of its window
+            sym, _, offset = home
+            peers = np.array([int(a) + offset if int(a) else 0 for a in sym.peer_addresses], dtype=np.uint64)
+        window = host_window(c.world, local, c.gin.network, peers)
         handle = self.host.add_window(window)
         ids = c.world.allgather(handle, what="register_window ids")
         if len(set(ids)) != 1:  # every rank registers and deregisters alike
@@ -158,6 +169,16 @@ class Rma:
         reg = RegisteredWindow(c, handle, window, buffer)
         self.windows[handle] = reg
         return reg
+
+    def _symmetric_home(self, local: np.ndarray):
+        """(window, its index, offset) of the alloc_symmetric window (this communicator's,
+        mapped by every peer on this host) that holds all of `local`, or None."""
+        sym = self.comm.__dict__.get("_symmetric")
+        address, n = int(local.ctypes.data), int(local.nbytes)
+        for i, w in enumerate(sym.windows if sym is not None else ()):
+            if int(w.address) <= address and address + n <= int(w.address) + int(w.nbytes):
+                return w, i, address - int(w.address)
+        return None
 
     def deregister(self, window) -> None:
         """Collective: forgets `window`, after a barrier (no peer's put into it is still

@@ -193,13 +193,22 @@ if __name__ == "__main__":
         out = {"value": value, "hop_us": hop * 1e6}
     elif mode == "gda":
         out = {"refused": refuses_on_gda(world, wire, "mpi") if backend == "gda" else None}
-    elif mode == "shm":  # processes on network shm: register_window refuses on every rank
-        comm = _comm(world, backend, wire, network="shm")
+    elif mode == "shm":  # processes on network shm: a plain buffer is refused on every rank,
+        comm = _comm(world, backend, wire, network="shm")  # one from alloc_symmetric carried
         try:
             comm.register_window(np.zeros(64, np.uint8))
             out = {"refused": None}
         except CapabilityError as e:
             out = {"refused": str(e)}
+        buf = comm.alloc_symmetric(5000, "uint8")[1000:]  # an offset inside the window
+        win = comm.register_window(buf)
+        peer = (world.rank + 1) % world.size
+        comm.put_signal(np.full(3000, world.rank + 1, np.uint8), peer, win, 500)
+        source = (world.rank - 1) % world.size
+        comm.wait_signal([WaitSignalDesc(1, source)])
+        out["symmetric_ok"] = bool((buf[500:3500] == source + 1).all() and not buf[:500].any())
+        world.barrier(what="shm: checked")
+        comm.deregister_window(win)
         comm.close()
     else:
         raise SystemExit(f"unknown mode {mode!r}")
@@ -423,6 +432,7 @@ def test_mpi_gda_refuses_put_signal(wire):
 
 
 @pytest.mark.mpi
-def test_mpi_network_shm_refuses_register_window():
-    r = _mpi("shm", "ordered", "proxy")
-    assert all("network='mpi'" in x["refused"] for x in r), r
+@pytest.mark.parametrize("wire", ["ordered", "unordered"])
+def test_mpi_network_shm_takes_symmetric_buffers_only(wire):
+    r = _mpi("shm", wire, "proxy", nranks=3)
+    assert all("network='mpi'" in x["refused"] and x["symmetric_ok"] for x in r), r

@@ -70,14 +70,18 @@ class HostWindow:
     keep: object = None  # what must outlive the window (the peers' arrays on a ThreadWorld)
 
 
-def host_window(world, local: np.ndarray, network: str) -> HostWindow:
+def host_window(world, local: np.ndarray, network: str, peers: np.ndarray | None = None) -> HostWindow:
     """Collective: `local` (uint8, C-contiguous) as a window of every rank. On network shm
-    of a ThreadWorld every rank's copy is mapped here (one process); on network mpi each
+    every rank's copy is mapped here: a ThreadWorld's (one process), or `peers` (each
+    rank's copy mapped here: a buffer in a window every peer maps); on network mpi each
     rank knows its own copy only (a peer's put lands through its engine). Every rank must
     pass the same size: ValueError on every rank otherwise."""
     nbytes = int(local.nbytes)
     address = int(local.ctypes.data) if nbytes else 0
-    if world.kind == "thread" and network == "shm":
+    if peers is not None:
+        sizes = world.allgather(nbytes, what="host window sizes")
+        keep = None
+    elif world.kind == "thread" and network == "shm":
         arrays = world.allgather(local, what="host window buffers")
         sizes = [int(a.nbytes) for a in arrays]
         peers = np.array([a.ctypes.data for a in arrays], dtype=np.uint64)
