@@ -194,6 +194,7 @@ class HostProducer(_Queue):
                         f"GIN queue full: slot {slot} of {self.capacity} waited for {need} consumed "
                         f"({why}), seen {self.consumed()}"
                     )
+                self._wake(self.idle_addr)  # an engine asleep would drain the ring late
                 time.sleep(20e-6)
         self.fields[slot % self.capacity] = (op, flags, peer, ctx, dst, src, nbytes, signal, value, counter, windows)
         self._store(self.seq_addr(slot), slot + 1)
