@@ -30,7 +30,7 @@ from commref.device_kernels import abi, cpu_loader, gpu_loader
 from commref.transports.errors import CommAborted
 from commref.transports.gin.plan import plan_gin
 
-from . import groups, p2p, p2p_collectives, setup, tuner
+from . import groups, p2p, p2p_collectives, rma, setup, tuner
 from .buffers import BufferChecker
 from .calls import CallPlanner, kernel_spec, record_call
 from .gpu_stream import GpuStream, place_on_gpus, use_rank_gpu
@@ -93,6 +93,11 @@ class Communicator:
 
         # A device communicator (device_api.DeviceComm) adds its signals and the barriers' words.
         device_signals = (o.device_signals + abi.devcomm_reserved_signals(self.nranks)) if o.device_window else 0
+        self.device_signal_words = device_signals  # the host one-sided calls' words follow (rma.py)
+        # Host one-sided calls' signal words (collectives/rma.py), where GIN may carry them.
+        rma_words = o.rma_contexts * o.rma_signals * self.nranks if o.gin.path.value != "lsa" else 0
+        device_signals += rma_words
+        self._rma: rma.Rma | None = None  # built by the first register_window
         self.gin = plan_gin(world, o.gin, self.device, self.window_channels, self.nsteps, device_signals)
         self.protocol_refusals = setup.protocol_refusals(
             world, self.device, self.kernels, places, self.gin, self.protocol
@@ -245,6 +250,57 @@ class Communicator:
         self.synchronize()
         self._symmetric.free(address)
 
+    # ---- host one-sided calls (rma.py; transports/gin/rma.py carries them) ----
+
+    def register_window(self, buffer) -> rma.RegisteredWindow:
+        """Collective (nccl4py's register_window): `buffer`, a writeable C-contiguous numpy
+        array of the same size on every rank, as a window that peers' put_signal writes
+        into; returns its handle. Needs a CPU communicator with GIN peers (path='gin')
+        and, across processes, network='mpi' or a buffer from alloc_symmetric:
+        CapabilityError on every rank otherwise."""
+        self.check_usable("register_window")
+        if self._rma is None:
+            self._rma = rma.Rma(self, collective=True)
+        return self._rma.register(buffer)
+
+    def deregister_window(self, window) -> None:
+        """Collective: releases a window from register_window once every rank reaches it
+        (a barrier): wait for the signals of every put into it first."""
+        self.check_usable("deregister_window")
+        if self._rma is None:
+            raise ValueError(f"rank {self.rank}: deregister_window: no window was registered on this communicator")
+        self._rma.deregister(window)
+
+    def put_signal(self, localbuff, peer: int, window, offset: int, signal_index: int = 0, context: int = 0) -> None:
+        """nccl4py's put_signal: localbuff's bytes to byte `offset` of `peer`'s copy of
+        `window`, then adds 1 to `peer`'s signal `signal_index` from this rank on host
+        context `context` (in [0, rma_signals) and [0, rma_contexts)). The signal is
+        strong: once wait_signal sees it, this put's data and every earlier put_signal's
+        from this rank to `peer` on `context` are in the window. localbuff is reusable on
+        return. A backend with weak signals only (gda) cannot promise that: CapabilityError
+        (docs/gin.md, "Host one-sided calls")."""
+        self._rma_state("put_signal").put_signal(localbuff, peer, window, offset, signal_index, context)
+
+    def signal(self, peer: int, signal_index: int = 0, context: int = 0) -> None:
+        """nccl4py's signal: adds 1 to `peer`'s signal `signal_index` from this rank on
+        `context`, strong where the backend has strong signals (it then covers this rank's
+        earlier put_signal's to `peer` on `context`), weak on gda."""
+        self._rma_state("signal").signal(peer, signal_index, context)
+
+    def wait_signal(self, descs) -> None:
+        """nccl4py's wait_signal: waits until each rma.WaitSignalDesc(op_cnt, peer,
+        signal_index, context) of the list `descs` has seen op_cnt more arrivals than
+        earlier waits consumed, then consumes them. A wait past the communicator's timeout
+        raises CommTimeout naming rank, peer, signal, context, expected and seen, and
+        leaves the communicator broken."""
+        self._rma_state("wait_signal").wait_signal(descs)
+
+    def _rma_state(self, what: str) -> rma.Rma:
+        self.check_usable(what)
+        if self._rma is None:  # this rank's part alone: signals need no window
+            self._rma = rma.Rma(self, collective=False)
+        return self._rma
+
     # ---- management, preparation, scheduling ----
 
     def _collective(
@@ -320,6 +376,8 @@ class Communicator:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if getattr(self, "_rma", None) is not None:  # the engine that carried them stops below
+            self._rma.invalidate()
         errors = setup.release(self)
         if self.owns_world:
             self.world.free()

@@ -20,6 +20,8 @@ from commref.transports.gin.options import GinOptions
 from commref.transports.option_types import Choice, OptionError, bounded, choice, seconds
 
 MAX_THREADS = 1024  # threads per block (CUDA's limit; the CPU engine's too)
+MAX_RMA_CONTEXTS = 1 << 10  # host one-sided calls' contexts (above transports/gin/rma.HOST_CONTEXT_BASE)
+MAX_RMA_SIGNALS = 1 << 16  # signal indices per context of host one-sided calls
 
 
 class Device(Choice):
@@ -87,6 +89,12 @@ class CommOptions:
     # device window, and signals beyond the connections' own (counters: gin_counters).
     device_window: int = 0
     device_signals: int = 0
+    # Host one-sided calls (rma.py: put_signal, signal, wait_signal) over GIN: their
+    # contexts, signal indices per context (each a word per source rank in the window),
+    # and the bytes of the staging ring their puts' data is copied into.
+    rma_contexts: int = 1
+    rma_signals: int = 1
+    rma_staging: int = 1 << 20
     gin: GinOptions = field(default_factory=GinOptions)
 
     def __post_init__(self) -> None:
@@ -114,6 +122,9 @@ class CommOptions:
             fix(self, "device_id", bounded(self.device_id, "device_id", 0))
         fix(self, "device_window", bounded(self.device_window, "device_window", 0, multiple=8))
         fix(self, "device_signals", bounded(self.device_signals, "device_signals", 0))
+        fix(self, "rma_contexts", bounded(self.rma_contexts, "rma_contexts", 1, MAX_RMA_CONTEXTS))
+        fix(self, "rma_signals", bounded(self.rma_signals, "rma_signals", 0, MAX_RMA_SIGNALS))
+        fix(self, "rma_staging", bounded(self.rma_staging, "rma_staging", 64, 1 << 40, multiple=64))
         if not isinstance(self.gin, GinOptions):
             raise OptionError(f"gin must be a GinOptions, not {type(self.gin).__name__}")
 

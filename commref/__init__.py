@@ -24,6 +24,7 @@ if (_TREE / "collectives" / "catalogue.py").is_file() and str(_TREE) not in __pa
 from commref.collectives.communicator import Communicator
 from commref.collectives.device_api import CompileError, DeviceComm, Kernel
 from commref.collectives.groups import group, group_end, group_start
+from commref.collectives.rma import RegisteredWindow, WaitSignalDesc
 from commref.collectives.setup import SPLIT_NOCOLOR
 from commref.transports.errors import CapabilityError, CommAborted, CommMismatch, CommrefError, CommTimeout
 from commref.transports.mpi_world import MPIWorld
@@ -37,6 +38,8 @@ except PackageNotFoundError:  # a source tree that was not installed
 
 __all__ = [
     "Communicator",
+    "RegisteredWindow",
+    "WaitSignalDesc",
     "SPLIT_NOCOLOR",
     "group",
     "group_start",

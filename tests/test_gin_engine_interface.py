@@ -11,7 +11,8 @@ from __future__ import annotations
 def test_every_engine_implements_the_engine_interface():
     """The communicator's view of an engine (engine.GinEngine): the Python proxy, the
     native engine and the GPU copy-engine proxy have every member, with the protocol's
-    signatures; the native engine alone also carries windows."""
+    signatures; the native engine alone carries kernels' windows, and it and the Python
+    proxy carry host windows (add_window, for host one-sided calls: transports/gin/rma.py)."""
     from commref.transports.gin.engine import GinEngine, GinWindowEngine, interface_gaps
     from commref.transports.gin.gpu_proxy import GpuProxy
     from commref.transports.gin.native import NativeProxy
@@ -23,7 +24,10 @@ def test_every_engine_implements_the_engine_interface():
     assert interface_gaps(NativeProxy, GinWindowEngine) == []
     assert GinProxy.carries_windows is False and NativeProxy.carries_windows is True
     assert GpuProxy.carries_windows is False
-    assert "GinProxy.add_window: missing" in interface_gaps(GinProxy, GinWindowEngine)
+    assert interface_gaps(GinProxy, GinWindowEngine) == []  # host windows only: carries_windows stays false
+    assert GinProxy.carries_host_windows is True and NativeProxy.carries_host_windows is True
+    assert not getattr(GpuProxy, "carries_host_windows", False)
+    assert "GpuProxy.add_window: missing" in interface_gaps(GpuProxy, GinWindowEngine)
 
     class Planted:  # a quiesce without its timeout, a stats method, no trace, stop taking an argument
         carries_windows = False

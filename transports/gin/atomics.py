@@ -27,10 +27,12 @@ SOURCE = Path(__file__).resolve().with_name("host_atomics.cpp")
 @dataclass(frozen=True)
 class HostAtomics:
     """The shim's functions, as ctypes callables on integer addresses:
-    add_u64(addr, v) -> old value, load_acquire_u64(addr) -> value,
-    store_release_u64(addr, v), land(dst, src, nbytes) (landLines: each aligned 16-byte
-    line of dst by one store, in ascending order), cas_u32(addr, expected, desired) ->
-    nonzero if swapped, store_release_u32(addr, v)."""
+        add_u64(addr, v) -> old value, load_acquire_u64(addr) -> value,
+        store_release_u64(addr, v), land(dst, src, nbytes) (landLines: each aligned 16-byte
+        line of dst by one store, in ascending order), cas_u32(addr, expected, desired) ->
+        nonzero if swapped, store_release_u32(addr, v), wake_sleeper(addr) (a fence, then a
+    futex wake of a thread sleeping on the uint32 word at addr if it reads nonzero: how a
+    host producer rings the engine, gin.h's COMMREF_GIN_QUEUE_IDLE)."""
 
     path: Path
     add_u64: object
@@ -39,6 +41,7 @@ class HostAtomics:
     land: object
     cas_u32: object
     store_release_u32: object
+    wake_sleeper: object
 
 
 def _under_tsan() -> bool:
@@ -63,4 +66,6 @@ def host_atomics() -> HostAtomics:
     cas.argtypes, cas.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32], ctypes.c_int
     store32 = lib.commref_gin_store_release_u32
     store32.argtypes, store32.restype = [ctypes.c_void_p, ctypes.c_uint32], None
-    return HostAtomics(path, add, load, store, land, cas, store32)
+    wake = lib.commref_gin_wake_sleeper
+    wake.argtypes, wake.restype = [ctypes.c_void_p], None
+    return HostAtomics(path, add, load, store, land, cas, store32, wake)

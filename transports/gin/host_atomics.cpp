@@ -4,6 +4,11 @@
 // transports/gin/atomics.py; the memory orders are the ones the device side pairs with
 // (include/commref/atomics.h: system-scope acquire / release). The launch record's
 // claim (collectives/launch_record.py, Communicator.abort) uses the 32-bit pair.
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdint>
 
 #include "commref/land.h"
@@ -29,4 +34,12 @@ extern "C" __attribute__((visibility("default"))) void commref_gin_store_release
 // A put's bytes landed where kernels may poll them: landLines (commref/land.h).
 extern "C" __attribute__((visibility("default"))) void commref_gin_land(void* dst, const void* src, uint64_t n) {
   commref::landLines(dst, src, n);
+}
+// A host producer's ring (include/commref/gin.h, COMMREF_GIN_QUEUE_IDLE): after its
+// publish, a sequentially consistent fence, then a wake of the engine sleeping on the
+// queue's idle word if the word reads nonzero (as commref_wake_sleeper does for kernels).
+extern "C" __attribute__((visibility("default"))) void commref_gin_wake_sleeper(uint32_t* word) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (__atomic_load_n(word, __ATOMIC_RELAXED) != 0)
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
 }

@@ -430,6 +430,7 @@ class NativeProxy:
     # ---- windows (gin.h, "Windows") ----
 
     carries_windows = True  # descriptors may name windows given by add_window
+    carries_host_windows = True  # ... the host windows of one-sided host calls too (rma.py)
 
     def add_window(self, window_id: int, window) -> None:
         """Window `window_id` (1 ..< abi.GIN_MAX_WINDOWS) for descriptors' window ids: a

@@ -20,8 +20,10 @@ A put's source is copied when the proxy takes the descriptor, so the source is r
 (counter incremented) immediately after; a get lands before the proxy consumes the
 descriptor, so flush, which waits for consumption, covers both. An error ends the
 proxy and sets the world's abort word, so that kernels waiting on it fail instead of
-hanging. It implements engine.GinEngine; it carries the connection window only (window
-id 0: carries_windows is false).
+hanging. It implements engine.GinEngine. Kernels' descriptors name the connection window
+only (window id 0: carries_windows is false); the windows given by add_window (the host
+windows of one-sided host calls, transports/gin/rma.py) may be named as a put's source
+and destination, landed through window addresses (wires.py, "Window addresses").
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from commref.transports.gin.engine import DescriptorChecks, EngineSite, refusal
 from commref.transports.gin.faults import FaultSpec, ReliableWire
 from commref.transports.gin.queue import QueueReader
 from commref.transports.gin.scheduler import IDLE_RELEASE_S, DeliveryScheduler
-from commref.transports.gin.wires import TAG, MpiWire, ProxyError, ShmWire, wait_drained
+from commref.transports.gin.wires import TAG, MpiWire, ProxyError, ShmWire, wait_drained, window_address
 
 __all__ = ["GinProxy", "ProxyError", "remote_action"]
 
@@ -88,6 +90,12 @@ class GinProxy(DescriptorChecks):
             self.wire = MpiWire(mpi_comm, self.rank, window, signals_off, atomics, world.timeout, observer, tag=mpi_tag)
         else:
             raise ValueError(f"GIN proxy network must be 'shm' or 'mpi', not {network!r}")
+        # window id -> window (add_window): shared with the wire, which resolves window addresses
+        self._windows: dict = {}
+        if network == "shm":
+            self.wire.windows = self._windows
+        else:
+            self.wire.memory.windows, self.wire.memory.rank = self._windows, self.rank
         if faults is not None and faults.active:
             self.wire = ReliableWire(self.wire, faults, seed, self.rank, self.stats)
         self.scheduler = DeliveryScheduler(
@@ -96,7 +104,34 @@ class GinProxy(DescriptorChecks):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"commref-gin-proxy-{self.rank}", daemon=True)
 
-    carries_windows = False  # descriptors name the connection window only (window id 0)
+    carries_windows = False  # kernels' descriptors name the connection window only (window id 0)
+    carries_host_windows = True  # add_window's windows, for host one-sided calls (rma.py)
+
+    def add_window(self, window_id: int, window) -> None:
+        """Window `window_id` (1 ..< abi.GIN_MAX_WINDOWS) for puts' window ids: an object
+        with `local` (uint8, this rank's bytes), `address`, `nbytes` and `peer_addresses`
+        (each rank's copy mapped here, 0 where not; this rank's own entry set). Call it
+        before any descriptor names the id; not while one that names it is in flight."""
+        if not 0 < window_id < abi.GIN_MAX_WINDOWS:
+            raise ValueError(f"rank {self.rank}: GIN window ids run from 1 to {abi.GIN_MAX_WINDOWS - 1}")
+        self._windows[int(window_id)] = window
+
+    def remove_window(self, window_id: int) -> None:
+        """Forgets window `window_id` (no descriptor in flight may name it)."""
+        self._windows.pop(int(window_id), None)
+
+    def _check(self, window: int, offset: int, nbytes: int, access: str, op: int, peer: int) -> None:
+        """DescriptorChecks._check, with add_window's windows known too."""
+        if window == 0:
+            return super()._check(window, offset, nbytes, access, op, peer)
+        w = self._windows.get(window)
+        if w is None:
+            raise self._refusal("window_unknown", op, peer, access=access, window=window, offset=offset, nbytes=nbytes)
+        size = int(w.nbytes)
+        if offset > size or nbytes > size - offset:
+            raise self._refusal(
+                "outside_window", op, peer, access=access, window=window, offset=offset, nbytes=nbytes, size=size
+            )
 
     @property
     def trace(self) -> dict | None:
@@ -191,6 +226,9 @@ class GinProxy(DescriptorChecks):
             raise self._refusal("peer_unmapped", op, peer)
         src_window, dst_window = windows & 0xFFFF, windows >> 16
         if op == abi.GIN_GET:
+            if windows:  # gets address the connection window only: add_window's are for puts
+                access, window = ("get_destination", dst_window) if dst_window else ("get_source", src_window)
+                raise self._refusal("window_unknown", op, peer, access=access, window=window)
             self._check(dst_window, dst, nbytes, "get_destination", op, peer)
             self._check(src_window, src, nbytes, "get_source", op, peer)  # every rank's window is as long
             self.wire.get(peer, src, dst, nbytes, self.scheduler.deliver)
@@ -205,7 +243,8 @@ class GinProxy(DescriptorChecks):
             )
         if op == abi.GIN_PUT:
             self._check(src_window, src, nbytes, "put_source", op, peer)
-            payload = self.local[src : src + nbytes].copy()  # the source is reusable from here on
+            local = self.local if src_window == 0 else self._windows[src_window].local
+            payload = local[src : src + nbytes].copy()  # the source is reusable from here on
         elif op == abi.GIN_PUT_VALUE:
             payload = np.frombuffer(nbytes.to_bytes(8, "little"), dtype=np.uint8).copy()
         elif op == abi.GIN_SIGNAL:
@@ -214,6 +253,16 @@ class GinProxy(DescriptorChecks):
             raise self._refusal("unknown_op", op, peer)
         if payload.size:
             self._check(dst_window, dst, payload.size, "put_destination", op, peer)
+            if dst_window:
+                if self._mapped is not None and not int(self._windows[dst_window].peer_addresses[peer]):
+                    raise refusal(
+                        self.rank,
+                        abi.GIN_REFUSALS["window_unmapped"],
+                        access=abi.GIN_ACCESSES["put_destination"],
+                        owner=peer,
+                        window=dst_window,
+                    )
+                dst = window_address(dst_window, dst)
         seq = self.scheduler.post(peer, ctx, dst, payload, signal)
         if flags & abi.GIN_HAS_COUNTER:  # the source was copied above: reusable now
             self._atomic_add(self.counters_base + 8 * counter, 1)

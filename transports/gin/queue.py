@@ -11,6 +11,10 @@ with release; it may reuse a ring entry once consumed >= k + 1 - capacity.
   and decodes each into a Descriptor, here and nowhere else; advances `consumed`.
 - QueueWriter: a producer on the host, as Gin::post does it on the device (one
   producer, so the claim needs no atomic): the ordering study's stress posts through it.
+- HostProducer: a producer on the host beside the kernels, as Gin::post does it (the
+  claim an atomic increment, so it may share the queue with running kernels), which
+  rings the engine's idle word after each publish: the host one-sided calls
+  (transports/gin/rma.py) post through it.
 - QueueRegion: where a communicator's queue and counters live (GinArgs.queue,
   GinArgs.counters): the window's regions on the CPU engine, pinned host memory mapped
   into the device on a GPU.
@@ -18,6 +22,7 @@ with release; it may reuse a ring entry once consumed >= k + 1 - capacity.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -141,6 +146,66 @@ class QueueWriter(_Queue):
         then takes them all at once."""
         for slot in reversed(slots):
             self._store(self.seq_addr(slot), slot + 1)
+
+
+class HostProducer(_Queue):
+    """A host producer that may share the queue with other producers (kernels), as gin.h's
+    Gin::post: post() claims slot k by an atomic increment of the claimed word, waits
+    (bounded by `timeout` seconds, and by the abort word when `abort_word` is given: a
+    uint64 array whose element 0 is nonzero once the job fails) until the consumer has
+    consumed the slot's previous occupant, writes the fields, publishes seq = k + 1 with
+    release, then rings the engine (atomics.wake_sleeper on the idle word), so that an
+    engine sleeping on it takes the descriptor at once. A slot claimed and then given up
+    at the deadline stays unpublished: the queue is unusable afterwards (as after a
+    kernel's failed queue wait, wait.h), and the caller must fail the communicator."""
+
+    def __init__(self, local: np.ndarray, layout, capacity: int, atomics, timeout: float, abort_word=None):
+        super().__init__(local, layout, capacity, atomics)
+        self.fields = self.ring[list(abi.GIN_DESCRIPTOR.names[1:])]  # every field but seq (a view)
+        self.idle_addr = self.header.ctypes.data + abi.GIN_QUEUE_IDLE
+        self.timeout, self.abort_word = timeout, abort_word
+        self._claim, self._wake = atomics.add_u64, atomics.wake_sleeper
+
+    def post(
+        self,
+        op: int,
+        flags: int = 0,
+        peer: int = -1,
+        ctx: int = 0,
+        dst: int = 0,
+        src: int = 0,
+        nbytes: int = 0,
+        signal: int = 0,
+        value: int = 0,
+        counter: int = 0,
+        windows: int = 0,
+    ) -> int:
+        """Posts one descriptor; returns its slot. RuntimeError naming the slot, expected
+        and seen consumption if the ring stays full past the deadline or the job fails."""
+        slot = int(self._claim(self.claimed_addr, 1))
+        need = slot + 1 - self.capacity
+        if self.consumed() < need:
+            deadline = time.monotonic() + self.timeout
+            while self.consumed() < need:
+                failed = self.abort_word is not None and self.abort_word[0]
+                if failed or time.monotonic() > deadline:
+                    why = "the job failed" if failed else f"not within {self.timeout} s"
+                    raise RuntimeError(
+                        f"GIN queue full: slot {slot} of {self.capacity} waited for {need} consumed "
+                        f"({why}), seen {self.consumed()}"
+                    )
+                self._wake(self.idle_addr)  # an engine asleep would drain the ring late
+                time.sleep(20e-6)
+        self.fields[slot % self.capacity] = (op, flags, peer, ctx, dst, src, nbytes, signal, value, counter, windows)
+        self._store(self.seq_addr(slot), slot + 1)
+        self._wake(self.idle_addr)
+        return slot
+
+    def wake(self) -> None:
+        """Wakes the engine if it sleeps on the idle word (nothing otherwise), as kernels
+        ring before they wait on a signal: on network mpi a peer's messages do not wake
+        it, so a host waiting for one rings between its polls."""
+        self._wake(self.idle_addr)
 
 
 class QueueRegion:

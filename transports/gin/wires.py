@@ -14,6 +14,12 @@ the wire carries each landing as it is told, in that order.
   a header of 6 uint64 (kind, offset, size, is_va, signal, value) and the data bytes.
   Where it lands is the wire's `memory`: HostMemory (a window in host memory) for the
   CPU engine's proxies; the copy-engine proxy hands in its own for a window on a GPU.
+
+Window addresses: a landing's `offset` is window_address(window id, offset) (the
+offset alone for the connection window, id 0). ShmWire and HostMemory resolve an id
+other than 0 in their `windows` (id -> a window with `address` and `peer_addresses`:
+what GinProxy.add_window was given, the host windows of transports/gin/rma.py); an MPI
+landing carries the address unchanged and the target resolves it in its own.
 """
 
 from __future__ import annotations
@@ -30,6 +36,25 @@ MSG_DATA, MSG_SIGNAL, MSG_GET_REQ, MSG_GET_RESP = 1, 2, 3, 4
 HEADER_WORDS = 6
 HEADER_BYTES = 8 * HEADER_WORDS
 TAG = 7171  # MpiWire's default tag; a GIN communicator's own comes from engines.network_tag()
+WINDOW_SHIFT = 48  # a window address: window id << WINDOW_SHIFT | offset (offsets below 2**48)
+OFFSET_MASK = (1 << WINDOW_SHIFT) - 1
+
+
+def window_address(window: int, offset: int) -> int:
+    """Where a landing goes: `offset` in window `window` (0: the connection window)."""
+    return window << WINDOW_SHIFT | offset
+
+
+def window_base(windows: dict, window: int, rank: int, connection_base: int) -> int:
+    """The address here of rank `rank`'s copy of window `window` (`connection_base` for
+    0); ProxyError when the window is unknown or that copy is not mapped here."""
+    if window == 0:
+        return connection_base
+    w = windows.get(window)
+    base = 0 if w is None else int(w.peer_addresses[rank])
+    if not base:
+        raise ProxyError(f"GIN landing names rank {rank}'s window {window}, which is not mapped here")
+    return base
 
 
 class ProxyError(RuntimeError):
@@ -98,9 +123,14 @@ class ShmWire(Wire):
         self._add = atomics.add_u64
         self._land = atomics.land  # line by line, in order: kernels may poll LL lines (commref/land.h)
         self._keep = window  # the mappings must outlive the wire
+        self.windows: dict = {}  # window id -> window (the module docstring, "Window addresses")
 
     def land_data(self, peer: int, offset: int, data: np.ndarray, ctx: int = 0) -> None:
         if data.size:
+            if offset >> WINDOW_SHIFT:
+                base = window_base(self.windows, offset >> WINDOW_SHIFT, peer, 0)
+                self._land(base + (offset & OFFSET_MASK), data.ctypes.data, data.size)
+                return
             self._land(self.peer_base[peer] + offset, data.ctypes.data, data.size)
 
     def signal(self, peer: int, sig: semantics.Signal, ctx: int = 0) -> None:
@@ -125,8 +155,14 @@ class HostMemory:
         self.base = int(window.address)
         self._add = atomics.add_u64
         self._land = atomics.land  # line by line, in order: kernels may poll LL lines (commref/land.h)
+        self.windows: dict = {}  # window id -> window (the module docstring, "Window addresses")
+        self.rank = -1  # this rank, where `windows` holds windows (set with them)
 
     def write(self, src: int, offset: int, data: np.ndarray) -> None:
+        if offset >> WINDOW_SHIFT:
+            base = window_base(self.windows, offset >> WINDOW_SHIFT, self.rank, 0)
+            self._land(base + (offset & OFFSET_MASK), data.ctypes.data, data.size)
+            return
         self._land(self.base + offset, data.ctypes.data, data.size)
 
     def read(self, offset: int, size: int) -> np.ndarray:
