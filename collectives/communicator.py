@@ -10,9 +10,9 @@ count) travels with every pipeline step: a rank whose peer called something else
 with CommMismatch instead of hanging. A failed wait raises CommTimeout naming rank,
 peer, what was awaited, expected and seen; afterwards the communicator refuses calls.
 
-On a GPU the calls are asynchronous, as NCCL's: every launch goes on the
-communicator's own stream, joined to the caller's with events (gpu_stream.py); a
-kernel's failure is raised at synchronize() or at the next call.
+On a GPU calls are asynchronous, as NCCL's: launches go on the communicator's stream,
+joined to the caller's by events (gpu_stream.py); a kernel's failure is raised at
+synchronize() or the next call.
 
 A call goes through three layers, as NCCL's enqueue pipeline: management (the methods
 validate and record it: calls.record_call, p2p.record; groups.py holds a group's records),
@@ -44,21 +44,20 @@ from .symmetric import SymmetricWindows
 class Communicator:
     """Collectives among the ranks of `world` on `device` ("auto", "cpu" or "cuda").
 
-    Options: CommOptions (collectives/options.py; GIN's in GinOptions,
-    transports/gin/options.py), as keywords or `options=`: the algorithm, the protocol,
-    channels, FIFO geometry, threads, the timeout (default: world.timeout), the GPU
-    (default: use_rank_gpu) and the path (lsa, gin or auto) with its GIN backend, wire
-    and network. Each collective also takes `algorithm=` and `protocol=` per call.
+    Options: CommOptions (options.py; GIN's: transports/gin/options.py), as keywords or
+    `options=`: algorithm, protocol, channels, FIFO geometry, threads, timeout (default:
+    world.timeout), GPU (default: use_rank_gpu), path (lsa, gin or auto) with its GIN
+    backend, wire and network; collectives take `algorithm=` and `protocol=` per call.
 
-    Symmetric buffers: arrays from `alloc_symmetric` every peer can reach, on which
-    collectives with a direct kernel (kernels/direct.cu) run it: each byte read once
-    where its owner left it and stored where it must land (routes.py says when).
+    Symmetric buffers (alloc_symmetric: every peer reaches them): collectives with a
+    direct kernel (kernels/direct.cu) run it there, each byte read once where its owner
+    left it and stored where it must land (routes.py says when).
 
-    Several nodes (hierarchical.py): with N nodes of L consecutive ranks each (L >= 2),
-    AllReduce, ReduceScatter and AllGather also run "hierarchical": inside each node
-    over LSA, across nodes over GIN, on two child communicators that the first such
-    call (or alloc_symmetric) builds collectively. alloc_symmetric then allocates in
-    the node's windows, so the intra-node phases run direct kernels on its arrays.
+    Several nodes (hierarchical.py): with N nodes of L >= 2 consecutive ranks each,
+    AllReduce, ReduceScatter and AllGather also run "hierarchical": inside each node over
+    LSA, across nodes over GIN, on two child communicators that the first such call (or
+    alloc_symmetric) builds collectively; alloc_symmetric then allocates in the node's
+    windows, where the intra-node phases run direct kernels.
     """
 
     def __init__(self, world, device: str = "auto", *, options: CommOptions | None = None, **kwargs):
@@ -91,13 +90,8 @@ class Communicator:
             self.kernels = cpu_loader.cpu_kernels()
         self._check = BufferChecker(self.rank, self.nranks, self.device, self.device_id)
 
-        # A device communicator (device_api.DeviceComm) adds its signals and the barriers' words.
-        device_signals = (o.device_signals + abi.devcomm_reserved_signals(self.nranks)) if o.device_window else 0
-        self.device_signal_words = device_signals  # the host one-sided calls' words follow (rma.py)
-        # Host one-sided calls' signal words (collectives/rma.py), where GIN may carry them.
-        rma_words = o.rma_contexts * o.rma_signals * self.nranks if o.gin.path.value != "lsa" else 0
-        device_signals += rma_words
-        self._rma: rma.Rma | None = None  # built by the first register_window
+        self.device_signal_words, device_signals = setup.signal_words(o, self.nranks)
+        self.rma: rma.Rma | None = None  # the host one-sided calls' state (rma.py), from their first use
         self.gin = plan_gin(world, o.gin, self.device, self.window_channels, self.nsteps, device_signals)
         self.protocol_refusals = setup.protocol_refusals(
             world, self.device, self.kernels, places, self.gin, self.protocol
@@ -225,12 +219,10 @@ class Communicator:
 
     def alloc_symmetric(self, count: int, dtype="float32"):
         """Collective: a zeroed array of `count` elements of `dtype` in a new symmetric
-        window (NCCL's ncclMemAlloc + ncclCommWindowRegister with
-        NCCL_WIN_COLL_SYMMETRIC): every rank must call it with the same size, in the
-        same order, and every peer maps it. numpy on the CPU, CuPy on a GPU; peers map
-        it until free_symmetric() or close(). On a communicator of several nodes that can
-        run "hierarchical", the array lives in the intra-node child's windows: every
-        rank of this rank's node maps it (no peer on another node could)."""
+        window (ncclMemAlloc + ncclCommWindowRegister, NCCL_WIN_COLL_SYMMETRIC): every
+        rank calls it with the same size, in the same order; numpy on the CPU, CuPy on a
+        GPU; peers map it until free_symmetric() or close(). On several nodes that can run
+        "hierarchical", it lives in the intra-node child's windows: the node's ranks map it."""
         self._scheduler.repeated.clear()  # whether a buffer is symmetric may change
         if isinstance(self.node_shape, NodeShape):
             return self.hierarchy().intra.alloc_symmetric(count, dtype)
@@ -250,66 +242,19 @@ class Communicator:
         self.synchronize()
         self._symmetric.free(address)
 
-    # ---- host one-sided calls (rma.py; transports/gin/rma.py carries them) ----
+    # ---- host one-sided calls (nccl4py names and argument order; contracts: rma.py) ----
 
-    def register_window(self, buffer) -> rma.RegisteredWindow:
-        """Collective (nccl4py's register_window): `buffer`, a writeable C-contiguous numpy
-        array of the same size on every rank, as a window that peers' put_signal writes
-        into; returns its handle. Needs a CPU communicator with GIN peers (path='gin')
-        and, across processes, network='mpi' or a buffer from alloc_symmetric:
-        CapabilityError on every rank otherwise."""
-        self.check_usable("register_window")
-        if self._rma is None:
-            self._rma = rma.Rma(self, collective=True)
-        return self._rma.register(buffer)
-
-    def deregister_window(self, window) -> None:
-        """Collective: releases a window from register_window once every rank reaches it
-        (a barrier): wait for the signals of every put into it first."""
-        self.check_usable("deregister_window")
-        if self._rma is None:
-            raise ValueError(f"rank {self.rank}: deregister_window: no window was registered on this communicator")
-        self._rma.deregister(window)
-
-    def put_signal(self, localbuff, peer: int, window, offset: int, signal_index: int = 0, context: int = 0) -> None:
-        """nccl4py's put_signal: localbuff's bytes to byte `offset` of `peer`'s copy of
-        `window`, then adds 1 to `peer`'s signal `signal_index` from this rank on host
-        context `context` (in [0, rma_signals) and [0, rma_contexts)). The signal is
-        strong: once wait_signal sees it, this put's data and every earlier put_signal's
-        from this rank to `peer` on `context` are in the window. localbuff is reusable on
-        return. A backend with weak signals only (gda) cannot promise that: CapabilityError
-        (docs/gin.md, "Host one-sided calls")."""
-        self._rma_state("put_signal").put_signal(localbuff, peer, window, offset, signal_index, context)
-
-    def signal(self, peer: int, signal_index: int = 0, context: int = 0) -> None:
-        """nccl4py's signal: adds 1 to `peer`'s signal `signal_index` from this rank on
-        `context`, strong where the backend has strong signals (it then covers this rank's
-        earlier put_signal's to `peer` on `context`), weak on gda."""
-        self._rma_state("signal").signal(peer, signal_index, context)
-
-    def wait_signal(self, descs) -> None:
-        """nccl4py's wait_signal: waits until each rma.WaitSignalDesc(op_cnt, peer,
-        signal_index, context) of the list `descs` has seen op_cnt more arrivals than
-        earlier waits consumed, then consumes them. A wait past the communicator's timeout
-        raises CommTimeout naming rank, peer, signal, context, expected and seen, and
-        leaves the communicator broken."""
-        self._rma_state("wait_signal").wait_signal(descs)
-
-    def _rma_state(self, what: str) -> rma.Rma:
-        self.check_usable(what)
-        if self._rma is None:  # this rank's part alone: signals need no window
-            self._rma = rma.Rma(self, collective=False)
-        return self._rma
+    register_window, deregister_window = rma.register_window, rma.deregister_window
+    put_signal, signal, wait_signal = rma.put_signal, rma.signal, rma.wait_signal
 
     # ---- management, preparation, scheduling ----
 
     def _collective(
         self, coll, sendbuf, recvbuf, op, root, stream, algorithm, avg_divisor=None, flat=False, protocol=None
     ):
-        """One call. `avg_divisor` (op avg): divide by this instead of nranks (a
-        hierarchical phase divides by the whole job's ranks); `flat`: never the
-        hierarchical algorithm (its own tail); `protocol`: of the ring and tree steps
-        (None: the communicator's; a hierarchical call's phases use the communicator's)."""
+        """One call. `avg_divisor` (op avg): divide by this, not nranks (a hierarchical
+        phase divides by the job's ranks); `flat`: never hierarchical (its own tail);
+        `protocol`: of the ring and tree steps (None: the communicator's)."""
         # The kept call's key (a dict key only, never read by position: a plain tuple is the cheapest).
         repeat = (coll, id(sendbuf), id(recvbuf), op, root, root.__class__, algorithm, protocol, avg_divisor, flat)
         try:
@@ -376,8 +321,8 @@ class Communicator:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        if getattr(self, "_rma", None) is not None:  # the engine that carried them stops below
-            self._rma.invalidate()
+        if getattr(self, "rma", None) is not None:  # the engine that carried them stops below
+            self.rma.invalidate()
         errors = setup.release(self)
         if self.owns_world:
             self.world.free()
@@ -390,12 +335,10 @@ class Communicator:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        """Closes the communicator. An exception leaving the block means this rank
-        abandons its sequence of collectives while peers may be blocked in one, waiting
-        for it: it first marks the world failed (World.mark_failed raises the abort word:
-        the peers of a ThreadWorld raise CommAborted at once, and close() waits for no
-        peer), so the job ends now instead of at a deadline. The job is over then: catch
-        errors inside the block to go on using the world."""
+        """Closes the communicator. An exception leaving the block abandons this rank's
+        sequence of collectives while peers may wait in one: the world is marked failed
+        first (World.mark_failed: a ThreadWorld's peers raise CommAborted at once, and
+        close() waits for no peer), so the job ends now, not at a deadline."""
         if exc_type is not None and not getattr(self, "_closed", True):
             reason = f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__
             self.world.mark_failed(" ".join(reason.split()))

@@ -277,3 +277,67 @@ class Rma:
         except Exception as e:
             self.comm.broken = self.comm.broken or f"{type(e).__name__}: {e}"
             raise
+
+
+def signal_words(options, nranks: int) -> int:
+    """Signal words the host one-sided calls take after the device API's: one per
+    (context, signal index, peer), where GIN may carry them (not on path 'lsa')."""
+    return options.rma_contexts * options.rma_signals * nranks if options.gin.path.value != "lsa" else 0
+
+
+# ---- the Communicator's methods (Communicator binds them; `comm` is its self) ----
+
+
+def register_window(comm, buffer) -> RegisteredWindow:
+    """Collective (nccl4py's register_window): `buffer`, a writeable C-contiguous numpy
+    array of the same size on every rank, as a window that peers' put_signal writes
+    into; returns its handle. Needs a CPU communicator with GIN peers (path='gin')
+    and, across processes, network='mpi' or a buffer from alloc_symmetric:
+    CapabilityError on every rank otherwise."""
+    comm.check_usable("register_window")
+    if comm.rma is None:
+        comm.rma = Rma(comm, collective=True)
+    return comm.rma.register(buffer)
+
+
+def deregister_window(comm, window) -> None:
+    """Collective: releases a window from register_window once every rank reaches it
+    (a barrier): wait for the signals of every put into it first."""
+    comm.check_usable("deregister_window")
+    if comm.rma is None:
+        raise ValueError(f"rank {comm.rank}: deregister_window: no window was registered on this communicator")
+    comm.rma.deregister(window)
+
+
+def put_signal(comm, localbuff, peer: int, window, offset: int, signal_index: int = 0, context: int = 0) -> None:
+    """nccl4py's put_signal: localbuff's bytes to byte `offset` of `peer`'s copy of
+    `window`, then adds 1 to `peer`'s signal `signal_index` from this rank on host
+    context `context` (in [0, rma_signals) and [0, rma_contexts)). The signal is
+    strong: once wait_signal sees it, this put's data and every earlier put_signal's
+    from this rank to `peer` on `context` are in the window. localbuff is reusable on
+    return. A backend with weak signals only (gda) cannot promise that: CapabilityError
+    (docs/gin.md, "Host one-sided calls")."""
+    _state(comm, "put_signal").put_signal(localbuff, peer, window, offset, signal_index, context)
+
+
+def signal(comm, peer: int, signal_index: int = 0, context: int = 0) -> None:
+    """nccl4py's signal: adds 1 to `peer`'s signal `signal_index` from this rank on
+    `context`, strong where the backend has strong signals (it then covers this rank's
+    earlier put_signal's to `peer` on `context`), weak on gda."""
+    _state(comm, "signal").signal(peer, signal_index, context)
+
+
+def wait_signal(comm, descs) -> None:
+    """nccl4py's wait_signal: waits until each WaitSignalDesc(op_cnt, peer,
+    signal_index, context) of the list `descs` has seen op_cnt more arrivals than
+    earlier waits consumed, then consumes them. A wait past the communicator's timeout
+    raises CommTimeout naming rank, peer, signal, context, expected and seen, and
+    leaves the communicator broken."""
+    _state(comm, "wait_signal").wait_signal(descs)
+
+
+def _state(comm, what: str) -> Rma:
+    comm.check_usable(what)
+    if comm.rma is None:  # this rank's part alone: signals need no window
+        comm.rma = Rma(comm, collective=False)
+    return comm.rma

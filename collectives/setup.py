@@ -16,10 +16,19 @@ from commref.transports.errors import CapabilityError
 from commref.transports.gin.queue import QueueRegion
 from commref.transports.windows import rank_nodes, register_window
 
-from . import protocols, topology, tuner
+from . import protocols, rma, topology, tuner
 from .hierarchical import Hierarchy, node_shape
 from .launch_record import HostWords, LaunchRecord, address_of
 from .symmetric import describe_unmapped
+
+
+def signal_words(options, nranks: int) -> tuple[int, int]:
+    """(a device communicator's signal words, all of a communicator's): a device
+    communicator's (device_api.DeviceComm: its own and the barriers'), then the host
+    one-sided calls' (rma.py)."""
+    device = options.device_signals + abi.devcomm_reserved_signals(nranks) if options.device_window else 0
+    return device, device + rma.signal_words(options, nranks)
+
 
 DEVICE_WINDOW_ALIGN = 4096  # bytes: where a device communicator's window starts in the connection window
 
