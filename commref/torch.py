@@ -43,14 +43,18 @@ Contracts:
   batch_isend_irecv and isend/irecv pairs that cross do not deadlock.
 * **Failure.** A call that fails in commref (a deadline, a mismatch, an abort) marks the
   world failed: every peer's waits raise CommAborted at once instead of at the deadline.
-  A process that exits without destroy_process_group does the same for its peers' later
-  calls.
+  So does an exception that ends this process (``sys.excepthook``, chained to the one
+  before it) and an exit while calls of this rank are still unfinished (atexit). A clean
+  exit without destroy_process_group and with nothing pending leaves the peers alone (they
+  may still be finishing calls this rank completed). A process killed outright runs
+  neither: its peers end at the group's deadline.
 """
 
 from __future__ import annotations
 
 import atexit
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -238,6 +242,7 @@ class ProcessGroupCommref(dist.ProcessGroup):
         self._p2p: list[tuple[str, _Buffer, int, WorkCommref]] = []
         self._lock = threading.Lock()  # posting order: the queue and the pending sends and receives
         self._closed = False
+        self._works: weakref.WeakSet = weakref.WeakSet()  # the Works not yet completed, for _exit
         self._worker = threading.Thread(target=self._run, name=f"commref-pg-rank{rank}", daemon=True)
         self._worker.start()
         _live.add(self)
@@ -277,6 +282,7 @@ class ProcessGroupCommref(dist.ProcessGroup):
         """Queues `fn` (the commref calls), then copies back the non-contiguous
         `buffers`; returns the Work. Runs pending sends and receives first."""
         work = WorkCommref(self, outputs)
+        self._works.add(work)
 
         def task() -> None:
             fn()
@@ -292,6 +298,7 @@ class ProcessGroupCommref(dist.ProcessGroup):
 
     def _post_p2p(self, kind: str, buf: _Buffer, peer: int) -> WorkCommref:
         work = WorkCommref(self, [buf.tensor], p2p=True)
+        self._works.add(work)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"commref: rank {self.rank()}: the process group was shut down")
@@ -397,6 +404,12 @@ class ProcessGroupCommref(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """all_gather_single of each (output, input) pair, in one Work (torch's coalescing manager)."""
+        return self._coalesced(self.all_gather_single, outputs, inputs, opts, "all_gather_single_coalesced")
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         call = "reduce_scatter"
         t = _one(output_tensors, call)
@@ -425,6 +438,18 @@ class ProcessGroupCommref(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """reduce_scatter_single of each (output, input) pair, in one Work."""
+        return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts, "reduce_scatter_single_coalesced")
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _coalesced(self, single, outputs, inputs, opts, call: str):
+        if len(outputs) != len(inputs):
+            raise ValueError(f"commref: {call}: {len(outputs)} outputs for {len(inputs)} inputs")
+        works = [single(o, i, opts) for o, i in zip(outputs, inputs)]  # checked and queued in order
+        return self._post(lambda: [w.wait() for w in works], list(outputs))
+
     def gather(self, output_tensors, input_tensors, opts=None):
         call = "gather"
         t = _one(input_tensors, call)
@@ -441,7 +466,7 @@ class ProcessGroupCommref(dist.ProcessGroup):
         def run() -> None:
             if not n:
                 return
-            whole = np.empty(n * self.size() if outs else n * self.size(), dtype=src.array.dtype)
+            whole = np.empty(n * self.size(), dtype=src.array.dtype)  # looked at on the root only
             self.comm.gather(src.array, whole, root)
             for r, o in enumerate(outs):
                 _copy_into(o, whole[r * n : (r + 1) * n])
@@ -590,10 +615,19 @@ class ProcessGroupCommref(dist.ProcessGroup):
         self.world.mark_failed("the process group was aborted")
         self.comm.abort()
 
-    def _exit(self) -> None:
-        """At interpreter exit without shutdown: the peers' later calls fail at once."""
-        if not self._closed:
-            self.world.mark_failed(f"rank {self.rank()} exited without destroy_process_group")
+    def _exit(self, reason: str | None) -> None:
+        """The process ends without shutdown: with an exception (`reason`) or with calls
+        unfinished, the peers' waits fail at once (module docstring, Failure)."""
+        if self._closed:
+            return
+        if reason is None and self._unfinished():
+            reason = "it exited with calls unfinished"
+        if reason is not None:
+            self.world.mark_failed(f"rank {self.rank()}: {reason}")
+
+    def _unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._p2p) or any(not w.done.is_set() for w in list(self._works))
 
 
 def _opt(opts, name: str, default):
@@ -632,7 +666,19 @@ _live: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _at_exit() -> None:
     for pg in list(_live):
-        pg._exit()
+        pg._exit(None)
+
+
+_prior_excepthook = sys.excepthook
+
+
+def _excepthook(kind, value, tb) -> None:
+    for pg in list(_live):
+        pg._exit(" ".join(f"{kind.__name__}: {value}".split()))
+    _prior_excepthook(kind, value, tb)
+
+
+sys.excepthook = _excepthook
 
 
 def create_backend(opts, backend_options=None) -> ProcessGroupCommref:

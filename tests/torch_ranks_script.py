@@ -7,7 +7,7 @@ Scenarios:
   all   - DDP against gloo (2 and 4 ranks), every operation against gloo on random
           tensors of every dtype torch and commref share, sub-groups, async works,
           sends and receives, and the errors of unsupported calls.
-  death - rank 1 exits right after init; rank 0's allreduce must fail, and soon.
+  death - rank 1 raises right after init; rank 0's allreduce must fail, and soon.
 
 Inputs are random small integers (floats too), so every reduction is exact in any order
 and commref's results must equal gloo's bit for bit. gloo has no AVG: its reference is
@@ -228,6 +228,34 @@ def check_more(c: Checks, rank: int, size: int, gloo) -> None:
     if not (work.is_completed() and work.wait() and value[0] is x):
         c.failures.append("async all_reduce: work not completed after its future, or the future's tensor is not x")
 
+    # torch's coalescing manager: its fast paths (allreduce, all_gather_single and
+    # reduce_scatter_single, coalesced) in one Work.
+    xs = [rand((10,), torch.float32, gen) for _ in range(3)]
+    wants = [x.clone() for x in xs]
+    for w in wants:
+        dist.all_reduce(w, group=gloo)
+    outs = [torch.zeros(10 * size) for _ in xs]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for x in xs:
+            dist.all_reduce(x)
+    cm.wait()
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, x in zip(outs, xs):
+            dist.all_gather_into_tensor(o, x)
+    cm.wait()
+    for k, (x, w, o) in enumerate(zip(xs, wants, outs)):
+        c.equal(f"coalesced all_reduce {k}", x, w)
+        c.equal(f"coalesced all_gather_into_tensor {k}", o[rank * 10 : (rank + 1) * 10], w)
+    parts = [torch.zeros(10) for _ in xs]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for p, o in zip(parts, outs):
+            dist.reduce_scatter_tensor(p, o)
+    cm.wait()
+    for k, (p, o) in enumerate(zip(parts, outs)):
+        want = o.clone()
+        dist.all_reduce(want, group=gloo)
+        c.equal(f"coalesced reduce_scatter_tensor {k}", p, want[rank * 10 : (rank + 1) * 10])
+
     # Sub-groups: the even ranks, on both backends.
     members = [r for r in range(size) if r % 2 == 0]
     sub = dist.new_group(members)
@@ -319,7 +347,7 @@ def scenario_all(rank: int, size: int) -> dict:
 def scenario_death(rank: int, size: int) -> dict:
     dist.init_process_group("commref", timeout=TIMEOUT)
     if rank == 1:
-        sys.exit(3)  # the process ends without destroy_process_group: atexit runs
+        raise RuntimeError("rank 1 fails on purpose")  # ends the process through sys.excepthook
     t0 = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1024))
