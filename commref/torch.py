@@ -28,7 +28,9 @@ Contracts:
 * **Tensors.** CPU tensors of the dtypes in ``DTYPES`` (int8, uint8, int32, int64,
   uint32, uint64, float16, bfloat16, float32, float64), strided layout. Contiguous tensors
   are used in place (numpy views of their storage); a non-contiguous one is copied into a
-  contiguous buffer and the result copied back. Complex tensors reach the backend as
+  contiguous buffer and the result copied back. The forms that take lists of tensors
+  (allgather, reduce_scatter, gather, scatter, alltoall) go through one contiguous buffer
+  of the whole, copied from or to the list. Complex tensors reach the backend as
   real views where torch's wrappers make them (all_reduce SUM/AVG, all_gather_single,
   all_to_all_single); elsewhere, like bool, sparse, other dtypes, and CUDA tensors
   (this version carries CPU tensors only; without a GPU the message says so), they raise

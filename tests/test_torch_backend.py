@@ -31,13 +31,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, n: int, tmp_path, deadline_s: float = JOB_DEADLINE_S, failing=()) -> list[dict | None]:
-    """Runs `n` ranks of `scenario` as processes (env:// rendezvous on a free port) and
+def run_ranks(
+    scenario: str, n: int, tmp_path, deadline_s: float = JOB_DEADLINE_S, failing=(), file_store: bool = False
+) -> list[dict | None]:
+    """Runs `n` ranks of `scenario` as processes (env:// rendezvous on a free port, or a
+    FileStore passed to init_process_group where `file_store`) and
     returns each rank's findings (None where a rank wrote none). Every rank is killed at
     the deadline, which fails the test with their output; so does a traceback from a rank
     not in `failing`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_"))}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n), OMP_NUM_THREADS="1")
+    env.pop("COMMREF_TEST_FILESTORE", None)
+    if file_store:
+        env["COMMREF_TEST_FILESTORE"] = str(tmp_path / "filestore")
     procs, logs = [], []
     for r in range(n):
         log = open(tmp_path / f"out{r}.txt", "w+b")  # noqa: SIM115 - closed below
@@ -76,7 +82,8 @@ def run_ranks(scenario: str, n: int, tmp_path, deadline_s: float = JOB_DEADLINE_
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ddp_and_every_operation_against_gloo(n, tmp_path):
-    found = run_ranks("all", n, tmp_path)
+    """2 and 4 ranks meet through env:// (a TCPStore), 3 through a FileStore passed in."""
+    found = run_ranks("all", n, tmp_path, file_store=n == 3)
     assert all(f is not None for f in found), found
     for r, f in enumerate(found):
         assert f["backend"] == "commref"

@@ -1,6 +1,7 @@
 """One rank of a torch.distributed job on the "commref" backend, for
 tests/test_torch_backend.py: ``python torch_ranks_script.py SCENARIO OUTDIR``, with
-torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: env:// rendezvous).
+torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: env:// rendezvous),
+or with a FileStore passed in (COMMREF_TEST_FILESTORE: its path).
 Writes OUTDIR/rank<R>.json: the scenario's findings, or the traceback of its failure.
 
 Scenarios:
@@ -319,9 +320,20 @@ def train(rank: int, group, steps: int = 50) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def init(rank: int, size: int) -> None:
+    """env:// (torchrun's variables), or, with COMMREF_TEST_FILESTORE set, a FileStore
+    passed in as store=."""
+    path = os.environ.get("COMMREF_TEST_FILESTORE")
+    if path:
+        store = dist.FileStore(path, size)
+        dist.init_process_group("commref", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
+    else:
+        dist.init_process_group("commref", timeout=TIMEOUT)
+
+
 def scenario_all(rank: int, size: int) -> dict:
     t0 = time.monotonic()
-    dist.init_process_group("commref", timeout=TIMEOUT)
+    init(rank, size)
     gloo = dist.new_group(backend="gloo", timeout=TIMEOUT)
     found: dict = {"backend": dist.get_backend(), "init_s": time.monotonic() - t0}
     t1 = time.monotonic()
@@ -345,7 +357,7 @@ def scenario_all(rank: int, size: int) -> dict:
 
 
 def scenario_death(rank: int, size: int) -> dict:
-    dist.init_process_group("commref", timeout=TIMEOUT)
+    init(rank, size)
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")  # ends the process through sys.excepthook
     t0 = time.monotonic()
