@@ -1,6 +1,7 @@
 """commref.torch, the torch.distributed backend "commref": DDP against gloo, every
 operation against gloo at 2, 3 and 4 ranks (tests/torch_ranks_script.py, one job per size,
-ranks as processes with torchrun's env:// rendezvous), a dying rank, and the one-process
+ranks as processes with torchrun's env:// rendezvous), a dying rank, ranks in different
+calls, and the one-process
 parts (zero-copy views, the refusals). Skipped where torch is not installed: the torch
 extra (pip install -e ".[torch]") brings it."""
 
@@ -164,3 +165,13 @@ def test_the_backend_is_registered_for_cpu_and_cuda():
     assert "COMMREF" in torch.distributed.Backend._plugins
     assert torch.distributed.Backend.default_device_backend_map.get("cpu") != "commref"  # gloo stays the default
     assert torch.distributed.Backend.backend_capability["commref"] == ["cpu", "cuda"]
+
+
+def test_ranks_in_different_calls_both_fail_at_once(tmp_path):
+    """Rank 0 all-reduces while rank 1 broadcasts: commref's CommMismatch on both, naming
+    both calls, within seconds."""
+    found = run_ranks("mismatch", 2, tmp_path, deadline_s=120)
+    for f in found:
+        assert f is not None and f["error"] == "CommMismatch", found
+        assert "allreduce" in f["message"] and "broadcast" in f["message"], f
+        assert f["after_s"] < 20, f

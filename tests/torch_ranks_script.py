@@ -9,6 +9,7 @@ Scenarios:
           tensors of every dtype torch and commref share, sub-groups, async works,
           sends and receives, and the errors of unsupported calls.
   death - rank 1 raises right after init; rank 0's allreduce must fail, and soon.
+  mismatch - rank 0 all-reduces, rank 1 broadcasts: both fail, and soon.
 
 Inputs are random small integers (floats too), so every reduction is exact in any order
 and commref's results must equal gloo's bit for bit. gloo has no AVG: its reference is
@@ -368,12 +369,27 @@ def scenario_death(rank: int, size: int) -> dict:
     return {"error": None, "after_s": time.monotonic() - t0}
 
 
+def scenario_mismatch(rank: int, size: int) -> dict:
+    """Rank 0 all-reduces while rank 1 broadcasts: both must fail, neither hang."""
+    init(rank, size)
+    t0 = time.monotonic()
+    t = torch.ones(1024)
+    try:
+        if rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, 0)
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        return {"error": type(e).__name__, "message": str(e)[:500], "after_s": time.monotonic() - t0}
+    return {"error": None, "after_s": time.monotonic() - t0}
+
+
 def main() -> None:
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     path = os.path.join(outdir, f"rank{rank}.json")
     try:
-        found = {"scenario_all": scenario_all, "scenario_death": scenario_death}[f"scenario_{scenario}"](rank, size)
+        found = globals()[f"scenario_{scenario}"](rank, size)
     except BaseException as e:
         if isinstance(e, SystemExit):
             raise
