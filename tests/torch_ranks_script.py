@@ -5,7 +5,7 @@ or with a FileStore passed in (COMMREF_TEST_FILESTORE: its path).
 Writes OUTDIR/rank<R>.json: the scenario's findings, or the traceback of its failure.
 
 Scenarios:
-  all   - DDP against gloo (2 and 4 ranks), every operation against gloo on random
+  all   - DDP against gloo, every operation against gloo on random
           tensors of every dtype torch and commref share, sub-groups, async works,
           sends and receives, and the errors of unsupported calls.
   death - rank 1 raises right after init; rank 0's allreduce must fail, and soon.
