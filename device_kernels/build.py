@@ -59,6 +59,14 @@ _KERNEL_DEFINITION = re.compile(r"^\s*COMMREF_KERNEL\(\s*(\w+)\s*,", re.MULTILIN
 
 
 @functools.cache
+def reduction_sources() -> list[Path]:
+    """The kernel files whose code depends on a reduction specialization's defines
+    (gpu_loader.specialization): those that dispatch on (dtype, op) with
+    COMMREF_DISPATCH_REDUCTION (reduce.h). The others compile to the same code under
+    every specialization."""
+    return [f for f in kernel_sources() if "COMMREF_DISPATCH_REDUCTION(" in f.read_text()]
+
+
 def kernel_files() -> dict[str, Path]:
     """The kernel file that defines each kernel (its COMMREF_KERNEL line)."""
     where: dict[str, Path] = {}

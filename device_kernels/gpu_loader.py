@@ -409,13 +409,18 @@ def cuda_kernels(device_id: int) -> CudaKernels:
 
 
 def nvcc_compile_check(
-    arch: str = "sm_90", nvcc: str | None = None, defines: tuple[str, ...] = (), flags: tuple[str, ...] = ()
+    arch: str = "sm_90",
+    nvcc: str | None = None,
+    defines: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
+    sources: list[Path] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Compiles every kernel file (kernels/*.cu, each its own translation unit) with
-    the defines of one specialization (see specialization()) for `arch` with nvcc: a
-    build check, nothing runs. `flags`: more nvcc options (-Xptxas -v for each kernel's
-    registers, stack and spills). One nvcc per file, in parallel; the result's returncode
-    is the worst of them and its stdout/stderr hold every file's, each headed by the file."""
+    """Compiles kernel files (`sources`; default every one, kernels/*.cu, each its own
+    translation unit) with the defines of one specialization (see specialization()) for
+    `arch` with nvcc: a build check, nothing runs. `flags`: more nvcc options (-Xptxas -v
+    for each kernel's registers, stack and spills). One nvcc per file, in parallel; the
+    result's returncode is the worst of them and its stdout/stderr hold every file's,
+    each headed by the file."""
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:
         raise KernelError("nvcc not found")
@@ -434,7 +439,7 @@ def nvcc_compile_check(
                 os.path.join(d, f"{src.stem}.cubin"),
                 str(src),
             ]
-            for src in build.kernel_sources()
+            for src in (build.kernel_sources() if sources is None else sources)
         ]
         with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
             procs = list(pool.map(build.run_compiler, cmds))

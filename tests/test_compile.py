@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from commref.collectives.catalogue import CATALOGUE
 from commref.collectives.launch_record import HostWords
 from commref.device_kernels import abi, build, cpu_loader, gpu_loader
 
@@ -244,29 +245,43 @@ def gpu_modules() -> dict[str, tuple[str, ...]]:
 GPU_MODULES = gpu_modules()
 
 
+def test_reduction_sources_are_the_files_of_the_reducing_kernels():
+    """The reduction modules' compile cases skip the other files: build.reduction_sources
+    holds every file with a reducing collective's kernel, and no other file dispatches
+    on (dtype, op)."""
+    where = build.kernel_files()
+    reducing = {where[k] for c in CATALOGUE.values() if c.reducing for k in c.kernels.values()}
+    assert set(build.reduction_sources()) == reducing
+    for f in set(build.kernel_sources()) - reducing:
+        assert "COMMREF_ONLY_" not in f.read_text() and "COMMREF_INSTANCES" not in f.read_text(), f
+
+
 @pytest.mark.parametrize("which", list(GPU_MODULES))
 def test_every_kernel_compiles_for_sm90(which, tmp_path):
     defines = GPU_MODULES[which]
+    # A reduction module's defines change only the files that dispatch on (dtype, op);
+    # the others compile to the same code as in the data-movement case.
+    sources = build.reduction_sources() if defines and which != "data-movement" else build.kernel_sources()
     t0 = time.perf_counter()
     if shutil.which("nvcc"):
         nvcc, size_file = nvcc_with_size_probe(tmp_path)
         kwargs = {"defines": defines} if defines else {}
-        proc = gpu_loader.nvcc_compile_check(ARCH, nvcc=nvcc, flags=("-Xptxas", "-v"), **kwargs)
+        proc = gpu_loader.nvcc_compile_check(ARCH, nvcc=nvcc, flags=("-Xptxas", "-v"), sources=sources, **kwargs)
         elapsed = time.perf_counter() - t0
         assert proc.returncode == 0, f"nvcc failed for {ARCH} ({which}: {defines}):\n{proc.stderr[-6000:]}"
         sizes = [int(x) for x in size_file.read_text().split()] if size_file.exists() else []
-        assert len(sizes) == len(build.kernel_sources()) and all(sizes), (
-            f"nvcc reported success but wrote cubins of sizes {sizes} for {len(build.kernel_sources())} files"
+        assert len(sizes) == len(sources) and all(sizes), (
+            f"nvcc reported success but wrote cubins of sizes {sizes} for {len(sources)} files"
         )
         size = sum(sizes)
         print(f"nvcc {ARCH} {which}: {len(sizes)} cubins, {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
-        check_frames(ptxas_resources(proc.stdout + proc.stderr), which)
+        check_frames(ptxas_resources(proc.stdout + proc.stderr), which, sources)
         return
     why = nvrtc_available()
     if why is not None:
         pytest.skip(f"neither nvcc nor NVRTC is available: {why}")
     target = f"--gpu-architecture={ARCH}"
-    size = sum(len(gpu_loader.compile_gpu_image(path, defines, target, "cubin")) for path in build.kernel_sources())
+    size = sum(len(gpu_loader.compile_gpu_image(path, defines, target, "cubin")) for path in sources)
     elapsed = time.perf_counter() - t0
     version = gpu_loader.nvrtc_version()
     print(f"NVRTC {version} {ARCH} {which}: {size} bytes ({size / 2**20:.2f} MiB) in {elapsed:.1f} s")
@@ -305,13 +320,15 @@ def ptxas_resources(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def check_frames(found: dict[str, dict[str, int]], which: str) -> None:
-    """Every kernel of build.kernel_files() in ptxas' figures `found`: no spills, and a
-    stack (frame and cumulative) within gpu_loader.STACK_BYTES, the limit CudaKernels sets on
-    each device before any kernel runs (so no launch makes the driver grow local memory)."""
-    missing = sorted(set(build.kernel_files()) - set(found))
+def check_frames(found: dict[str, dict[str, int]], which: str, sources=None) -> None:
+    """Every kernel of build.kernel_files() (of the files `sources`; None: all) in ptxas'
+    figures `found`: no spills, and a stack (frame and cumulative) within
+    gpu_loader.STACK_BYTES, the limit CudaKernels sets on each device before any kernel
+    runs (so no launch makes the driver grow local memory)."""
+    kernels = sorted(n for n, f in build.kernel_files().items() if sources is None or f in sources)
+    missing = sorted(set(kernels) - set(found))
     assert not missing, f"{which}: ptxas reported no figures for {missing}"
-    for name in sorted(build.kernel_files()):
+    for name in kernels:
         r = found[name]
         print(
             f"  {name}: {r.get('registers', 0)} registers, {r['stack']} bytes stack, "
