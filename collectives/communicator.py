@@ -96,7 +96,9 @@ class Communicator:
         self._check = BufferChecker(self.rank, self.nranks, self.device, self.device_id)
 
         # A device communicator (device_api.DeviceComm) adds its signals and the barriers' words.
-        device_signals = (o.device_signals + abi.devcomm_reserved_signals(self.nranks)) if o.device_window else 0
+        device_signals = 0
+        if o.device_window:
+            device_signals = o.device_signals + abi.devcomm_reserved_signals(self.nranks, o.device_contexts)
         self.gin = plan_gin(world, o.gin, self.device, self.window_channels, self.nsteps, device_signals)
         self.protocol_refusals = setup.protocol_refusals(
             world, self.device, self.kernels, places, self.gin, self.protocol

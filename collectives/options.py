@@ -84,9 +84,11 @@ class CommOptions:
     stream_stores: StreamStores = StreamStores.AUTO
     protocol: Protocol | None = None  # None: COMMREF_PROTO, else auto
     # The device communicator's requirements (device_api.DeviceComm): bytes of each rank's
-    # device window, and signals beyond the connections' own (counters: gin_counters).
+    # device window, signals beyond the connections' own (counters: gin_counters), and its
+    # GIN contexts (each has barrier words of its own).
     device_window: int = 0
     device_signals: int = 0
+    device_contexts: int = 1
     gin: GinOptions = field(default_factory=GinOptions)
 
     def __post_init__(self) -> None:
@@ -114,6 +116,7 @@ class CommOptions:
             fix(self, "device_id", bounded(self.device_id, "device_id", 0))
         fix(self, "device_window", bounded(self.device_window, "device_window", 0, multiple=8))
         fix(self, "device_signals", bounded(self.device_signals, "device_signals", 0))
+        fix(self, "device_contexts", bounded(self.device_contexts, "device_contexts", 1, abi.DEVCOMM_MAX_CONTEXTS))
         if not isinstance(self.gin, GinOptions):
             raise OptionError(f"gin must be a GinOptions, not {type(self.gin).__name__}")
 
