@@ -19,6 +19,7 @@ from helpers import PREAMBLE, WORLD_TIMEOUT
 from commref import ThreadWorld
 from commref.collectives.device_api import DeviceComm, Kernel
 from commref.transports.gin.engines import ENGINE_ENV
+from commref.transports.nodes import NODES_ENV
 
 NONE, PUTS, GETS = 0, 1, 2  # GinFenceLevel
 ALL = -1  # GinAllContexts
@@ -65,6 +66,40 @@ COMMREF_KERNEL(barrier_rounds, KernelArgs, args) {
 """
 )
 KERNEL = Kernel(BARRIER_ROUNDS, "barrier_rounds")
+
+# Every rank to every peer, through LSA or GIN by peer. Arguments: rounds, the count of
+# stale reads (an array of one). Window: offset 8 this rank's source, 16 + 8 j the word
+# rank j puts here. Round i: every rank puts its stamp to every peer on context i % 2,
+# then a barrier that fences it: barrier(Puts, i % 2), barrier(), barrier(Gets, all) in
+# turn; every rank reads every peer's word; a barrier of fence level none keeps the
+# next round's puts behind the reads.
+EVERY_PEER = (
+    PREAMBLE
+    + r"""
+COMMREF_KERNEL(every_peer, KernelArgs, args) {
+  DeviceComm comm(args);
+  const uint64_t rounds = comm.u64(0);
+  uint64_t* stale = comm.ptr<uint64_t>(1);
+  const int n = comm.nranks(), r = comm.rank();
+  for (uint64_t i = 0; i < rounds; i++) {
+    const uint64_t stamp = comm.launch() << 40 | (i + 1) << 8;
+    if (threadIdx.x == 0) *comm.local<uint64_t>(8) = stamp | r;
+    __syncthreads();
+    for (int k = 1; k < n; k++) comm.gin((int)(i % 2)).put((r + k) % n, 16 + 8 * r, 8, 8);
+    if (i % 3 == 0)
+      comm.barrier(GinFenceLevel::Puts, (int)(i % 2));
+    else if (i % 3 == 1)
+      comm.barrier();
+    else
+      comm.barrier(GinFenceLevel::Gets, GinAllContexts);
+    if (threadIdx.x == 0)
+      for (int j = 0; j < n; j++)
+        if (j != r && load_relaxed(comm.local<uint64_t>(16 + 8 * j)) != (stamp | j)) stale[0]++;
+    comm.barrier(GinFenceLevel::None, GinAllContexts);
+  }
+}
+"""
+)
 
 # Every backend on each wire it runs on, and on the ordered wire both engines (the
 # native engine carries it by default, the Python proxy when COMMREF_GIN_ENGINE asks):
@@ -156,3 +191,26 @@ def test_a_bad_fence_level_or_context_fails_clearly(fence, fenced, limit, seen):
             assert time.monotonic() - start < 5  # the deadline was not what ended it
 
     ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
+
+
+@pytest.mark.parametrize("wire", ["ordered", "unordered"])
+def test_fenced_barriers_over_lsa_and_gin_peers_alike(wire, monkeypatch):
+    """4 ranks on 2 simulated nodes (LSA inside a node, GIN across), every rank putting
+    to every peer on the two contexts in turn, barriers of every kind in turn: no read
+    is stale, and the barriers' word sets keep the ranks in step."""
+    monkeypatch.setenv(NODES_ENV, "2")
+    kernel, rounds = Kernel(EVERY_PEER, "every_peer"), 300
+
+    def body(world):
+        options = dict(path="auto", wire=wire, seed=5)
+        with DeviceComm(world, window_bytes=64, contexts=2, device="cpu", **options) as dc:
+            stale = np.zeros(1, np.uint64)
+            for _ in range(2):
+                kernel.launch(dc, 1, args=(rounds, stale))
+            return int(stale[0]), dc.lsa_ranks
+
+    results = ThreadWorld.run(4, body, timeout=WORLD_TIMEOUT)
+    assert [lsa for _, lsa in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    stale = [n for n, _ in results]
+    print(f"every peer, {wire}: {stale} stale of {2 * rounds * 3} reads per rank")
+    assert stale == [0] * 4
