@@ -177,7 +177,10 @@ def test_a_get_before_a_barrier_fencing_gets_has_landed_after_it(case, monkeypat
 )
 def test_a_bad_fence_level_or_context_fails_clearly(fence, fenced, limit, seen):
     """On every rank alike, before the barrier posts anything: a ValueError naming the
-    value and the limit, not a wait for signals nobody sends."""
+    value and the limit, not a wait for signals nobody sends. The bad barrier is the
+    round's second (PUT_DEFAULT: the first is barrier()), so no put of the failed launch
+    is left without its doorbell: on the unordered wire such a put stays pending, and
+    closing the communicator waits for it until the world's deadline."""
 
     def body(world):
         options = dict(window_bytes=64, contexts=2, device="cpu", path="gin", wire="unordered", timeout=5)
@@ -187,7 +190,7 @@ def test_a_bad_fence_level_or_context_fails_clearly(fence, fenced, limit, seen):
                 ValueError,
                 match=rf"^rank {world.rank}: a device-API call in block 0 was given {seen} where the limit is {limit} ",
             ):
-                KERNEL.launch(dc, 1, args=(PUT, 1, fence, fenced, 0, np.zeros(1, np.uint64)))
+                KERNEL.launch(dc, 1, args=(PUT_DEFAULT, 1, fence, fenced, 0, np.zeros(1, np.uint64)))
             assert time.monotonic() - start < 5  # the deadline was not what ended it
 
     ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
