@@ -35,7 +35,9 @@ def connection_window_bytes(options: CommOptions, nranks: int) -> int:
     defaults = tuner.defaults("cpu", nranks, network)
     channels = options.max_channels or defaults.max_channels
     nsteps = options.nsteps or defaults.nsteps
-    signals = abi.devcomm_reserved_signals(nranks) + options.device_signals if options.device_window else 0
+    signals = 0
+    if options.device_window:
+        signals = abi.devcomm_reserved_signals(nranks, options.device_contexts) + options.device_signals
     return (
         abi.window_layout(
             channels + abi.p2p_channels(nranks),

@@ -255,7 +255,7 @@ class HostWords:
         if code == abi.ERR_MISMATCH and what_code == abi.BAD_ARGUMENT:
             return ValueError(
                 f"rank {rank}: a device-API call in block {channel} was given {seen} where the "
-                f"limit is {expected} (ids and contexts below it, offsets + bytes within it, "
+                f"limit is {expected} (ids, contexts and fence levels below it, offsets + bytes within it, "
                 f"putValue's destination a multiple of it; a flag word: the device communicator "
                 f"lacks that capability)"
             )

@@ -86,9 +86,11 @@ class CommOptions:
     stream_stores: StreamStores = StreamStores.AUTO
     protocol: Protocol | None = None  # None: COMMREF_PROTO, else auto
     # The device communicator's requirements (device_api.DeviceComm): bytes of each rank's
-    # device window, and signals beyond the connections' own (counters: gin_counters).
+    # device window, signals beyond the connections' own (counters: gin_counters), and its
+    # GIN contexts (each has barrier words of its own).
     device_window: int = 0
     device_signals: int = 0
+    device_contexts: int = 1
     # Host one-sided calls (rma.py: put_signal, signal, wait_signal) over GIN: their
     # contexts, signal indices per context (each a word per source rank in the window),
     # and the bytes of the staging ring their puts' data is copied into.
@@ -125,6 +127,7 @@ class CommOptions:
         fix(self, "rma_contexts", bounded(self.rma_contexts, "rma_contexts", 1, MAX_RMA_CONTEXTS))
         fix(self, "rma_signals", bounded(self.rma_signals, "rma_signals", 0, MAX_RMA_SIGNALS))
         fix(self, "rma_staging", bounded(self.rma_staging, "rma_staging", 64, 1 << 40, multiple=64))
+        fix(self, "device_contexts", bounded(self.device_contexts, "device_contexts", 1, abi.DEVCOMM_MAX_CONTEXTS))
         if not isinstance(self.gin, GinOptions):
             raise OptionError(f"gin must be a GinOptions, not {type(self.gin).__name__}")
 

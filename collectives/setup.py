@@ -26,7 +26,11 @@ def signal_words(options, nranks: int) -> tuple[int, int]:
     """(a device communicator's signal words, all of a communicator's): a device
     communicator's (device_api.DeviceComm: its own and the barriers'), then the host
     one-sided calls' (rma.py)."""
-    device = options.device_signals + abi.devcomm_reserved_signals(nranks) if options.device_window else 0
+    device = (
+        options.device_signals + abi.devcomm_reserved_signals(nranks, options.device_contexts)
+        if options.device_window
+        else 0
+    )
     return device, device + rma.signal_words(options, nranks)
 
 

@@ -411,10 +411,11 @@ GIN_REFUSAL = np.dtype(
 )
 
 
-def devcomm_reserved_signals(nranks: int) -> int:
+def devcomm_reserved_signals(nranks: int, contexts: int = 1) -> int:
     """The barriers' signal words after a device communicator's own (device.h): a word
-    per peer for the world barrier and for the LSA barrier, and each one's epoch."""
-    return 2 * nranks + 2
+    per peer in each word set (the world barrier's fence on each of its `contexts`, the
+    world barrier without fence, the LSA barrier), and an epoch per set."""
+    return (contexts + 2) * (nranks + 1)
 
 
 KERNEL_ARGS = np.dtype(

@@ -332,6 +332,8 @@ COMMREF_KERNEL(every_call, KernelArgs, args) {
   comm.waitSignal(0, 1);
   comm.waitCounter(0, 1);
   comm.barrier();
+  comm.barrier(GinFenceLevel::Gets, 1);
+  comm.barrier(GinFenceLevel::None, GinAllContexts);
   comm.lsaBarrier();
   float* p = comm.lsaPtr<float>(1, 0);
   if (p) p[0] = (float)comm.f64(0) + comm.i64(1) + comm.lsaPeer(0) + comm.lsaSize();

@@ -94,7 +94,13 @@ class DeviceComm(_EndsOwned):
                 "that makes backend selection insist on strong signals)"
             )
         self.comm = Communicator(
-            world, device, device_window=window_bytes, device_signals=signals, gin_counters=counters, **options
+            world,
+            device,
+            device_window=window_bytes,
+            device_signals=signals,
+            device_contexts=contexts,
+            gin_counters=counters,
+            **options,
         )
         try:
             self._setup(window_bytes, signals, counters, strong_signals, counted_writes)

@@ -199,7 +199,7 @@ struct CollArgs {
 //     connection window, addressed by offsets from windowOff (puts, gets, LSA pointers);
 //   - signals: indexed GIN signals [signalBase, signalBase + nsignals) of every rank's
 //     window (ginSignalsOff), the same words over LSA and GIN; after them the barriers'
-//     2 * nranks + 2 words (device.h);
+//     (ncontexts + 2) * (nranks + 1) words (device.h);
 //   - counters: local-completion counters [0, ncounters) at `counters`;
 //   - the LSA team: the ranks reached by load and store (lsaRanks -> int32_t[lsaSize]).
 // `launch`: 1 for the first launch of a kernel on this device communicator, then 2, ...

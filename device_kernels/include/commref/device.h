@@ -23,8 +23,8 @@
 //     blocks act independently use per-block signals.
 //   - Offsets address the device window: bytes [0, windowBytes) of every rank's window.
 //     local<T>(off) is this rank's; lsaPtr<T>(peer, off) a peer's, for LSA peers only
-//     (nullptr otherwise). Out-of-range offsets, signal, counter and context ids, and a
-//     putValue destination that is not a multiple of 8, fail the launch (ValueError,
+//     (nullptr otherwise). Out-of-range offsets, signal, counter and context ids, fence
+//     levels, and a putValue destination that is not a multiple of 8, fail the launch (ValueError,
 //     "a device-API call ... was given V where the limit is L").
 //   - Contexts (GIN ordering domains): comm.gin(ctx) is a handle bound to context ctx
 //     (< the communicator's contexts), with put / countedPut / putValue / signal / get /
@@ -47,6 +47,8 @@
 //     fence and flag: the receiver waits for the count, then reads (the wait acquires).
 //     Over GIN only where the ordering study finds counted writes safe on the wire
 //     (kDevCommCountedWrites; not where a write may be placed twice).
+//   - barrier(fence, ctx): every rank, with a fence level (GinFenceLevel: None, Puts,
+//     Gets) over one context or GinAllContexts; barrier() fences puts on every context.
 //   - waitSignal, waitCounter, barrier and lsaBarrier wait with the communicator's
 //     deadline and abort word, as the collectives do; on failure the whole block leaves
 //     the kernel and the host raises CommTimeout / CommAborted naming rank and peer.
@@ -65,6 +67,23 @@
 namespace commref {
 
 struct DeviceComm;
+
+// The fence of a barrier (NCCL's GIN barrier fence level, ncclGinFenceLevel): what a
+// barrier(fence, ctx) promises besides that every rank has reached it, on the contexts
+// it fences (one, or GinAllContexts: every context of the communicator).
+enum class GinFenceLevel : uint32_t {
+  // Only that every rank has reached the barrier: a put a peer posted before its
+  // barrier may land after this rank leaves it (the unordered wire shows it).
+  None = 0,
+  // Also: every put a peer posted before its barrier on a fenced context is visible
+  // here after it (data and signals). Puts on contexts it does not fence may not be.
+  Puts = 1,
+  // Also: every get this rank posted before the barrier on a fenced context has landed
+  // here (and the sources of its puts there are reusable).
+  Gets = 2
+};
+// The barrier's context set that names every context of the communicator (ncclGinAllContexts).
+static constexpr int GinAllContexts = -1;
 
 // A device communicator's GIN handle, bound to context `ctx` when made (comm.gin(ctx)).
 // The operations of DeviceComm's contract (block-collective; peer first); DeviceComm's
@@ -146,11 +165,19 @@ struct DeviceComm {
   __device__ void resetCounter(uint32_t id);
 
   // ---- barriers (block-collective; one block of each rank takes part) ----
-  // Every rank: afterwards every put a peer made before its barrier is visible here
-  // (over GIN a strong signal, or, on weak-only backends, a flush then a weak signal:
-  // gda declares that local completion orders later writes).
-  __device__ void barrier();
-  // The LSA team only, by loads and stores.
+  // Every rank, with a fence (GinFenceLevel, above) over the contexts `ctx` names: one
+  // context (0 <= ctx < the communicator's contexts) or GinAllContexts. Every rank calls
+  // it with the same fence and contexts. barrier() is barrier(GinFenceLevel::Puts,
+  // GinAllContexts): afterwards every put a peer posted before its barrier, on any
+  // context, is visible here. A fence level outside GinFenceLevel, or a context that is
+  // neither one of the communicator's nor GinAllContexts, fails the launch (ValueError)
+  // before anything is posted. Over LSA every level holds (stores, then a release add).
+  // Over GIN each fenced context carries a signal to every GIN peer: strong where the
+  // backend offers strong signals; on weak-only backends (gda, which declares that local
+  // completion orders later writes) a flush of the context, then a weak signal.
+  __device__ void barrier(GinFenceLevel fence = GinFenceLevel::Puts, int ctx = GinAllContexts);
+  // The LSA team only, by loads and stores: every store or put to an LSA peer made
+  // before a peer's lsaBarrier is visible after it.
   __device__ void lsaBarrier();
 
   // ---- a connection per peer: the flow primitives between any two ranks ----
@@ -195,8 +222,10 @@ struct DeviceComm {
   __device__ bool contextOk(int ctx);
   __device__ bool checkPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r, int counter, int ctx);
   __device__ void ringDoorbells();
-  __device__ uint64_t* barrierWord(int r, bool lsa, int from) const;
-  __device__ void barrierOver(bool lsaOnly);
+  __device__ bool fenceOk(GinFenceLevel fence, int ctx);
+  __device__ uint64_t* barrierWord(int r, int set, int from) const;
+  __device__ uint64_t* epochWord(int set) const;
+  __device__ void barrierOver(bool lsaOnly, GinFenceLevel fence, int ctx);
 };
 
 }  // namespace commref
