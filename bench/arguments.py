@@ -29,6 +29,7 @@ from commref.transports.gin.faults import FaultSpec
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
 
 from . import plugins, programs
+from .baselines import BASELINES
 from .flags import add_np, add_option, int_type, option_type, parse_size
 from .series import communicator_kwargs, series_of
 
@@ -333,10 +334,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_option(c, "--threads", None, "threads per block")
     c.add_argument(
         "--baseline",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="measure MPI (CPU) or NCCL (GPU) in the same sweep (default on)",
+        default="auto",
+        choices=BASELINES,
+        help="the peer measured in the same sweep: auto (MPI on the CPU, NCCL on a GPU; the default), "
+        "mpi, nccl, gloo (torch.distributed's, where torch is installed) or none",
     )
+    c.add_argument("--no-baseline", dest="baseline", action="store_const", const="none", help="--baseline none")
     c.add_argument(
         "--bound",
         action=argparse.BooleanOptionalAction,

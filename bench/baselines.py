@@ -1,4 +1,5 @@
-"""Baselines measured in the same run as commref: MPI on the CPU, NCCL on a GPU.
+"""Baselines measured in the same run as commref: MPI on the CPU, NCCL on a GPU, and
+torch.distributed's gloo on the CPU where torch is installed (--baseline gloo).
 
 Each baseline has nccl4py's method names and argument order (the same as commref's
 Communicator), so a plugin's ``run`` drives either one:
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import socket
 
 import numpy as np
 
@@ -303,21 +305,196 @@ class NCCLBaseline:
             destroy()
 
 
-def make_baseline(world, device: str, device_id: int | None):
-    """The baseline for `device`: MPI on "cpu", NCCL on "cuda". Raises
+class GlooBaseline:
+    """torch.distributed's gloo backend (CPU tensors over loopback TCP), as a
+    PyTorch user reaches collectives without NCCL. Its own process group, rendezvous
+    through a TCPStore on rank 0's host; numpy buffers as tensors without copies
+    (bfloat16 through an int16 view). gloo's collectives are in place or take tensor
+    lists, so out-of-place calls copy the input into the output first, as a torch
+    program does; alltoallv, sendrecv and hypercube are send/recv pairs; gloo has no average:
+    'avg' runs as SUM, which moves and adds the same bytes."""
+
+    kind = "gloo"
+    REDUCING_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+
+    def __init__(self, world):
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as e:
+            raise BaselineUnavailable(f"the gloo baseline needs torch (pip install commref[torch]): {e}") from None
+        if world.size > 1 and world.kind != "mpi":
+            raise BaselineUnavailable(
+                "the gloo baseline needs one rank per process (run with --np N), not rank threads"
+            )
+        self.torch, self.dist = torch, dist
+        self.rank, self.nranks = world.rank, world.size
+        self.notes: list[str] = []
+        host, port, err = None, None, None
+        if world.rank == 0:
+            try:
+                host = socket.gethostname()
+                store = dist.TCPStore(
+                    host, 0, world.size, is_master=True, timeout=_timedelta(world.timeout), wait_for_workers=False
+                )
+                port = store.port
+            except Exception as e:  # noqa: BLE001 - reported to every rank
+                err = f"{type(e).__name__}: {e}"
+        host, port, err = world.bcast((host, port, err), what="bench: gloo store address")
+        if err:
+            raise BaselineUnavailable(f"gloo baseline: no store on rank 0 ({err})")
+        if world.rank != 0:
+            store = dist.TCPStore(host, port, world.size, is_master=False, timeout=_timedelta(world.timeout))
+        self._store = store
+        self.group = dist.distributed_c10d.ProcessGroupGloo(
+            dist.PrefixStore("commref-bench", store), self.rank, self.nranks, _timedelta(world.timeout)
+        )
+        self.library = f"torch {torch.__version__} gloo"
+        self.label = f"gloo (torch {torch.__version__.split('+')[0]})"
+        self._ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT}
+        self._ops.update(max=dist.ReduceOp.MAX, min=dist.ReduceOp.MIN)
+
+    def check(self, coll: str, dtype, op: str | None) -> None:
+        if catalogue.get(coll).reducing and dtype_name(dtype) not in self.REDUCING_DTYPES:
+            raise BaselineUnavailable(f"gloo has no {dtype_name(dtype)} reductions")
+        if op == "avg":
+            self.notes.append("gloo has no average: avg measured as SUM")
+
+    def _t(self, a, moving: bool = False):
+        """`a` as a tensor on the same memory (bytes for data movement)."""
+        if moving:
+            return self.torch.from_numpy(_bytes(a.reshape(-1)))
+        if dtype_name(a.dtype) == "bfloat16":
+            return self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(a)
+
+    def _wait(self, work) -> None:
+        work.wait()
+
+    def _copy_in(self, sendbuf, recvbuf) -> None:
+        if sendbuf is not recvbuf:
+            recvbuf[...] = sendbuf
+
+    def allreduce(self, sendbuf, recvbuf, op="sum") -> None:
+        self._copy_in(sendbuf, recvbuf)
+        o = self.dist.AllreduceOptions()
+        o.reduceOp = self._ops[op]
+        self._wait(self.group.allreduce([self._t(recvbuf)], o))
+
+    def allgather(self, sendbuf, recvbuf) -> None:
+        self._wait(self.group._allgather_base(self._t(recvbuf, True), self._t(sendbuf, True)))
+
+    def reduce_scatter(self, sendbuf, recvbuf, op="sum") -> None:
+        o = self.dist.ReduceScatterOptions()
+        o.reduceOp = self._ops[op]
+        self._wait(self.group._reduce_scatter_base(self._t(recvbuf), self._t(sendbuf), o))
+
+    def broadcast(self, sendbuf, recvbuf, root: int) -> None:
+        if self.rank == root:
+            self._copy_in(sendbuf, recvbuf)
+        o = self.dist.BroadcastOptions()
+        o.rootRank = root
+        self._wait(self.group.broadcast([self._t(recvbuf, True)], o))
+
+    def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0) -> None:
+        buf = recvbuf if self.rank == root else sendbuf.copy()
+        if self.rank == root:
+            self._copy_in(sendbuf, recvbuf)
+        o = self.dist.ReduceOptions()
+        o.reduceOp, o.rootRank = self._ops[op], root
+        self._wait(self.group.reduce([self._t(buf)], o))
+
+    def alltoall(self, sendbuf, recvbuf) -> None:
+        out, inp = self._t(recvbuf, True), self._t(sendbuf, True)
+        self._wait(self.group.alltoall_base(out, inp, [], [], self.dist.AllToAllOptions()))
+
+    def _blocks(self, buf):
+        t = self._t(buf, True)
+        return list(t.chunk(self.nranks)) if t.numel() else [t] * self.nranks
+
+    def gather(self, sendbuf, recvbuf, root: int) -> None:
+        o = self.dist.GatherOptions()
+        o.rootRank = root
+        outs = [self._blocks(recvbuf)] if self.rank == root else []
+        self._wait(self.group.gather(outs, [self._t(sendbuf, True)], o))
+
+    def scatter(self, sendbuf, recvbuf, root: int) -> None:
+        o = self.dist.ScatterOptions()
+        o.rootRank = root
+        ins = [self._blocks(sendbuf)] if self.rank == root else []
+        self._wait(self.group.scatter([self._t(recvbuf, True)], ins, o))
+
+    def alltoallv(self, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls) -> None:
+        s, out, r = sendbuf.reshape(-1), recvbuf.reshape(-1), self.rank
+        out[rdispls[r] : rdispls[r] + recvcounts[r]] = s[sdispls[r] : sdispls[r] + sendcounts[r]]
+        works = []
+        for j in range(self.nranks):
+            if j != r:
+                send = self._t(s[sdispls[j] : sdispls[j] + sendcounts[j]], True)
+                works.append(self.group.send([send], j, 0))
+                works.append(self.group.recv([self._t(out[rdispls[j] : rdispls[j] + recvcounts[j]], True)], j, 0))
+        for w in works:
+            w.wait()
+
+    def _exchange(self, send, dst: int, recv, src: int) -> None:
+        works = [self.group.send([send], dst, 0), self.group.recv([recv], src, 0)]
+        for w in works:
+            w.wait()
+
+    def sendrecv(self, sendbuf, recvbuf) -> None:
+        n, r = self.nranks, self.rank
+        self._exchange(self._t(sendbuf, True), (r + 1) % n, self._t(recvbuf, True), (r - 1) % n)
+
+    def hypercube(self, sendbuf, recvbuf) -> None:
+        n, r, c = self.nranks, self.rank, sendbuf.size
+        out = _bytes(recvbuf.reshape(-1))
+        b = c * sendbuf.itemsize
+        if recvbuf.size and not np.shares_memory(sendbuf, recvbuf):
+            out[r * b : (r + 1) * b] = _bytes(sendbuf.reshape(-1))
+        mask = 1
+        while mask < n:
+            mine = r & ~(mask - 1)
+            theirs = mine ^ mask
+            send, recv = out[mine * b : (mine + mask) * b], out[theirs * b : (theirs + mask) * b]
+            self._exchange(self.torch.from_numpy(send), r ^ mask, self.torch.from_numpy(recv), r ^ mask)
+            mask <<= 1
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.group = None
+        self._store = None
+
+
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+BASELINES = ("auto", "mpi", "nccl", "gloo", "none")  # --baseline: auto is MPI on the CPU, NCCL on a GPU
+
+
+def make_baseline(world, device: str, device_id: int | None, kind: str = "auto"):
+    """The baseline `kind` (BASELINES; "auto": MPI on "cpu", NCCL on "cuda"). Raises
     BaselineUnavailable (with the reason) when it cannot be built."""
+    kind = {"auto": "nccl" if device == "cuda" else "mpi"}.get(kind, kind)
+    name = {"mpi": "MPI", "nccl": "NCCL", "gloo": "gloo"}[kind]
+    if (kind == "nccl") != (device == "cuda"):
+        raise BaselineUnavailable(f"the {name} baseline runs on {'a GPU' if kind == 'nccl' else 'the CPU'} only")
     try:
-        if device == "cuda":
+        if kind == "nccl":
             return NCCLBaseline(world, device_id or 0)
-        return MPIBaseline(world)
+        return GlooBaseline(world) if kind == "gloo" else MPIBaseline(world)
     except BaselineUnavailable:
         raise
     except ImportError as e:
-        raise BaselineUnavailable(f"{'NCCL' if device == 'cuda' else 'MPI'} baseline: {e}") from e
-    except Exception as e:  # NCCL setup failed (no library, unsupported setup): run without it
-        if device != "cuda":
+        raise BaselineUnavailable(f"{name} baseline: {e}") from e
+    except Exception as e:  # NCCL or gloo setup failed (no library, unsupported setup): run without it
+        if kind == "mpi":
             raise
-        raise BaselineUnavailable(f"NCCL baseline: {type(e).__name__}: {e}") from e
+        raise BaselineUnavailable(f"{name} baseline: {type(e).__name__}: {e}") from e
 
 
 def _shared_unique_id(world, get_unique_id):

@@ -135,11 +135,12 @@ def setup_device(world, device: str):
     return device, device_id, cupy, (lambda: cupy.cuda.get_current_stream().synchronize())
 
 
-def setup_baseline(world, device: str, device_id: int | None, plugin, dtype, op: str | None):
-    """(baseline or None, why not). Every rank agrees, or the baseline would hang."""
+def setup_baseline(world, device: str, device_id: int | None, plugin, dtype, op: str | None, kind: str = "auto"):
+    """(baseline or None, why not): the baseline `kind` (baselines.BASELINES). Every rank
+    agrees, or the baseline would hang."""
     baseline, why = None, None
     try:
-        baseline = make_baseline(world, device, device_id)
+        baseline = make_baseline(world, device, device_id, kind)
         baseline.check(plugin.coll, dtype, op)
     except BaselineUnavailable as e:
         baseline, why = None, str(e)
@@ -220,7 +221,9 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
     runners, skipped = setup_communicators(world, args, device, device_id, plugin, op)
     ctx.memory = symmetric_memory(args, plugin, dtype, world.size, xp, runners)
     baseline, baseline_error = (
-        setup_baseline(world, device, device_id, plugin, dtype, op) if args.baseline else (None, "--no-baseline")
+        setup_baseline(world, device, device_id, plugin, dtype, op, args.baseline)
+        if args.baseline != "none"
+        else (None, "--baseline none")
     )
     meter = StreamMeter(world, xp, sync) if args.bound else None
     env = environment(world, device, device_id, baseline, baseline_error)

@@ -99,7 +99,7 @@ def test_nccl_tests_flags() -> None:
         "sum",
         "float32",
     )
-    assert d.path is None and d.baseline and d.bound
+    assert d.path is None and d.baseline == "auto" and d.bound
     assert series.paths_of(d) == ["lsa"] and series.paths_of(bench_args("all_gather", "--nodes", "2")) == ["auto"]
     assert bench_args("reduce", "--path", "lsa,gin", "--backend", "proxy,gda").path == ["lsa", "gin"]
     for dt, name in [("float", "float32"), ("bf16", "bfloat16"), ("int32", "int32"), ("double", "float64")]:
