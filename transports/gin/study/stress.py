@@ -222,6 +222,20 @@ class _ReceiverObserver(Observer):
         self.count += 1
 
 
+def _order(prog: pr.Program, log: list, by_ctx_seq: dict, base: dict[int, int]) -> list[Event]:
+    """The observer's log of one message as events of the program's plan: (ctx, seq,
+    segment, copy) per landing, seq counted from `base[ctx]`; segment None (the ordered
+    wire's whole data in one piece) stands for every segment of the put in address order."""
+    order = []
+    for c, s, seg, cp in log:
+        i = by_ctx_seq[(c, s - base[c])]
+        if seg is None:
+            order += [Event(i, k) for k in range(len(prog.plan.segs[i]))]
+        else:
+            order.append(Event(i, seg, cp))
+    return order
+
+
 def _describe(prog: pr.Program, read: pr.Read, stale) -> str:
     return f"{read.why}; stale " + ", ".join(f"[{o},{o + n})" for o, n in stale)
 
@@ -264,7 +278,7 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                 if world.rank == 0:
                     local[:w] = np.frombuffer(prog.image, np.uint8)  # the sources, at the same offsets
                     q.reset()
-                    observer = _SenderObserver(ctl, None if model.transport.ordered else log)
+                    observer = _SenderObserver(ctl, log)
                     sender_faults = faults
                 if observer is not None:
                     site = EngineSite(world, window, layout, CAPACITY, BACKENDS["proxy"], model.transport, network)
@@ -275,6 +289,8 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                         comm,
                         observer,
                         faults=sender_faults,
+                        # the ordered wire's contexts as independent ordering domains (the sender's)
+                        independent_contexts=world.rank == 0 and model.transport.ordered,
                     )
                     proxy.start()
                 try:
@@ -293,13 +309,12 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                                 return q.consumed() >= q.slot and not proxy.pending(1)
 
                             _wait(landed, deadline, proxy, "every event to land")
-                            if not model.transport.ordered:
-                                order = [Event(by_ctx_seq[(c, s - m * per_ctx[c])], seg, cp) for c, s, seg, cp in log]
-                                cell.orders_checked += 1
-                                bad = sem.first_disallowed(model.transport, prog.plan, order, model.strong_always)
-                                missing = {e for e in prog.plan.all_events(model.transport) if e.copy == 0} - set(order)
-                                if bad is not None or missing:
-                                    cell.orders_disallowed += 1
+                            order = _order(prog, log, by_ctx_seq, {c: m * n for c, n in per_ctx.items()})
+                            cell.orders_checked += 1
+                            bad = sem.first_disallowed(model.transport, prog.plan, order, model.strong_always)
+                            missing = {e for e in prog.plan.all_events(model.transport) if e.copy == 0} - set(order)
+                            if bad is not None or missing:
+                                cell.orders_disallowed += 1
                             ctl.set_landed(serial)
                         else:
                             _receive(
