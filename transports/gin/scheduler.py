@@ -23,7 +23,8 @@ mode) the puts held back.
   2. forced: a get on the link (it reads after the context's earlier puts);
   3. idle: the proxy's queue stayed empty for IDLE_RELEASE_S (release_held(): the
      sender may wait on a held op, with nothing more to post), the liveness rule of the
-     unordered wire's held puts. A flush does not release a hold (it promises that
+     unordered wire's held puts; the held links land one after another, in an order
+     drawn from the scheduler's idle stream (seed, rank). A flush does not release a hold (it promises that
      sources are reusable, not remote visibility; sources are copied when taken).
   No sleep decides an order: which ops are held, where a held op is cut and how many
   ops overtake it are functions of the seed and the posted sequence; only an idle
@@ -151,6 +152,7 @@ class DeliveryScheduler:
         self.transport, self.strong_always, self.wire = transport, strong_always, wire
         self.batched = batched
         self.independent = independent_contexts and transport.ordered
+        self._idle_rng = random.Random(f"{seed}:{rank}:idle")  # the order of held links at an idle release
         self.seed, self.rank, self.segment_bytes = seed, rank, segment_bytes
         self.rng = random.Random(seed * 1_000_003 + rank)
         self.links: dict[tuple[int, int], Link] = {}  # (peer, ctx) -> what is pending there
@@ -267,9 +269,11 @@ class DeliveryScheduler:
         on one of them), per link in sequence order, each in its own pre-drawn order; and
         every held link's FIFO (independent contexts)."""
         landed = 0
+        queued = [(key, link) for key, link in list(self.links.items()) if link.queued]
+        self._idle_rng.shuffle(queued)  # which held context lands first is the adversary's too
+        for (peer, ctx), link in queued:
+            landed += self._release(peer, ctx, link, "idle")
         for (peer, ctx), link in list(self.links.items()):
-            if link.queued:
-                landed += self._release(peer, ctx, link, "idle")
             if link.held:
                 for seq in sorted(link.held):
                     self.record(peer, ctx, ("release", seq, "idle"))
