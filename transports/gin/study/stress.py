@@ -24,9 +24,10 @@ decide, and only then read the data it accepted (a second copy). Reading the dat
 before the observation would report corruptions no receiver could see.
 
 Also checked per message: the receiver accepted once everything had landed and the
-window then equals the message (nothing lost), and, on unordered wires, the order in
-which the proxy landed the events is one that semantics.first_disallowed accepts for
-the explorer's plan of the program (what runs is what was studied).
+window then equals the message (nothing lost), and the order in which the proxy landed
+the events is one that semantics.first_disallowed accepts for the explorer's plan of
+the program (what runs is what was studied; on an ordered wire a put's whole data,
+landed in one piece, stands for its segments in address order).
 
 The two ranks share only the windows and the world's barriers (every wait bounded by
 world.timeout): a few control words in the receiver's window (_Control) say which
@@ -37,11 +38,13 @@ observer hook (observer.Observer: each landing, each MPI message sent or receive
 that is where it paces the proxy, logs the delivery order and counts messages.
 
 Not stressed: counted-writes (the proxy keeps no placed-bytes counter to wait on).
-On an ordered wire the proxy lands each operation when it takes it, so it is FIFO
-across contexts too: a legal refinement of per-context FIFO, under which the /2ctx
-counterexamples (another context overtaking) cannot occur. With faults (`faults`) each
-(peer, context) recovers from its losses on its own, so one context does overtake
-another and those counterexamples show.
+On an ordered wire the sender's proxy runs with independent contexts
+(GinOptions.independent_contexts; scheduler.py): each (peer, context) stays FIFO while
+the scheduler, seeded by the stress's seed, holds one context back as the other
+overtakes it, so the /2ctx counterexamples occur. Without it the proxy would land each
+operation when it takes it, FIFO across contexts too (a legal refinement of
+per-context FIFO under which they cannot). With faults (`faults`) each (peer, context)
+also recovers from its losses on its own, which lets one context overtake another too.
 """
 
 from __future__ import annotations
