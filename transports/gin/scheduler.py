@@ -27,8 +27,9 @@ mode) the puts held back.
      drawn from the scheduler's idle stream (seed, rank). A flush does not release a hold (it promises that
      sources are reusable, not remote visibility; sources are copied when taken).
   No sleep decides an order: which ops are held, where a held op is cut and how many
-  ops overtake it are functions of the seed and the posted sequence; only an idle
-  release depends on timing.
+  ops overtake it are functions of the seed and the posted sequence (each op's draw is
+  its own), up to the idle releases, which depend on timing: a link released idle is
+  free to be held again at its next op, where it would otherwise still hold.
 - unordered wire, links whose kernels ring doorbells (every commref communicator's:
   `batched`): the link is served at its doorbells from its first put, and it is as
   adversarial as SRD across them; nothing lands between a put and its doorbell. At
