@@ -168,6 +168,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "wire_rate": ("gin", "wire_rate"),
     "wire_latency": ("gin", "wire_latency"),
     "fault": ("gin", "fault"),
+    "independent_contexts": ("gin", "independent_contexts"),
 }
 
 

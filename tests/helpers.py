@@ -186,18 +186,26 @@ TRACE_COUNT = 1001
 
 
 def traced_sweep(
-    world, seed, timeout, count=TRACE_COUNT, slot_bytes=TRACE_SLOT_BYTES, segment_bytes=SEGMENT_BYTES, **gin
+    world,
+    seed,
+    timeout,
+    count=TRACE_COUNT,
+    slot_bytes=TRACE_SLOT_BYTES,
+    segment_bytes=SEGMENT_BYTES,
+    max_channels=1,
+    **gin,
 ):
     """One reduced sweep of every GIN collective (float32 sum, `count` elements, out of
-    place) with the proxy's trace on; `gin`: the Communicator's GIN keywords. Returns
-    (this rank's proxy trace, wrong elements here, strong flags the proxy received)."""
+    place) with the proxy's trace on, over `max_channels` channels (a connection's
+    context is its channel); `gin`: the Communicator's GIN keywords. Returns (this rank's
+    proxy trace, wrong elements here, strong flags the proxy received)."""
     comm = Communicator(
         world,
         "cpu",
         timeout=timeout,
         path="gin",
         seed=seed,
-        max_channels=1,
+        max_channels=max_channels,
         slot_bytes=slot_bytes,
         segment_bytes=segment_bytes,
         **gin,
@@ -224,10 +232,11 @@ def traced_sweep(
     return {k: list(v) for k, v in proxy.trace.items()}, wrong, getattr(proxy, "strong_seen", 0)
 
 
-def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network="shm"):
-    """Per seed: traced_sweep's (trace, wrong elements, strong flags received)."""
+def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network="shm", **more):
+    """Per seed: traced_sweep's (trace, wrong elements, strong flags received); `more`:
+    traced_sweep's other keywords (max_channels, the Communicator's GIN keywords)."""
     return [
-        traced_sweep(world, seed, timeout, backend=backend, wire=wire, network=network, gin_protocol=protocol)
+        traced_sweep(world, seed, timeout, backend=backend, wire=wire, network=network, gin_protocol=protocol, **more)
         for seed in seeds
     ]
 

@@ -48,6 +48,16 @@ MATRIX = [
     ("gda", "unordered", "weak-last"),
 ]
 SEEDS = (1, 2, 3, 4, 5, 6)
+# (backend, protocol) on the ordered wire with independent contexts (GinOptions.independent_contexts),
+# run over 2 channels, so that each peer is reached on 2 contexts
+INDEPENDENT = [
+    ("proxy", "strong"),
+    ("rc", "strong"),
+    ("rc", "weak-last"),
+    ("gda", "signal-per-put"),
+    ("gda", "flush-signal"),
+]
+INDEPENDENT_RUN = {"independent_contexts": True, "max_channels": 2}
 
 
 def watch_flags(strip_strong: bool):
@@ -81,20 +91,23 @@ def _mpi_main(seeds: list[int]) -> None:
     from commref.transports.mpi_world import MPIWorld
 
     world = MPIWorld()
-    for backend, wire, protocol in MATRIX:
+    runs = [(b, w, p, w, {}) for b, w, p in MATRIX]
+    runs += [(b, "ordered", p, "ordered+independent", INDEPENDENT_RUN) for b, p in INDEPENDENT]
+    for backend, wire, protocol, label, more in runs:
         for seed, (trace, wrong, _) in zip(
-            seeds, collectives_run(world, backend, wire, protocol, seeds, network="mpi")
+            seeds, collectives_run(world, backend, wire, protocol, seeds, network="mpi", **more)
         ):
+            where = f"rank {world.rank} {backend} {label} {protocol} seed {seed}"
             try:
                 counts = replay_trace(trace, backend, wire)
-                print(
-                    f"rank {world.rank} {backend} {wire} {protocol} seed {seed}: conforms "
-                    f"{counts['seg']} segments {counts['signal']} signals {counts['hold']} holds "
-                    f"wrong {wrong}",
-                    flush=True,
+                line = (
+                    f"{where}: conforms {counts['seg']} segments {counts['signal']} signals "
+                    f"{counts['hold']} holds wrong {wrong}"
                 )
             except Disallowed as e:
-                print(f"rank {world.rank} {backend} {wire} {protocol} seed {seed}: DISALLOWED {e}", flush=True)
+                line = f"{where}: DISALLOWED {e}"
+            sys.stdout.write(line + "\n")  # one write: the two ranks' lines share mpiexec's stdout
+            sys.stdout.flush()
     world.barrier(what="conformance done")
 
 
@@ -120,10 +133,10 @@ def python_engine(monkeypatch):
     monkeypatch.setenv("COMMREF_GIN_ENGINE", "python")
 
 
-def _runs(backend, wire, protocol, seeds, strip_strong=False):
+def _runs(backend, wire, protocol, seeds, strip_strong=False, **more):
     cls, original = watch_flags(strip_strong)
     try:
-        results = ThreadWorld.run(2, collectives_run, backend, wire, protocol, list(seeds), timeout=120)
+        results = ThreadWorld.run(2, collectives_run, backend, wire, protocol, list(seeds), timeout=120, **more)
     finally:
         cls._execute = original
     return [[r[i] for r in results] for i in range(len(seeds))]  # per seed, per rank
@@ -143,6 +156,27 @@ def test_collectives_over_shm_conform(backend, wire, protocol):
         assert total["hold"] > 0 and total["release"] == total["hold"], total
 
 
+@pytest.mark.parametrize("backend, protocol", INDEPENDENT)
+def test_collectives_over_independent_contexts_conform(backend, protocol):
+    """The ordered wire with independent contexts (scheduler.py): over 2 channels (a
+    connection's context is its channel), the proxy holds one context's traffic back,
+    sometimes cutting a put after some of its segments, while the other's overtakes it.
+    Every trace replays against semantics.enabled() (cross-context reordering is the
+    model's: only each (peer, context) is FIFO), every hold is released, and no
+    collective reads a wrong element (each connection keeps to its own context)."""
+    total, cut = {}, 0
+    for seed, ranks in zip(SEEDS[:3], _runs(backend, "ordered", protocol, SEEDS[:3], **INDEPENDENT_RUN)):
+        for rank, (trace, wrong, _) in enumerate(ranks):
+            assert trace and wrong == 0, (rank, seed, wrong)
+            assert len({ctx for _, ctx in trace}) == 2, sorted(trace)
+            for key, n in replay_trace(trace, backend, "ordered").items():
+                total[key] = total.get(key, 0) + n
+            cut += sum(r[0] == "seg" for records in trace.values() for r in records)
+    assert total["seg"] > 100 and total["signal"] > 20, total
+    assert total["hold"] > 0 and total["release"] == total["hold"], total
+    assert cut > 0, total  # some held put was cut after a part of its segments
+
+
 def test_collectives_over_mpi_conform():
     from conftest import clean_env, run_mpi
 
@@ -156,8 +190,10 @@ def test_collectives_over_mpi_conform():
     assert proc.returncode == 0, out[-4000:]
     bad = re.findall(r"rank \d [^:]*: DISALLOWED.*", proc.stdout)
     assert not bad, "\n".join(bad[:4])
-    lines = re.findall(r"rank (\d) (\S+) (\S+) (\S+) seed (\d+): conforms", proc.stdout)
-    assert len(set(lines)) == 2 * len(MATRIX) * 3, out[-4000:]
+    lines = re.findall(r"rank (\d) (\S+) (\S+) (\S+) seed (\d+): conforms [^\n]* (\d+) holds wrong (\d+)", proc.stdout)
+    assert len(set(lines)) == 2 * (len(MATRIX) + len(INDEPENDENT)) * 3, out[-4000:]
+    independent = [m for m in lines if m[2] == "ordered+independent"]
+    assert all(m[6] == "0" for m in independent) and sum(int(m[5]) for m in independent) > 0, independent
 
 
 def test_replay_catches_a_strong_signal_before_an_earlier_put(monkeypatch):
@@ -269,6 +305,57 @@ def test_hold_back_is_reproducible_and_bounded():
         c = drive(5, strong, 3)
         replay((1, 0), c, semantics.UNORDERED, False, 64)
         assert [r for r in c if r[0] == "hold"] == [r for r in a if r[0] == "hold"]
+
+
+def test_independent_contexts_are_reproducible_and_judged(monkeypatch):
+    """The scheduler alone (ordered wire, independent contexts), driven without threads:
+    puts on context 0 and signals on context 1 to one peer. The same seed gives the same
+    trace; contexts do overtake each other (a signal lands while an earlier put of the
+    other context is held); every link replays against semantics.enabled(), alone, as the
+    model judges it. A planted bug that lands a held FIFO in reverse (per-context FIFO
+    broken) fails the replay."""
+
+    class NoWire:
+        def land_data(self, *a):
+            pass
+
+        def signal(self, *a):
+            pass
+
+    def drive(seed):
+        sc = scheduler.DeliveryScheduler(
+            semantics.ORDERED, False, NoWire(), seed, 0, 64, {"events": 0}, independent_contexts=True
+        )
+        sc.trace, order = {}, []
+        sc.observer = type("Log", (), {"landed": lambda self, peer, ctx, seq, seg, copy: order.append((ctx, seq))})()
+        for step in range(100):
+            sc.post(1, 0, 256 * (step % 4), np.zeros(256, np.uint8), None)
+            sc.post(1, 1, 0, np.zeros(0, np.uint8), semantics.Signal(True))
+            if step % 10 == 9:
+                sc.release_held()
+        sc.release_held()
+        assert not sc.pending() and not sc.held()
+        return sc.trace, order
+
+    (a, order), (b, _) = drive(5), drive(5)
+    assert a == b and a != drive(6)[0]
+    overtaken = sum(1 for k, (ctx, seq) in enumerate(order) if ctx == 1 and (0, seq) not in order[:k])
+    assert overtaken > 5, overtaken
+    for link, records in a.items():
+        counts = replay(link, records, semantics.ORDERED, False, 64)
+        assert counts["hold"] == counts["release"] > 5, counts
+    assert any(r[0] == "seg" for r in a[(1, 0)])  # held puts cut after some of their segments
+
+    def reversed_release(self, peer, ctx, link, why):
+        link.queued.reverse()
+        return original(self, peer, ctx, link, why)
+
+    original = scheduler.DeliveryScheduler._release
+    monkeypatch.setattr(scheduler.DeliveryScheduler, "_release", reversed_release)
+    bad, _ = drive(5)
+    with pytest.raises(Disallowed):
+        for link, records in bad.items():
+            replay(link, records, semantics.ORDERED, False, 64)
 
 
 def test_a_batched_link_lands_nothing_before_its_doorbell_whenever_deliver_runs():

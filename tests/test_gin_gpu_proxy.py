@@ -276,7 +276,7 @@ def test_a_signal_over_a_link_without_native_peer_atomics_is_refused_naming_the_
     assert "\n" not in error
 
 
-def test_gpu_refuses_the_unordered_wire_in_one_line():
+def test_gpu_refuses_the_unordered_wire_and_independent_contexts_in_one_line():
     from commref.transports.gin.options import GinOptions
 
     def body(world):
@@ -286,6 +286,12 @@ def test_gpu_refuses_the_unordered_wire_in_one_line():
             r".* the unordered wire runs on the CPU engine \(device='cpu'\)",
         ):
             gin_plan.plan_gin(world, GinOptions(path="gin", wire="unordered"), "cuda", 1, 4)
+        with pytest.raises(
+            CapabilityError,
+            match=r"^rank \d: independent contexts \(independent_contexts\) run in the Python GIN proxy "
+            r"of the CPU engine \(device='cpu'\), not on a GPU in this version$",
+        ):
+            gin_plan.plan_gin(world, GinOptions(path="gin", independent_contexts=True), "cuda", 1, 4)
 
     ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
 

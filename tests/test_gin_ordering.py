@@ -203,3 +203,54 @@ def test_unordered_wire_order_is_reproducible_per_seed():
         assert all(sum(r[0] == "seg" for r in t) > 50 for rank in a for t in rank.values())
         assert any(r[0] == "hold" for rank in a for t in rank.values() for r in t), "nothing held back"
     assert runs[1][0] != runs[2][0] or runs[2][0] != runs[3][0]
+
+
+# ---------------------------------------------------------------------------------------
+# independent contexts on the ordered wire: the option, and which engine carries it
+# ---------------------------------------------------------------------------------------
+
+
+def test_independent_contexts_option_is_checked():
+    """GinOptions.independent_contexts: off by default; a flag (bool, 0/1, on/off words);
+    an ordered wire's option; not with the wire model (which runs in the native engine)."""
+    from commref.collectives.options import CommOptions
+    from commref.transports.gin.options import GinOptions
+    from commref.transports.option_types import OptionError
+
+    assert GinOptions().independent_contexts is False
+    assert GinOptions(independent_contexts="on").independent_contexts is True
+    assert CommOptions.from_kwargs(independent_contexts=1).gin.independent_contexts is True
+    for bad, message in (
+        ({"independent_contexts": "maybe"}, r"^independent_contexts must be true or false .*not 'maybe'$"),
+        ({"independent_contexts": True, "wire": "unordered"}, r"^independent_contexts is an option of the ordered"),
+        ({"independent_contexts": True, "wire_latency": "5us"}, r"runs in the native GIN engine and independent"),
+    ):
+        with pytest.raises(OptionError, match=message):
+            GinOptions(**bad)
+
+
+def _independent_allreduce(world):
+    """An exact ring allreduce over 2 channels with independent contexts; the engine's
+    class name and whether its scheduler runs the cross-context adversary."""
+    comm = gin_comm(world, path="gin", max_channels=2, slot_bytes=1024, independent_contexts=True, seed=3)
+    try:
+        wrong = check.run_case(comm, ORDERING_CASE)
+        return type(comm.proxy).__name__, comm.proxy.scheduler.independent, wrong
+    finally:
+        close_after_barrier(world, comm)
+
+
+def test_independent_contexts_run_in_the_python_proxy(monkeypatch):
+    """The native engine (the ordered wire's default) does not carry independent contexts:
+    engines.start_engine gives the communicator the Python proxy, whose scheduler holds
+    contexts back; COMMREF_GIN_ENGINE=native refuses it with one line."""
+    monkeypatch.setenv("COMMREF_GIN_ENGINE", "auto")
+    for name, independent, wrong in ThreadWorld.run(2, _independent_allreduce, timeout=WORLD_TIMEOUT):
+        assert (name, independent, wrong) == ("GinProxy", True, 0)
+
+    def refused(world):
+        with pytest.raises(CapabilityError, match=r"native GIN engine cannot carry independent contexts"):
+            gin_comm(world, path="gin", independent_contexts=True)
+
+    monkeypatch.setenv("COMMREF_GIN_ENGINE", "native")
+    ThreadWorld.run(2, refused, timeout=WORLD_TIMEOUT)

@@ -66,6 +66,20 @@ def bounded(value, what: str, low: int | None = None, high: int | None = None, m
     return value
 
 
+FLAG_WORDS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+
+
+def flag(value, what: str) -> bool:
+    """`value` as a bool: a bool, 0 or 1, or a word of FLAG_WORDS (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in FLAG_WORDS:
+        return FLAG_WORDS[value.strip().lower()]
+    raise OptionError(f"{what} must be true or false (or 1, 0, on, off, yes, no), not {value!r}")
+
+
 def seconds(value, what: str = "timeout") -> float:
     """A positive, finite number of seconds."""
     try:

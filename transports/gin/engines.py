@@ -66,8 +66,9 @@ def start_engine(
 ):
     """Starts this rank's GIN engine for `plan` (a plan.GinPlan) over `window` (None when
     the plan puts no peer over GIN): the native engine (native.NativeProxy) for the
-    ordered wire without an observer (on network mpi where native.mpi_library() builds
-    on every rank), the Python proxy (proxy.GinProxy) otherwise. `engine` (default: the
+    ordered wire without an observer, a lossy link (fault) or independent contexts (on
+    network mpi where native.mpi_library() builds on every rank), the Python proxy
+    (proxy.GinProxy) otherwise. `engine` (default: the
     COMMREF_GIN_ENGINE environment variable, see gin_engine()) forces one. On a GPU
     (`device` "cuda") the copy-engine proxy (gpu_proxy.GpuProxy) over `region`, the
     rank's queue.QueueRegion. On network mpi the engines get a communicator of their own
@@ -102,6 +103,8 @@ def start_engine(
     why_not = native.supports(plan.transport, plan.network, observer)
     if why_not is None and o.fault.active:
         why_not = "a lossy wire (fault), which the Python proxy carries"
+    if why_not is None and o.independent_contexts:
+        why_not = "independent contexts (independent_contexts), which the Python proxy carries"
     if mpi_comm is not None:  # every rank's engine must speak one protocol
         refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
         if refusals and why_not is None:
@@ -130,6 +133,7 @@ def start_engine(
             mpi_tag=mpi_tag,
             faults=o.fault,
             batched=plan.rings_doorbells,
+            independent_contexts=o.independent_contexts,
         )
     proxy.start()
     return proxy

@@ -5,7 +5,9 @@ GIN peer's window mapped in this process, window.peer_addresses) and on the MPI 
 (messages to the peer's engine on the proxies' own communicator; the engine is then
 built against the MPI that mpi4py loaded, see mpi_library()). engines.start_engine
 picks NativeProxy there and proxy.GinProxy everywhere else (unordered wire, an observer
-given, an MPI the engine cannot be built for, or COMMREF_GIN_ENGINE=python).
+given, a lossy wire, independent contexts on the ordered wire, an MPI the engine cannot
+be built for, or COMMREF_GIN_ENGINE=python). Its ordered wire is FIFO across the
+contexts of a peer too (one taker, slot order): a legal refinement of per-context FIFO.
 
 One C++ std::thread per rank takes the descriptors in slot order exactly as
 queue.QueueReader does, executes each (data, counter, signal, get) and stores

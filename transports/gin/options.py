@@ -8,7 +8,16 @@ from dataclasses import dataclass
 
 from commref.transports.gin.faults import FaultSpec
 from commref.transports.nodes import NODES_ENV
-from commref.transports.option_types import RATE_UNITS, TIME_UNITS, Choice, OptionError, bounded, choice, quantity
+from commref.transports.option_types import (
+    RATE_UNITS,
+    TIME_UNITS,
+    Choice,
+    OptionError,
+    bounded,
+    choice,
+    flag,
+    quantity,
+)
 
 
 class Path(Choice):
@@ -92,6 +101,12 @@ class GinOptions:
     # A lossy link under the wire, with SRD's reliability layer above it (faults.py): drop,
     # duplicate and delay probabilities, seeded by `seed`; "drop=0.05,dup=0.05,delay=0.05".
     fault: FaultSpec = FaultSpec()
+    # The ordered wire's contexts as independent ordering domains (separate queue pairs):
+    # each (peer, context) stays FIFO, but the proxy holds a context's traffic back,
+    # seeded by `seed`, while later operations of other contexts to that peer overtake it
+    # (scheduler.py, "Independent contexts"). Off: every context of a peer lands in the
+    # order the proxy takes it (a legal refinement, and the fast path: the native engine).
+    independent_contexts: bool = False
 
     def __post_init__(self) -> None:
         fix = object.__setattr__
@@ -108,6 +123,17 @@ class GinOptions:
         fix(self, "wire_rate", quantity(self.wire_rate, "wire_rate", RATE_UNITS, "bytes/s, e.g. 12.5G"))
         fix(self, "wire_latency", quantity(self.wire_latency, "wire_latency", TIME_UNITS, "seconds, e.g. 5us"))
         fix(self, "fault", FaultSpec.parse(self.fault))
+        fix(self, "independent_contexts", flag(self.independent_contexts, "independent_contexts"))
+        if self.independent_contexts and self.wire != Wire.ORDERED:
+            raise OptionError(
+                f"independent_contexts is an option of the ordered wire; on the {self.wire.value} wire "
+                f"contexts are independent already"
+            )
+        if self.independent_contexts and self.wire_modeled:
+            raise OptionError(
+                "the wire model (wire_rate, wire_latency) runs in the native GIN engine and "
+                "independent_contexts in the Python proxy: choose one"
+            )
         if self.wire_modeled and self.fault.active:
             raise OptionError(
                 "the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults in "

@@ -186,6 +186,11 @@ def plan_gin(world, options: GinOptions, device: str, nchannels: int, nsteps: in
             f"rank {rank}: a lossy wire (fault) runs in the Python GIN proxy of the CPU engine "
             f"(device='cpu'), not on a GPU in this version"
         )
+    if options.independent_contexts and device == "cuda":
+        raise CapabilityError(
+            f"rank {rank}: independent contexts (independent_contexts) run in the Python GIN proxy "
+            f"of the CPU engine (device='cpu'), not on a GPU in this version"
+        )
     if options.wire_modeled and device == "cuda":
         raise CapabilityError(
             f"rank {rank}: the wire model (wire_rate, wire_latency) runs in the native GIN engine "

@@ -55,7 +55,8 @@ class GinProxy(DescriptorChecks):
     communicator); `observer`: an observer.Observer, or None; `faults`: a lossy link
     under the wire and the reliability layer above it (faults.py), seeded by `seed`;
     `batched`: the kernels ring doorbells (GinArgs.doorbells), so the scheduler serves
-    every link at doorbells from its first put."""
+    every link at doorbells from its first put; `independent_contexts`: on the ordered
+    wire, the scheduler holds contexts back while others overtake (scheduler.py)."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class GinProxy(DescriptorChecks):
         mpi_tag: int = TAG,
         faults: FaultSpec | None = None,
         batched: bool = False,
+        independent_contexts: bool = False,
     ):
         world, window, layout, capacity, backend, transport, network = site
         self.world, self.rank, self.backend, self.transport = world, world.rank, backend, transport
@@ -99,7 +101,16 @@ class GinProxy(DescriptorChecks):
         if faults is not None and faults.active:
             self.wire = ReliableWire(self.wire, faults, seed, self.rank, self.stats)
         self.scheduler = DeliveryScheduler(
-            transport, backend.strong_always, self.wire, seed, self.rank, segment_bytes, self.stats, observer, batched
+            transport,
+            backend.strong_always,
+            self.wire,
+            seed,
+            self.rank,
+            segment_bytes,
+            self.stats,
+            observer,
+            batched,
+            independent_contexts,
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"commref-gin-proxy-{self.rank}", daemon=True)
@@ -231,6 +242,7 @@ class GinProxy(DescriptorChecks):
                 raise self._refusal("window_unknown", op, peer, access=access, window=window)
             self._check(dst_window, dst, nbytes, "get_destination", op, peer)
             self._check(src_window, src, nbytes, "get_source", op, peer)  # every rank's window is as long
+            self.scheduler.release_link(peer, ctx)  # independent contexts: after the context's earlier puts
             self.wire.get(peer, src, dst, nbytes, self.scheduler.deliver)
             self.scheduler.record(peer, ctx, ("get", src, dst, nbytes))
             return

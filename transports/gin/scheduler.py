@@ -7,7 +7,29 @@ far, whether a flush of the context came since the link's last put, and (doorbel
 mode) the puts held back.
 
 - ordered wire: each (peer, context) is FIFO, so a put and its signal land as soon as
-  they are posted (the only enabled event is always the head);
+  they are posted (the only enabled event is always the head): every context of a peer
+  then lands in the order the proxy takes it, a legal refinement of per-context FIFO;
+- ordered wire, independent contexts (GinOptions.independent_contexts): contexts are
+  separate ordering domains, as queue pairs on InfiniBand RC are, and the scheduler is
+  an adversary across them while each (peer, context) stays FIFO. When an op is posted
+  on a link that holds nothing, and its peer has been posted on another context before,
+  a stream of its own (seed, rank, peer, context, seq) decides: with probability
+  CONTEXT_HOLD_PROBABILITY the link is held: the op's first k of its segments land (k
+  drawn from 0 ..< its segments; 0 for a bare signal), the rest of it, and every later
+  op of the link, wait in the link's FIFO. A held link is released, its FIFO landing in
+  posted order (the held op's remaining segments, then each op whole), when
+  1. expired: 1..CONTEXT_HOLD_OPS (drawn with the hold) later ops to the same peer on
+     other contexts have landed past it (each right after the op that expires it lands);
+  2. forced: a get on the link (it reads after the context's earlier puts);
+  3. idle: the proxy's queue stayed empty for IDLE_RELEASE_S (release_held(): the
+     sender may wait on a held op, with nothing more to post), the liveness rule of the
+     unordered wire's held puts; the held links land one after another, in an order
+     drawn from the scheduler's idle stream (seed, rank). A flush does not release a hold (it promises that
+     sources are reusable, not remote visibility; sources are copied when taken).
+  No sleep decides an order: which ops are held, where a held op is cut and how many
+  ops overtake it are functions of the seed and the posted sequence (each op's draw is
+  its own), up to the idle releases, which depend on timing: a link released idle is
+  free to be held again at its next op, where it would otherwise still hold.
 - unordered wire, links whose kernels ring doorbells (every commref communicator's:
   `batched`): the link is served at its doorbells from its first put, and it is as
   adversarial as SRD across them; nothing lands between a put and its doorbell. At
@@ -51,7 +73,9 @@ doorbell) are not reproducible.
 
 The trace (`trace`, a dict, when set) records per (peer, ctx), in the order they
 happen: ("post", seq, offset, nbytes, signal), ("flush",), ("doorbell", d),
-("hold", seq, until_doorbell), ("release", seq, "expired"|"forced"|"idle"),
+("hold", seq, until_doorbell), ("release", seq, "expired"|"forced"|"idle") (independent
+contexts: ("hold", seq, ops) for each op that waits in a held link's FIFO, ops: how many
+more landings of other contexts release it),
 ("seg", seq, segment, copy) (a segment placed; copy 1: a duplicate), ("data", seq)
 (ordered wire: a put's whole data in one piece), ("signal", seq) (a signal applied);
 the proxy adds ("counter", seq, index) (a counter bumped) and ("get", src, dst,
@@ -73,6 +97,8 @@ from commref.transports.gin import semantics
 HOLD_PROBABILITY = 0.25  # of each put posted on a doorbell link (unordered wire)
 HOLD_DOORBELLS = 4  # a held put is released at the latest this many doorbells of its link later
 IDLE_RELEASE_S = 1e-3  # the proxy releases every held put once its queue has stayed empty this long
+CONTEXT_HOLD_PROBABILITY = 0.25  # of each op posted on a link that holds nothing (independent contexts)
+CONTEXT_HOLD_OPS = 4  # a held link is released at the latest this many landings of other contexts later
 
 
 @dataclass
@@ -91,6 +117,11 @@ class Link:
     doorbells: int = 0  # rung so far
     held: dict = field(default_factory=dict)  # put seq -> the doorbell by which it is released
     batch_start: int = 0  # the first put posted since the previous doorbell
+    # Independent contexts (ordered wire): the link's held FIFO, one [seq, offset,
+    # payload, signal, segments landed] per op, and how many more landings of the peer's
+    # other contexts release it.
+    queued: list = field(default_factory=list)
+    hold_for: int = 0
 
     @property
     def at_doorbells(self) -> bool:
@@ -102,7 +133,9 @@ class DeliveryScheduler:
     """`stats["events"]` counts what landed; `trace`, when set to a dict, records per
     (peer, ctx) what was posted and each landing (module docstring). `batched`: the
     kernels ring a doorbell after every batch they post (GinArgs.doorbells), so every
-    link is served at doorbells from its first put."""
+    link is served at doorbells from its first put. `independent_contexts` (ordered wire
+    only; ignored on the unordered one, whose links are independent anyway): the
+    cross-context adversary of the module docstring."""
 
     def __init__(
         self,
@@ -115,9 +148,12 @@ class DeliveryScheduler:
         stats: dict,
         observer=None,
         batched: bool = False,
+        independent_contexts: bool = False,
     ):
         self.transport, self.strong_always, self.wire = transport, strong_always, wire
         self.batched = batched
+        self.independent = independent_contexts and transport.ordered
+        self._idle_rng = random.Random(f"{seed}:{rank}:idle")  # the order of held links at an idle release
         self.seed, self.rank, self.segment_bytes = seed, rank, segment_bytes
         self.rng = random.Random(seed * 1_000_003 + rank)
         self.links: dict[tuple[int, int], Link] = {}  # (peer, ctx) -> what is pending there
@@ -137,11 +173,12 @@ class DeliveryScheduler:
 
     def pending(self, peer: int | None = None) -> bool:
         """Whether anything posted (to `peer`, or to any peer) has not fully landed."""
-        return any(link.puts for (p, _), link in list(self.links.items()) if peer is None or p == peer)
+        return any(link.puts or link.queued for (p, _), link in list(self.links.items()) if peer is None or p == peer)
 
     def held(self) -> bool:
-        """Whether some put is held back (doorbell mode, unordered wire)."""
-        return any(link.held for link in list(self.links.values()))
+        """Whether some put is held back (doorbell mode, unordered wire; a held link,
+        independent contexts)."""
+        return any(link.held or link.queued for link in list(self.links.values()))
 
     def record(self, peer: int, ctx: int, entry: tuple) -> None:
         if self.trace is not None:
@@ -169,20 +206,10 @@ class DeliveryScheduler:
         if self.trace is not None:
             self.record(peer, ctx, ("post", seq, offset, int(payload.size), signal))
         if self.transport.ordered:  # FIFO: the only enabled event is always the head
-            wire, obs = self.wire, self.observer
-            if payload.size:
-                wire.land_data(peer, offset, payload, ctx)
-                if obs is not None:
-                    obs.landed(peer, ctx, seq, None, 0)
-                if self.trace is not None:
-                    self.record(peer, ctx, ("data", seq))
-            if signal is not None:
-                wire.signal(peer, signal, ctx)
-                if obs is not None:
-                    obs.landed(peer, ctx, seq, -1, 0)
-                if self.trace is not None:
-                    self.record(peer, ctx, ("signal", seq))
-            self.stats["events"] += 1
+            if self.independent:
+                self._post_independent(peer, ctx, link, [seq, offset, payload, signal, 0])
+            else:
+                self._land_ordered(peer, ctx, [seq, offset, payload, signal, 0])
             return seq
         put = semantics.Put(ctx, seq, offset, int(payload.size), signal, after_flush)
         link.puts.append(put)
@@ -240,8 +267,13 @@ class DeliveryScheduler:
 
     def release_held(self) -> int:
         """Lands every held put (the proxy's queue stayed empty: the sender may be waiting
-        on one of them), per link in sequence order, each in its own pre-drawn order."""
+        on one of them), per link in sequence order, each in its own pre-drawn order; and
+        every held link's FIFO (independent contexts)."""
         landed = 0
+        queued = [(key, link) for key, link in list(self.links.items()) if link.queued]
+        self._idle_rng.shuffle(queued)  # which held context lands first is the adversary's too
+        for (peer, ctx), link in queued:
+            landed += self._release(peer, ctx, link, "idle")
         for (peer, ctx), link in list(self.links.items()):
             if link.held:
                 for seq in sorted(link.held):
@@ -250,6 +282,83 @@ class DeliveryScheduler:
                 link.held.clear()
                 self._prune(link)
         return landed
+
+    # ---- the ordered wire ----
+
+    def _land_ordered(self, peer: int, ctx: int, op: list, until: int | None = None) -> None:
+        """Lands op [seq, offset, payload, signal, segments landed] from its first
+        segment not landed: the whole data in one piece (("data", seq)) when none has,
+        else segment by segment (("seg", ...)), then its signal. `until`: land only the
+        segments before it (no signal), for a hold that cuts the op."""
+        seq, offset, payload, signal, first = op
+        wire, obs, traced = self.wire, self.observer, self.trace is not None
+        if payload.size and first == 0 and until is None:
+            wire.land_data(peer, offset, payload, ctx)
+            if obs is not None:
+                obs.landed(peer, ctx, seq, None, 0)
+            if traced:
+                self.record(peer, ctx, ("data", seq))
+        elif payload.size:
+            segs = semantics.segments(semantics.Put(ctx, seq, offset, int(payload.size)), self.segment_bytes)
+            for k in range(first, len(segs) if until is None else until):
+                off, n = segs[k]
+                wire.land_data(peer, off, payload[off - offset : off - offset + n], ctx)
+                if obs is not None:
+                    obs.landed(peer, ctx, seq, k, 0)
+                self.record(peer, ctx, ("seg", seq, k, 0))
+            op[4] = len(segs) if until is None else until
+        if until is not None:
+            return
+        if signal is not None:
+            wire.signal(peer, signal, ctx)
+            if obs is not None:
+                obs.landed(peer, ctx, seq, -1, 0)
+            if traced:
+                self.record(peer, ctx, ("signal", seq))
+        self.stats["events"] += 1
+
+    def _post_independent(self, peer: int, ctx: int, link: Link, op: list) -> None:
+        """Independent contexts: queues `op` behind a held link, holds the link at it,
+        or lands it and counts it against the holds of the peer's other contexts
+        (module docstring)."""
+        seq = op[0]
+        if link.queued:
+            link.queued.append(op)
+            self.record(peer, ctx, ("hold", seq, link.hold_for))
+            return
+        if any(p == peer and c != ctx for p, c in self.links):
+            rng = random.Random(f"{link.name}:o{seq}")
+            if rng.random() < CONTEXT_HOLD_PROBABILITY:
+                nseg = len(semantics.segments(semantics.Put(ctx, seq, op[1], int(op[2].size)), self.segment_bytes))
+                cut = rng.randrange(nseg) if nseg else 0  # segments that land before the hold
+                link.hold_for = rng.randint(1, CONTEXT_HOLD_OPS)
+                self.record(peer, ctx, ("hold", seq, link.hold_for))
+                if cut:
+                    self._land_ordered(peer, ctx, op, until=cut)
+                link.queued.append(op)
+                return
+        self._land_ordered(peer, ctx, op)
+        for (p, c), other in list(self.links.items()):
+            if p == peer and c != ctx and other.queued:
+                other.hold_for -= 1
+                if other.hold_for <= 0:
+                    self._release(p, c, other, "expired")
+
+    def _release(self, peer: int, ctx: int, link: Link, why: str) -> int:
+        """Lands a held link's FIFO in posted order; returns the ops landed."""
+        n = 0
+        while link.queued:  # each op leaves the FIFO once landed: pending() sees it until then
+            op = link.queued[0]
+            self.record(peer, ctx, ("release", op[0], why))
+            self._land_ordered(peer, ctx, op)
+            del link.queued[0]
+            n += 1
+        return n
+
+    def release_link(self, peer: int, ctx: int) -> int:
+        """Lands what link (peer, ctx) holds (a get on it reads after its earlier puts)."""
+        link = self.links.get((peer, ctx))
+        return self._release(peer, ctx, link, "forced") if link is not None and link.queued else 0
 
     def _forcing(self, put: semantics.Put) -> bool:
         """Whether landing `put` needs every earlier put of its link landed first."""

@@ -24,9 +24,10 @@ decide, and only then read the data it accepted (a second copy). Reading the dat
 before the observation would report corruptions no receiver could see.
 
 Also checked per message: the receiver accepted once everything had landed and the
-window then equals the message (nothing lost), and, on unordered wires, the order in
-which the proxy landed the events is one that semantics.first_disallowed accepts for
-the explorer's plan of the program (what runs is what was studied).
+window then equals the message (nothing lost), and the order in which the proxy landed
+the events is one that semantics.first_disallowed accepts for the explorer's plan of
+the program (what runs is what was studied; on an ordered wire a put's whole data,
+landed in one piece, stands for its segments in address order).
 
 The two ranks share only the windows and the world's barriers (every wait bounded by
 world.timeout): a few control words in the receiver's window (_Control) say which
@@ -37,11 +38,13 @@ observer hook (observer.Observer: each landing, each MPI message sent or receive
 that is where it paces the proxy, logs the delivery order and counts messages.
 
 Not stressed: counted-writes (the proxy keeps no placed-bytes counter to wait on).
-On an ordered wire the proxy lands each operation when it takes it, so it is FIFO
-across contexts too: a legal refinement of per-context FIFO, under which the /2ctx
-counterexamples (another context overtaking) cannot occur. With faults (`faults`) each
-(peer, context) recovers from its losses on its own, so one context does overtake
-another and those counterexamples show.
+On an ordered wire the sender's proxy runs with independent contexts
+(GinOptions.independent_contexts; scheduler.py): each (peer, context) stays FIFO while
+the scheduler, seeded by the stress's seed, holds one context back as the other
+overtakes it, so the /2ctx counterexamples occur. Without it the proxy would land each
+operation when it takes it, FIFO across contexts too (a legal refinement of
+per-context FIFO under which they cannot). With faults (`faults`) each (peer, context)
+also recovers from its losses on its own, which lets one context overtake another too.
 """
 
 from __future__ import annotations
@@ -222,6 +225,20 @@ class _ReceiverObserver(Observer):
         self.count += 1
 
 
+def _order(prog: pr.Program, log: list, by_ctx_seq: dict, base: dict[int, int]) -> list[Event]:
+    """The observer's log of one message as events of the program's plan: (ctx, seq,
+    segment, copy) per landing, seq counted from `base[ctx]`; segment None (the ordered
+    wire's whole data in one piece) stands for every segment of the put in address order."""
+    order = []
+    for c, s, seg, cp in log:
+        i = by_ctx_seq[(c, s - base[c])]
+        if seg is None:
+            order += [Event(i, k) for k in range(len(prog.plan.segs[i]))]
+        else:
+            order.append(Event(i, seg, cp))
+    return order
+
+
 def _describe(prog: pr.Program, read: pr.Read, stale) -> str:
     return f"{read.why}; stale " + ", ".join(f"[{o},{o + n})" for o, n in stale)
 
@@ -264,7 +281,7 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                 if world.rank == 0:
                     local[:w] = np.frombuffer(prog.image, np.uint8)  # the sources, at the same offsets
                     q.reset()
-                    observer = _SenderObserver(ctl, None if model.transport.ordered else log)
+                    observer = _SenderObserver(ctl, log)
                     sender_faults = faults
                 if observer is not None:
                     site = EngineSite(world, window, layout, CAPACITY, BACKENDS["proxy"], model.transport, network)
@@ -275,6 +292,8 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                         comm,
                         observer,
                         faults=sender_faults,
+                        # the ordered wire's contexts as independent ordering domains (the sender's)
+                        independent_contexts=world.rank == 0 and model.transport.ordered,
                     )
                     proxy.start()
                 try:
@@ -293,13 +312,12 @@ def _rank_main(world, cells, seeds: int, messages: int, bound, network: str = "s
                                 return q.consumed() >= q.slot and not proxy.pending(1)
 
                             _wait(landed, deadline, proxy, "every event to land")
-                            if not model.transport.ordered:
-                                order = [Event(by_ctx_seq[(c, s - m * per_ctx[c])], seg, cp) for c, s, seg, cp in log]
-                                cell.orders_checked += 1
-                                bad = sem.first_disallowed(model.transport, prog.plan, order, model.strong_always)
-                                missing = {e for e in prog.plan.all_events(model.transport) if e.copy == 0} - set(order)
-                                if bad is not None or missing:
-                                    cell.orders_disallowed += 1
+                            order = _order(prog, log, by_ctx_seq, {c: m * n for c, n in per_ctx.items()})
+                            cell.orders_checked += 1
+                            bad = sem.first_disallowed(model.transport, prog.plan, order, model.strong_always)
+                            missing = {e for e in prog.plan.all_events(model.transport) if e.copy == 0} - set(order)
+                            if bad is not None or missing:
+                                cell.orders_disallowed += 1
                             ctl.set_landed(serial)
                         else:
                             _receive(
