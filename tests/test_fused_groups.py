@@ -6,7 +6,10 @@ bench's -m (nccl-tests' agg_iters).
 - a group repeating a kept one on the same arrays goes straight to its kept launch
   (nothing is fused again), and stops doing so when a buffer changes: a different array,
   a reshaped one, a freed symmetric window;
-- a failing member is named at group_end on every rank, its successors not run;
+- a failing member is named at group_end on every rank, its successors not run (a
+  collective, or a send after the collectives);
+- a call whose streamStores the tuner times per call cannot join: its group launches
+  member by member;
 - -m N parses, shows in the header as "agg iters: N", and bad values fail in one line
   with status 2 before any rank starts.
 """
@@ -19,7 +22,7 @@ from helpers import WORLD_TIMEOUT, close_after_barrier
 
 from commref import Communicator, cli
 from commref.bench import arguments
-from commref.collectives import schedule
+from commref.collectives import schedule, tuner
 from commref.transports.thread_world import ThreadWorld
 
 
@@ -206,3 +209,51 @@ def test_validate_refuses_agg_iters_built_by_hand():
     args.agg_iters = 0
     with pytest.raises(ValueError, match=r"-m must be in \[1, 1024\], got 0"):
         arguments.validate(args)
+
+
+def test_a_failing_send_after_fused_collectives_is_named():
+    """The sends and receives run last in the fused launch: a recv whose count differs
+    from its send fails there on both ranks, named (member #1), after member #0 ran."""
+
+    def body(world):
+        comm = Communicator(world, "cpu", timeout=3.0)
+        r, peer = world.rank, 1 - world.rank
+        x, y = np.ones(4, np.int32), np.zeros(4, np.int32)
+        try:
+            with comm.group():
+                comm.allreduce(x, y)
+                if r == 0:
+                    comm.send(np.ones(10, np.float32), peer)
+                else:
+                    comm.recv(np.zeros(11, np.float32), peer)
+            message = None
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+        world.barrier(what="test done", timeout=30)
+        comm.close()
+        return message, int(y.sum())
+
+    (m0, y0), (m1, y1) = ThreadWorld.run(2, body, timeout=60)
+    assert m0.startswith("CommMismatch: group member #1 (send of 10 float32 to rank 1): rank 0:"), m0
+    assert m1.startswith("CommMismatch: group member #1 (recv of 11 float32 from rank 0): rank 1:"), m1
+    assert y0 == y1 == 8
+
+
+def test_a_call_whose_stores_are_timed_launches_alone():
+    """A call large enough for the tuner to time its streamStores per call cannot join a
+    fused launch: that group's members launch one by one, exact."""
+
+    def body(world):
+        comm = _comm(world, stream_stores="auto")
+        big = tuner.STORE_CHOOSER_MIN_BYTES // 8
+        x, y = np.full(big, world.rank + 1, np.int64), np.zeros(big, np.int64)
+        a, b = np.ones(3, np.int32), np.zeros(3, np.int32)
+        before = comm.launches
+        with comm.group():
+            comm.allreduce(a, b)
+            comm.allreduce(x, y)
+        launches, kept = comm.launches - before, comm.kept_groups
+        close_after_barrier(world, comm)
+        return launches, kept, int(b.sum()), bool((y == 3).all())
+
+    assert ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT) == [(2, 0, 6, True)] * 2
