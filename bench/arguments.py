@@ -5,7 +5,8 @@ name (sweep_sizes), and validate, which checks them together before any rank sta
 
 Flags keep nccl-tests' meanings: -b/-e first and last size in bytes (K, M, G
 suffixes), -f multiplicative step or -i additive step, -n timed iterations, -w warmup
-iterations, -c check (0/1), -o reduction op, -d dtype, -r root, -z blocking (accepted;
+iterations, -m operations aggregated per iteration in one group (the time reported is
+the iteration's divided by it), -c check (0/1), -o reduction op, -d dtype, -r root, -z blocking (accepted;
 commref's CPU launches return when the collective is done, GPU calls are synchronized
 per iteration), -t rank threads in one process (ThreadWorld), -a how an iteration's
 time combines the ranks' (AVERAGES), -N sweeps run one after another (0: until
@@ -74,6 +75,8 @@ MAX_KEPT_ROWS = 50_000
 # With -I 1, at most this many iteration times (every rank's, each placement, series,
 # size and kept cycle) are kept: every rank holds them all (about 32 bytes each).
 MAX_ITERATION_TIMES = 1_000_000
+# The most -m takes (nccl-tests' operations aggregated per iteration, in one group).
+MAX_AGG_ITERS = 1024
 # The most -T takes: a day.
 MAX_TIMEOUT_S = 86_400.0
 
@@ -171,6 +174,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("-i", "--stepbytes", type=parse_size, default=0, help="add this to the size (when -f 1)")
     g.add_argument("-n", "--iters", type=int_type(1), default=20, help="timed iterations per size (default 20)")
     g.add_argument("-w", "--warmup_iters", type=int_type(0), default=5, help="untimed iterations first (default 5)")
+    g.add_argument(
+        "-m",
+        "--agg_iters",
+        type=int_type(1, MAX_AGG_ITERS),
+        default=1,
+        help=f"operations aggregated per iteration in one group (1..{MAX_AGG_ITERS}); the time is the "
+        "iteration's divided by this, as nccl-tests (default 1)",
+    )
     g.add_argument("-c", "--check", type=int, default=1, choices=[0, 1], help="count wrong elements (default 1)")
     g.add_argument("-o", "--op", default="sum", choices=list(OPS), help="reduction op (default sum)")
     g.add_argument("-d", "--datatype", type=parse_dtype, default="float32", help="dtype (default float32)")
@@ -378,6 +389,9 @@ def validate(args) -> None:
         raise ValueError(f"-n must be >= 1, got {args.iters}")
     if args.warmup_iters < 0:
         raise ValueError(f"-w must be >= 0, got {args.warmup_iters}")
+    agg = getattr(args, "agg_iters", 1)
+    if not isinstance(agg, int) or not 1 <= agg <= MAX_AGG_ITERS:
+        raise ValueError(f"-m must be in [1, {MAX_AGG_ITERS}], got {agg!r}")
     if args.nthreads < 1:
         raise ValueError(f"-t must be >= 1, got {args.nthreads}")
     if args.np is not None and args.np < 1:

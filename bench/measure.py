@@ -18,10 +18,16 @@ Per-iteration statistics (-I 1, iteration_stats): each iteration's slowest rank'
 standard deviation and coefficient of variation, with every iteration's time of every
 rank kept beside them.
 
+Aggregation (-m N, nccl-tests' agg_iters): an iteration is N calls in one group (the
+runner's group(); the MPI baseline, which has none, makes them one after the other),
+and its time divided by N is the time of a call.
+
 Checking (-c 1). The output of the last timed call is compared element by element
 with commref.collectives.verify's reference; #wrong is the count summed over ranks. In place,
 the input is restored before that last call (and the ranks meet at a barrier, so no
-rank's timing includes another's restore).
+rank's timing includes another's restore). With -m N > 1, as in nccl-tests, the check
+is of one more call, untimed, after the timed iterations (an in-place reduction
+repeated N times would not give the reference).
 
 Bandwidths are nccl-tests': algbw = bytes / time, busbw = algbw * bus factor (the
 plugins define both, see plugins.py). The bound column and %bound (100 = as fast as
@@ -121,6 +127,28 @@ def time_calls(
     return time_interleaved(world, [Timed(call, sync, before_last)], iters, warmup)[0]
 
 
+def aggregated(runner, call: Callable[[], None], n: int) -> Callable[[], None]:
+    """`call` made `n` times as one iteration (-m): in one group of `runner` where it has
+    group(), else one after the other; `call` itself for n = 1."""
+    if n == 1:
+        return call
+    group = getattr(runner, "group", None)
+
+    def one_after_another() -> None:
+        for _ in range(n):
+            call()
+
+    if group is None:
+        return one_after_another
+
+    def grouped() -> None:
+        with group():
+            for _ in range(n):
+                call()
+
+    return grouped
+
+
 def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, baseline: tuple | None = None) -> dict:
     """One rank's times and wrong elements for one placement of one size, every runner
     (label, runner, (input, expected, counts) of its ranks: the job's or a team's) timed
@@ -128,24 +156,33 @@ def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, bas
     place; its times under "baseline"). Other keys: the runners' labels."""
     args, plugin, w = ctx.args, ctx.plugin, ctx.world
     op = args.op if plugin.reducing else None
-    check = bool(args.check)
-    variants, checks = [], []
+    check, agg = bool(args.check), getattr(args, "agg_iters", 1)
+    variants, checks, singles = [], [], []
     for label, runner, (x, expected, counts) in runners:
         rank, n = _team(runner, w)
         b = plugin.buffers(ctx.memory_of(label), x, counts, rank, n, args.root, in_place)
-        variants.append(
-            Timed(
-                lambda b=b, runner=runner: plugin.run(runner, b, op, args.root),
-                runner.synchronize,
-                b.restore if (check and b.restore) else None,
-            )
-        )
+        single = lambda b=b, runner=runner: plugin.run(runner, b, op, args.root)  # noqa: E731
+        restore = b.restore if (check and b.restore) else None
+        variants.append(Timed(aggregated(runner, single, agg), runner.synchronize, restore if agg == 1 else None))
         checks.append((label, b, expected))
+        singles.append(Timed(single, runner.synchronize, restore))
     if baseline is not None:
         base, x, counts = baseline
         bb = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, w.size, args.root, False)
-        variants.append(Timed(lambda: plugin.run(base, bb, op, args.root), base.synchronize))
+        call = aggregated(base, lambda: plugin.run(base, bb, op, args.root), agg)
+        variants.append(Timed(call, base.synchronize))
     times = time_interleaved(w, variants, args.iters, args.warmup_iters)
+    if agg > 1:
+        times = [[t / agg for t in ts] for ts in times]
+        if check:  # one more call of each, untimed (the module docstring)
+            for v in singles:
+                if v.before_last is not None:
+                    v.before_last()
+                    v.sync()
+            w.barrier(what="bench: checked calls")
+            for v in singles:
+                v.call()
+                v.sync()
     out = {}
     for (label, b, expected), t in zip(checks, times):
         wrong = None

@@ -74,7 +74,7 @@ def _config(params: dict, env: dict) -> dict:
         **steps,
         "warmup_iters": params["warmup_iters"],
         "iterations": params["iters"],
-        "aggregated_iterations": 1,
+        "aggregated_iterations": params.get("agg_iters", 1),
         "validation": params["check"],
         "graph": 0,
         "blocking_collectives": _flag(params["blocking"]),

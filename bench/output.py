@@ -167,7 +167,8 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
         f"dtype {a.datatype}, op {a.op if ctx.plugin.reducing else 'none'}",
         f"# nThread {a.nthreads} nGpus {1 if ctx.device == 'cuda' else 0} minBytes {a.minbytes} maxBytes {a.maxbytes} "
         + (f"step: {a.stepfactor}(factor)" if a.stepfactor > 1 else f"step: {a.stepbytes}(bytes)")
-        + f" warmup iters: {a.warmup_iters} iters: {a.iters} agg iters: 1 validation: {a.check} graph: 0"
+        + f" warmup iters: {a.warmup_iters} iters: {a.iters} agg iters: {getattr(a, 'agg_iters', 1)}"
+        + f" validation: {a.check} graph: 0"
         + f" blocking: {a.blocking}",
         *timing(a, ctx.world.timeout),
         "#",

@@ -19,7 +19,8 @@ validate and record it: calls.record_call, p2p.record; groups.py holds a group's
 preparation (calls.CallPlanner) and scheduling (schedule.Scheduler: each call on its
 path, a group's sends and receives in one launch). A single call is a group of one; on
 the CPU a call that repeats an earlier one on the same arrays (launch_record.RepeatedCall)
-goes straight to its launch.
+goes straight to its launch, and a group is one launch where its paths allow (schedule.py),
+kept while its members repeat.
 """
 
 from __future__ import annotations
@@ -158,17 +159,12 @@ class Communicator:
     def clear_plans(self) -> None:
         """Drops every plan and kept call: the next calls are planned afresh."""
         self._planner.plans.clear()
-        self._scheduler.repeated.clear()
+        self._scheduler.forget()
 
-    @property
-    def kept_calls(self) -> int:
-        """How many CPU calls are kept for repetition (launch_record.RepeatedCall)."""
-        return len(self._scheduler.repeated)
-
-    @property
-    def symmetric_windows(self) -> int:
-        """How many windows from alloc_symmetric this communicator holds."""
-        return len(self._symmetric)
+    kept_calls = property(lambda self: len(self._scheduler.repeated), doc="CPU calls kept (RepeatedCall)")
+    kept_groups = property(lambda self: len(self._scheduler.groups), doc="CPU groups kept (FusedLaunch)")
+    launches = property(lambda self: self._scheduler.launches, doc="kernel launches so far (a fused group: 1)")
+    symmetric_windows = property(lambda self: len(self._symmetric), doc="windows from alloc_symmetric held")
 
     # ---- collectives (nccl4py names and argument order) ----
 
@@ -223,7 +219,7 @@ class Communicator:
         rank calls it with the same size, in the same order; numpy on the CPU, CuPy on a
         GPU; peers map it until free_symmetric() or close(). On several nodes that can run
         "hierarchical", it lives in the intra-node child's windows: the node's ranks map it."""
-        self._scheduler.repeated.clear()  # whether a buffer is symmetric may change
+        self._scheduler.forget()  # whether a buffer is symmetric may change
         if isinstance(self.node_shape, NodeShape):
             return self.hierarchy().intra.alloc_symmetric(count, dtype)
         return self._symmetric.alloc(count, dtype)
@@ -234,7 +230,7 @@ class Communicator:
         (the n-th allocation on every rank), after every collective on it has completed;
         a mismatch raises ValueError on every rank. The array no longer counts as
         symmetric; on a GPU its memory is freed (on the CPU it lives while referenced)."""
-        self._scheduler.repeated.clear()
+        self._scheduler.forget()
         if self._hierarchy is not None:
             self._hierarchy.intra.free_symmetric(array)
             return
@@ -261,8 +257,8 @@ class Communicator:
             again = self._scheduler.repeated.get(repeat)
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             again = repeat = None
-        if again is not None and not self.broken and again.matches(sendbuf, recvbuf) and not groups.grouping():
-            self._scheduler.run_cpu(again)
+        if again is not None and not self.broken and again.matches(sendbuf, recvbuf):
+            groups.submit_kept(self._scheduler, again)  # run now, or a member of this thread's group
             return
         call = record_call(self, coll, sendbuf, recvbuf, op, root, stream, algorithm, avg_divisor, flat, protocol)
         call.repeat = repeat

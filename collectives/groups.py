@@ -7,9 +7,11 @@ group_end launches. Between them a call is checked and recorded (management), no
 a call outside a group is a group of one and runs at once.
 
 At the outermost group_end each communicator's members launch on its scheduler
-(schedule.Scheduler.launch): its collectives one launch each, in call order, then all
-of its sends and receives in one launch (p2p.py), so that sends and receives posted in
-any order on any rank cannot wait on each other. Several communicators' members run
+(schedule.Scheduler.launch): its collectives in call order, then all of its sends and
+receives in one launch (p2p.py), so that sends and receives posted in any order on any
+rank cannot wait on each other; on the CPU all of them as one launch where they can
+(schedule.py says when), and a group repeating a kept one on the same arrays goes
+straight to that launch. Several communicators' members run
 concurrently, one thread each, as NCCL's kernels on several communicators do, so their
 order may differ between ranks. A failure is raised at group_end naming the member: its
 index among the group's calls, the call, and its peer; a communicator's members after
@@ -20,19 +22,20 @@ without launching anything.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 from commref.transports.errors import CommTimeout
 
 
 class _GroupState(threading.local):
-    """This thread's group: `depth`, its nesting (0: none); `members`, [(scheduler, call)].
+    """This thread's group: `depth`, its nesting (0: none); its members, `calls` in call
+    order and the `schedulers` they run on (two lists: no tuple per member).
     Class defaults, so that reading `depth` in a thread that never grouped is a plain
     attribute lookup (a missing attribute of a threading.local costs ~0.7 us, as much as
     a tenth of an 8-byte collective on the CPU engine)."""
 
     depth = 0
-    members: list = []
+    calls: list = []
+    schedulers: list = []
 
 
 _state = _GroupState()
@@ -45,74 +48,110 @@ def grouping() -> bool:
 
 def group_start() -> None:
     """ncclGroupStart: calls until the matching group_end are recorded; nests."""
-    if not grouping():
-        _state.depth, _state.members = 0, []
+    if _state.depth <= 0:
+        _state.depth, _state.calls, _state.schedulers = 0, [], []
     _state.depth += 1
 
 
 def group_end() -> None:
     """ncclGroupEnd: the outermost one launches every recorded call (the module
     docstring); RuntimeError without a group_start."""
-    if not grouping():
+    if _state.depth <= 0:
         raise RuntimeError("group_end() without a matching group_start()")
     _state.depth -= 1
     if _state.depth:
         return
-    members, _state.members = _state.members, []
-    launch(members)
+    schedulers, calls = _state.schedulers, _state.calls
+    _state.schedulers, _state.calls = [], []
+    launch(schedulers, calls)
 
 
-@contextmanager
-def group():
-    """``with group():`` is group_start() ... group_end()."""
-    group_start()
-    try:
-        yield
-    except BaseException:
+class _Group:
+    """``with group():``: group_start() on entry; group_end() on a normal exit, while an
+    exception leaving the block ends the group without launching anything."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        group_start()
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            group_end()
+            return
         _state.depth -= 1
         if not _state.depth:
-            _state.members = []
-        raise
-    group_end()
+            _state.calls, _state.schedulers = [], []
+
+
+_GROUP = _Group()
+
+
+def group() -> _Group:
+    """``with group():`` is group_start() ... group_end()."""
+    return _GROUP
 
 
 def submit(scheduler, call) -> None:
     """Runs `call` (calls.Call or p2p.P2pCall) on `scheduler`, or records it in this
-    thread's group as its member number `call.group_index`."""
-    if grouping():
-        call.group_index = len(_state.members)
-        _state.members.append((scheduler, call))
+    thread's group."""
+    if _state.depth:
+        _state.calls.append(call)
+        _state.schedulers.append(scheduler)
     else:
         scheduler.launch([call])
 
 
-def launch(members: list) -> None:
-    """Runs a group's members: per scheduler in the order of its first member,
-    concurrently (the module docstring); raises the failure of the lowest member."""
-    order: dict = {}
-    for scheduler, call in members:
-        order.setdefault(scheduler, []).append(call)
-    runs, failures = list(order.items()), []
-    threads = [threading.Thread(target=_run, args=(*run, failures), daemon=True) for run in runs[1:]]
-    for t in threads:
-        t.start()
-    if runs:
-        _run(*runs[0], failures)
-    for (scheduler, calls), t in zip(runs[1:], threads):
-        _join(t, scheduler.comm, len(calls), failures)
+def submit_kept(scheduler, kept) -> None:
+    """submit() of a kept call (launch_record.RepeatedCall) that matched its arrays: run
+    at once (Scheduler.run_cpu), or recorded in this thread's group."""
+    if _state.depth:
+        _state.calls.append(kept)
+        _state.schedulers.append(scheduler)
+    else:
+        scheduler.run_cpu(kept)
+
+
+def launch(schedulers: list, calls: list) -> None:
+    """Runs a group's members (`calls`, each on its scheduler): per scheduler in the order
+    of its first member, concurrently (the module docstring); raises the failure of the
+    lowest member."""
+    if not calls:
+        return
+    failures: list = []
+    first = schedulers[0]
+    if schedulers.count(first) == len(schedulers):  # one communicator: no threads, no index map
+        _run(first, calls, None, failures)
+    else:
+        order: dict = {}
+        for i, (scheduler, call) in enumerate(zip(schedulers, calls)):
+            mine, indices = order.setdefault(scheduler, ([], []))
+            mine.append(call)
+            indices.append(i)
+        runs = list(order.items())
+        threads = [threading.Thread(target=_run, args=(s, *run, failures), daemon=True) for s, run in runs[1:]]
+        for t in threads:
+            t.start()
+        _run(runs[0][0], *runs[0][1], failures)
+        for (scheduler, (mine, _)), t in zip(runs[1:], threads):
+            _join(t, scheduler.comm, len(mine), failures)
     if failures:
-        raise min(failures, key=lambda e: getattr(getattr(e, "member", None), "group_index", len(members)))
+        raise min(failures, key=lambda e: getattr(e, "group_index", len(calls)))
 
 
-def _run(scheduler, calls: list, failures: list) -> None:
-    """One scheduler's members; a failure goes to `failures`, its message naming the
-    member (schedule.Scheduler.launch sets the exception's `member`)."""
+def _run(scheduler, calls: list, indices: list | None, failures: list) -> None:
+    """One scheduler's members (`indices`: their indices in the group; None: the
+    positions in `calls`); a failure goes to `failures`, its message naming the member
+    (schedule.Scheduler.launch sets the exception's `member` and `member_at`), its
+    `group_index` set."""
     try:
         scheduler.launch(calls)
     except BaseException as e:
-        member = getattr(e, "member", None)
-        if member is not None and e.args and isinstance(e.args[0], str):
-            e.args = (f"group member #{member.group_index} ({describe(member)}): {e.args[0]}", *e.args[1:])
+        member, at = getattr(e, "member", None), getattr(e, "member_at", None)
+        if member is not None and at is not None:
+            e.group_index = at if indices is None else indices[at]
+            if e.args and isinstance(e.args[0], str):
+                e.args = (f"group member #{e.group_index} ({describe(member)}): {e.args[0]}", *e.args[1:])
         failures.append(e)
 
 

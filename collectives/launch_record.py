@@ -6,7 +6,8 @@ views of the record (field access by name costs microseconds, a noticeable part 
 small collective). A call's signature-dependent part (kernel, channels, the int32
 fields, the call descriptor) is planned once per signature (CallPlan). On the CPU a
 call that repeats the previous arguments' buffers (RepeatedCall) skips the buffer
-checks, the plan lookup and, while the record still holds its fields, the writes.
+checks, the plan lookup and, while the record still holds its fields, the writes. A
+group of CPU calls runs as one FusedLaunch, kept while its members repeat.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ class CallPlan:
 class LaunchRecord:
     """One CollArgs record and fast writers for its per-call fields."""
 
-    def __init__(self):
-        self.args = np.zeros(1, dtype=abi.COLL_ARGS)
+    def __init__(self, args: np.ndarray | None = None):
+        """`args`: the one-record array to write (a view into a larger array of records:
+        FusedLaunch's); None: a new zeroed record of its own."""
+        self.args = np.zeros(1, dtype=abi.COLL_ARGS) if args is None else args
         self.record = self.args[0]
         f = abi.COLL_ARGS.fields
         self._u64 = self.args.view(np.uint64)
@@ -118,12 +121,24 @@ class RepeatedCall:
         "streamed",
         "timed",
         "in_place",
+        "what",
     )
 
     def __init__(
-        self, sendbuf, recvbuf, plan: CallPlan, s, r, sym, streamed: int, timed: bool, in_place: bool, keep: bool = True
+        self,
+        sendbuf,
+        recvbuf,
+        plan: CallPlan,
+        s,
+        r,
+        sym,
+        streamed: int,
+        timed: bool,
+        in_place: bool,
+        keep: bool = True,
+        what: tuple = ("call", 0, ""),
     ):
-        self.kept = False
+        self.kept, self.what = False, what  # what: (collective, count, dtype) for describe()
         if keep:
             try:
                 self._send, self._recv = weakref.ref(sendbuf), weakref.ref(recvbuf)
@@ -147,6 +162,11 @@ class RepeatedCall:
             and recvbuf.flags.writeable
         )
 
+    def describe(self) -> str:
+        """The call in words, as a group names a failed member: "allreduce of 8 int32"."""
+        name, count, dtype = self.what
+        return f"{name} of {count} {dtype}"
+
     def load(self, record: LaunchRecord) -> None:
         """Writes this call's fields into `record` (the caller skips it while
         record.holder is this call)."""
@@ -154,6 +174,46 @@ class RepeatedCall:
         if self.plan.direct:
             record.set_symmetric(self.sym)
         record.holder = self
+
+
+class FusedLaunch:
+    """A group's launches on one CPU communicator as one entry of the engine
+    (commref_cpu_launch_group): the kernel of each collective `members` (RepeatedCalls,
+    in call order), then, given `p2p` ((ops table, blocks, kernel entry): the group's
+    sends and receives), their one launch, one after the other, each reading a CollArgs
+    record of its own: the communicator's record `template` (its constant fields, as
+    they are now) with the member's per-call fields. It holds everything its launch
+    reads but the members' arrays, which the RepeatedCalls match before it runs.
+    `positions`: each member's index in the group's calls (the p2p launch's: None).
+    run(ptr, n) returns 0, or (i << 8) | the status of launch i, the first that failed
+    (the later ones did not run)."""
+
+    __slots__ = ("members", "positions", "records", "descs", "ops", "run", "ptr", "n")
+
+    def __init__(self, kernels, template: LaunchRecord, members: list, positions: list, threads: int, p2p=None):
+        n = len(members) + (p2p is not None)
+        self.members, self.positions = members, positions
+        self.records = np.zeros(n, dtype=abi.COLL_ARGS)
+        self.records[:] = template.args[0]
+        self.descs = np.zeros(n, dtype=abi.LAUNCH_DESC)
+        for i, member in enumerate(members):
+            record = LaunchRecord(self.records[i : i + 1])
+            member.load(record)
+            self.descs[i] = member.plan.launch.record[0]
+            self.descs[i]["args"] = record.address
+        self.ops = None
+        if p2p is not None:
+            self.ops, nblocks, plan, entry = p2p
+            record = LaunchRecord(self.records[n - 1 : n])
+            record.set_call(plan, self.ops.ctypes.data, 0)
+            self.descs[n - 1] = (entry, record.address, nblocks, threads)
+        self.run, self.ptr, self.n = kernels.run_group, ctypes.c_void_p(self.descs.ctypes.data), ctypes.c_uint(n)
+
+    def refused(self, i: int):
+        """The KernelError of launch `i`'s refusal (a function, as end_launch takes it)."""
+        d = self.descs[i]
+        what = self.members[i].plan.kernel if i < len(self.members) else "the group's sends and receives"
+        return lambda: KernelError(f"the CPU engine could not run {what} with grid={d['grid']} block={d['block']}")
 
 
 def plan_fields(

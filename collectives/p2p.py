@@ -93,21 +93,30 @@ class P2pLauncher:
             op["block"] = blocks.setdefault((call.peer, call.kind), len(blocks))
         return ops, len(blocks)
 
+    def prepare(self, calls: list[P2pCall]) -> tuple[np.ndarray, int, CallPlan, int]:
+        """The launch of `calls`: (ops table, blocks, plan, kernel entry)."""
+        ops, nblocks = self.table(calls)
+        plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
+        return ops, nblocks, plan, self.comm.kernels.entry(KERNEL)
+
     def run(self, calls: list[P2pCall]) -> None:
         """Runs `calls` in one launch. A failure is raised with `member` set to the
         call that failed (the first of its (peer, direction) not done)."""
         c = self.comm
-        ops, nblocks = self.table(calls)
-        plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
+        ops, nblocks, plan, _ = self.prepare(calls)
         record = c.launch_record
         record.set_call(plan, ops.ctypes.data, 0)
         try:
             c.end_launch(c.kernels.launch(KERNEL, nblocks, c.threads, record.args, address=record.address))
         except CommrefError as e:
-            failed = self.failed(calls, ops)
-            exc = self.mismatch(failed) or e
-            exc.member = failed
-            raise exc from (None if exc is e else e)
+            self.raise_failure(calls, ops, e)
+
+    def raise_failure(self, calls: list[P2pCall], ops: np.ndarray, e: Exception):
+        """Raises the failure `e` of the launch of `calls` (table `ops`) as run() does."""
+        failed = self.failed(calls, ops)
+        exc = self.mismatch(failed) or e
+        exc.member = failed
+        raise exc from (None if exc is e else e)
 
     def failed(self, calls: list[P2pCall], ops: np.ndarray) -> P2pCall:
         """The call the error record names: the first not done of its peer and

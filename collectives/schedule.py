@@ -3,6 +3,14 @@ path: the hierarchical composition (its children's calls), the CPU engine (the c
 kept for repetition: launch_record.RepeatedCall) or the communicator's GPU stream
 (gpu_stream.GpuStream), and a group's sends and receives in one launch (p2p.py). One
 queue per path and stream, in call order; a single call is a group of one (groups.py).
+
+On the CPU a group of several calls runs as one launch of the engine
+(launch_record.FusedLaunch: its collectives' kernels one after the other, then its sends
+and receives), unless a member cannot join one: a hierarchical call, a call whose
+streamStores the tuner times per call, or a collective whose preparation fails (then
+each member launches alone, as on a GPU). A fused group whose members are all kept calls
+is kept too, keyed by them: the same calls on the same arrays again go straight to its
+launch; a kept call or group is dropped when the symmetric windows change (forget()).
 """
 
 from __future__ import annotations
@@ -11,12 +19,15 @@ import time
 
 import numpy as np
 
+from commref.device_kernels import abi
+
 from . import tuner
 from .calls import Call
-from .launch_record import CallPlan, RepeatedCall
+from .launch_record import CallPlan, FusedLaunch, RepeatedCall
 from .p2p import P2pCall, P2pLauncher
 
 REPEATED_CALLS = 64  # RepeatedCalls a CPU communicator keeps (the oldest goes first)
+REPEATED_GROUPS = 16  # FusedLaunches a CPU communicator keeps (all go when it is full)
 
 
 class Scheduler:
@@ -28,24 +39,106 @@ class Scheduler:
         self.record, self.kernels, self.threads = comm.launch_record, comm.kernels, comm.threads
         self.gpu_stream, self.stores = comm.gpu_stream, tuner.StoreChooser(comm.options.stream_stores.value)
         self.repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall, kept
+        self.groups: dict = {}  # CPU: a group's members (RepeatedCalls, in order) -> FusedLaunch, kept
+        self.launches = 0  # launches of this communicator's kernels so far (a fused group: one)
         self.p2p = P2pLauncher(comm, host)
 
+    def forget(self) -> None:
+        """Drops every kept call and group: the next calls are checked and planned afresh."""
+        self.repeated.clear()
+        self.groups.clear()
+
     def launch(self, calls: list) -> None:
-        """Prepares (CallPlanner) and runs recorded calls: the collectives (calls.Call)
-        one launch each, in order, then every send and recv (p2p.P2pCall) in one launch.
-        A failure is raised with `member` set to the call that failed; the calls after
-        it are not launched."""
+        """Prepares (CallPlanner) and runs recorded calls (calls.Call, p2p.P2pCall, or kept
+        RepeatedCalls that matched their arrays): on the CPU several as one FusedLaunch
+        (the module docstring), else the collectives one launch each, in order, then every
+        send and recv in one launch. A failure is raised with `member` set to the call
+        that failed and `member_at` its index in `calls`; the calls after it are not
+        launched."""
+        if len(calls) > 1 and self.gpu_stream is None:
+            fused = self.groups.get(tuple(calls))
+            if fused is None:
+                fused = self.fuse(calls)
+            if fused is not None:
+                self.run_fused(fused, calls)
+                return
         p2p = [call for call in calls if isinstance(call, P2pCall)]
-        for call in calls:
+        for at, call in enumerate(calls):
             if isinstance(call, P2pCall):
                 continue
             try:
-                self.launch_one(call)
+                if isinstance(call, RepeatedCall):
+                    self.run_cpu(call)
+                else:
+                    self.launch_one(call)
             except Exception as e:
-                e.member = call
+                e.member, e.member_at = call, at
                 raise
         if p2p:
-            self.p2p.run(p2p)
+            self.launches += 1
+            try:
+                self.p2p.run(p2p)
+            except Exception as e:
+                e.member_at = calls.index(e.member) if getattr(e, "member", None) in calls else None
+                raise
+
+    def fuse(self, calls: list) -> FusedLaunch | None:
+        """The FusedLaunch of a CPU group's `calls`, kept when every member is a kept
+        call; None where a member cannot join one, or no collective would (the module
+        docstring)."""
+        members, positions, p2p = [], [], []
+        for at, call in enumerate(calls):
+            if isinstance(call, P2pCall):
+                p2p.append(call)
+                continue
+            if not isinstance(call, RepeatedCall):
+                try:
+                    plan = self.planner.prepare(call)
+                except Exception:
+                    return None  # raised again by the member's own launch, after its predecessors'
+                if plan.hierarchical:
+                    return None
+                call = self.keep(call, plan)
+            if call.timed:
+                return None
+            members.append(call)
+            positions.append(at)
+        if not members:
+            return None
+        fused = FusedLaunch(
+            self.kernels, self.record, members, positions, self.threads, self.p2p.prepare(p2p) if p2p else None
+        )
+        if not p2p and all(member.kept for member in members):
+            if len(self.groups) >= REPEATED_GROUPS:
+                self.groups.clear()
+            self.groups[tuple(members)] = fused
+        return fused
+
+    def run_fused(self, fused: FusedLaunch, calls: list) -> None:
+        """Runs a FusedLaunch of `calls`; a failure as launch() raises it."""
+        status = fused.run(fused.ptr, fused.n)
+        self.launches += 1
+        if not status:
+            self.comm.end_launch(0)
+            return
+        at, status = status >> 8, status & 0xFF
+        if at == len(fused.members):  # the sends and receives
+            p2p = [call for call in calls if isinstance(call, P2pCall)]
+            try:
+                if status == abi.LAUNCH_REFUSED:
+                    raise fused.refused(at)()
+                self.comm.end_launch(status)
+            except Exception as e:
+                try:
+                    self.p2p.raise_failure(p2p, fused.ops, e)
+                except Exception as named:
+                    named.member_at = calls.index(named.member)
+                    raise
+        try:
+            self.comm.end_launch(status, fused.refused(at))
+        except Exception as e:
+            e.member, e.member_at = fused.members[at], fused.positions[at]
+            raise
 
     def launch_one(self, call: Call) -> None:
         plan = self.planner.prepare(call)
@@ -66,7 +159,10 @@ class Scheduler:
         in_place = timed and s.overlaps(r)
         streamed = 0 if timed else self.stores.choose(plan.kernel, s.nbytes)[0]  # the same every call
         keep = call.repeat is not None and s.obj is call.sendbuf and r.obj is call.recvbuf
-        kept = RepeatedCall(call.sendbuf, call.recvbuf, plan, s, r, call.route.sym, streamed, timed, in_place, keep)
+        what = (call.spec.name, call.signature.count, s.dtype)
+        kept = RepeatedCall(
+            call.sendbuf, call.recvbuf, plan, s, r, call.route.sym, streamed, timed, in_place, keep, what
+        )
         if kept.kept:
             if len(self.repeated) >= REPEATED_CALLS:
                 self.repeated.clear()
@@ -88,6 +184,7 @@ class Scheduler:
                 self.stores.record(store_key, streamed, time.perf_counter() - t0, call.nbytes)
         else:
             status = launch.run(launch.desc)
+        self.launches += 1
         self.comm.end_launch(status, launch.refused)
 
     def launch_gpu(self, plan: CallPlan, send: int, recv: int, stream) -> int:
@@ -98,6 +195,7 @@ class Scheduler:
             raise comm.failure()
         caller = self.gpu_stream.caller(stream)
         record.set_call(plan, send, recv)
+        self.launches += 1
         return self.gpu_stream.enqueue(
             lambda own: self.kernels.launch(
                 plan.kernel, plan.nchannels, self.threads, record.args, own, plan.spec, record.address

@@ -116,6 +116,11 @@ class CpuKernels:
         self.run_prepared = self._lib.commref_cpu_launch_prepared
         self.run_prepared.argtypes = [ctypes.c_void_p]
         self.run_prepared.restype = ctypes.c_int
+        # run_group(descs, n): commref_cpu_launch_group, n LaunchDescs one after the other
+        # in one entry; 0, or (i << 8) | the status of member i, the first that failed
+        self.run_group = self._lib.commref_cpu_launch_group
+        self.run_group.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        self.run_group.restype = ctypes.c_int
         self._entry: dict[str, int] = {}
 
     def entry(self, name: str) -> int:

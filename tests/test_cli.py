@@ -57,6 +57,7 @@ PROBES = [
     (["bench", "all_reduce", "--np", "-3"], {}, "argument --np: must be >= 1, got -3"),
     (["bench", "all_reduce", "-b", "64M", "-e", "8"], {}, "need 0 <= minbytes <= maxbytes, got -b 67108864 -e 8"),
     (["bench", "all_reduce", "-b", "12Q"], {}, "argument -b/--minbytes: invalid size '12Q'"),
+    (["bench", "all_reduce", "--np", "2", "-m", "0"], {}, "argument -m/--agg_iters: must be in [1, 1024], got 0"),
     (
         ["bench", "all_reduce", "--np", "2", "--path", "gin", "--gin-protocol", "weak"],
         {},

@@ -402,6 +402,18 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch_prepare
                             d->block);
 }
 
+// The launches of `n` LaunchDescs (args.h) one after the other, as one entry: a group's
+// members fused into one call from the host. Returns kLaunchOk when every one returned
+// it; else (i << 8) | status of member i, the first that did not, whose successors are
+// not run (n must stay below 2^24).
+extern "C" __attribute__((visibility("default"))) int commref_cpu_launch_group(const LaunchDesc* d, unsigned n) {
+  for (unsigned i = 0; i < n; i++) {
+    int status = commref_cpu_launch_prepared(&d[i]);
+    if (status != kLaunchOk) return (int)(i << 8) | status;
+  }
+  return kLaunchOk;
+}
+
 // CpuProtocolSupport (args.h) of the CPU this runs on: the host refuses LL, and LL and
 // LL128 over GIN, where a guarantee they rely on is missing (proto.h).
 extern "C" __attribute__((visibility("default"))) uint32_t commref_cpu_protocol_support() {
