@@ -414,13 +414,17 @@ def nvcc_compile_check(
     defines: tuple[str, ...] = (),
     flags: tuple[str, ...] = (),
     sources: list[Path] | None = None,
+    output: str = "cubin",
 ) -> subprocess.CompletedProcess:
     """Compiles kernel files (`sources`; default every one, kernels/*.cu, each its own
     translation unit) with the defines of one specialization (see specialization()) for
     `arch` with nvcc: a build check, nothing runs. `flags`: more nvcc options (-Xptxas -v
-    for each kernel's registers, stack and spills). One nvcc per file, in parallel; the
-    result's returncode is the worst of them and its stdout/stderr hold every file's,
-    each headed by the file."""
+    for each kernel's registers, stack and spills). `output`: "cubin" (through ptxas,
+    what the loader builds) or "ptx" (the C++ front end and NVVM only). One nvcc per
+    file, in parallel; the result's returncode is the worst of them and its
+    stdout/stderr hold every file's, each headed by the file."""
+    if output not in ("cubin", "ptx"):
+        raise ValueError(f"output must be 'cubin' or 'ptx', not {output!r}")
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:
         raise KernelError("nvcc not found")
@@ -430,13 +434,13 @@ def nvcc_compile_check(
                 nvcc,
                 f"-arch={arch}",
                 "-std=c++17",
-                "-cubin",
+                f"-{output}",
                 *flags,
                 "-I",
                 str(INCLUDE_DIR),
                 *(f"-D{x}" for x in defines),
                 "-o",
-                os.path.join(d, f"{src.stem}.cubin"),
+                os.path.join(d, f"{src.stem}.{output}"),
                 str(src),
             ]
             for src in (build.kernel_sources() if sources is None else sources)
