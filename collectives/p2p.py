@@ -15,6 +15,7 @@ order. All operations of a group on one communicator are one launch, a block per
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,14 +75,19 @@ def call_desc(dtype: np.dtype) -> int:
 class P2pLauncher:
     """The p2p launches of one communicator `comm` (its rank, ranks, max_channels,
     kernels, threads, launch record and end_launch); `host`: its launch_record.HostWords,
-    whose error record names a failed operation's peer and what it saw."""
+    whose error record names a failed operation's peer and what it saw; `stores`: its
+    tuner.StoreChooser, which picks streamStores (zero-copy receives) by the bytes a
+    launch receives."""
 
-    def __init__(self, comm, host):
-        self.comm, self.host = comm, host
+    def __init__(self, comm, host, stores):
+        self.comm, self.host, self.stores = comm, host, stores
 
     def table(self, calls: list[P2pCall]) -> tuple[np.ndarray, int]:
-        """The operations (abi.P2P_OP) in posted order and the number of blocks."""
+        """The operations (abi.P2P_OP) in posted order and the number of blocks. Over an
+        LSA link a send whose buffer lies in a symmetric window goes zero copy, and every
+        recv can take one (abi.P2P_OP's zero-copy fields)."""
         c = self.comm
+        sym = c._symmetric
         ops = np.zeros(len(calls), dtype=abi.P2P_OP)
         blocks: dict[tuple[int, str], int] = {}
         for i, call in enumerate(calls):
@@ -91,6 +97,11 @@ class P2pLauncher:
             op["peer"], op["send"] = call.peer, call.kind == SEND
             op["channel"], op["conn"] = link(c.rank, c.nranks, c.max_channels, call)
             op["block"] = blocks.setdefault((call.peer, call.kind), len(blocks))
+            if sym.windows and not c.peer_mask >> call.peer & 1:  # an LSA link
+                if call.kind == RECV:
+                    op["symWindows"] = sym.table_address
+                elif (where := sym.of(call.buf)) is not None:
+                    op["symOffset"], op["symWindow"] = where[1], where[2]
         return ops, len(blocks)
 
     def run(self, calls: list[P2pCall]) -> None:
@@ -100,9 +111,15 @@ class P2pLauncher:
         ops, nblocks = self.table(calls)
         plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
         record = c.launch_record
-        record.set_call(plan, ops.ctypes.data, 0)
+        received = sum(call.buf.nbytes for call in calls if call.kind == RECV)
+        streamed, store_key = self.stores.choose(KERNEL, received)
+        record.set_call(plan, ops.ctypes.data, 0, streamed)
         try:
-            c.end_launch(c.kernels.launch(KERNEL, nblocks, c.threads, record.args, address=record.address))
+            t0 = time.perf_counter()
+            status = c.kernels.launch(KERNEL, nblocks, c.threads, record.args, address=record.address)
+            if store_key is not None and not status:
+                self.stores.record(store_key, streamed, time.perf_counter() - t0, received)
+            c.end_launch(status)
         except CommrefError as e:
             failed = self.failed(calls, ops)
             exc = self.mismatch(failed) or e

@@ -29,12 +29,42 @@
 //     0) headers are not checked, and a mismatch is not detected.
 // After each operation thread 0 sets its `done` word, so that the host can name the
 // operation that failed.
+//
+// Zero copy (P2pOp.symWindow != 0: the send's buffer lies in a symmetric window and the
+// link is LSA). The send posts one step without data whose header also carries, in
+// words 5..7, step + 1 (the mark), the window id and the buffer's offset, and waits for
+// that step's credit as above. The recv checks the first step's header as above; when it
+// bears the mark, the block copies op.bytes straight from the sender's window (its peer
+// table from P2pOp.symWindows, CollArgs.streamStores choosing streamed stores from
+// COMMREF_STREAM_MIN_BYTES per thread) into the recvbuf, and thread 0 then raises the
+// credit. So the sender's buffer is read once, by its receiver, and the send returns
+// only after the receiver has copied it: the caller may then reuse it. A recv cannot
+// tell ahead of time which way its send goes: either way works with any recvbuf. A
+// mark whose window is not mapped here, or whose bytes run past the window, fails the
+// recv with kBufferMismatch (expected: the window's bytes, seen: offset + bytes).
 #include "commref/ring.h"
 
 namespace commref {
 
 // Words 2..4 of a Simple slot's header: a receiver's verdict on the step (above).
 enum : int { kVerdictDesc = 2, kVerdictCount = 3, kVerdictStep = 4 };
+// Words 5..7: a zero-copy send's mark (step + 1), window id and offset (above).
+enum : int { kZeroCopyStep = 5, kZeroCopyWindow = 6, kZeroCopyOffset = 7 };
+
+// The sender's address of a zero-copy send's bytes whose mark is in slot header `h`
+// (thread 0), or nullptr after failing the recv (the top).
+static __device__ const char* p2pZeroCopySource(const P2pOp& op, const uint64_t* h, KernelEnv& env) {
+  const uint64_t id = h[kZeroCopyWindow], offset = h[kZeroCopyOffset];
+  const uint64_t* table = (const uint64_t*)op.symWindows;
+  const uint64_t* peers = table && id < COMMREF_GIN_MAX_WINDOWS ? (const uint64_t*)table[2 * id] : nullptr;
+  const uint64_t winBytes = peers ? table[2 * id + 1] : 0;
+  const char* base = peers ? (const char*)peers[op.peer] : nullptr;
+  if (!base || offset > winBytes || op.bytes > winBytes - offset) {
+    commref_fail(env, kMismatch, kBufferMismatch, op.peer, op.channel, winBytes, offset + op.bytes);
+    return nullptr;
+  }
+  return base + offset;
+}
 
 // The receiver's check of step `step`, the first of `op` (thread 0, see the top).
 static __device__ void p2pCheckFirst(const CollArgs& a, const P2pOp& op, uint64_t step, KernelEnv& env) {
@@ -59,6 +89,10 @@ static __device__ void p2pCheckFirst(const CollArgs& a, const P2pOp& op, uint64_
   commref_fail(env, kMismatch, kP2pRecvMismatch, op.peer, op.channel, count, desc);
 }
 
+// A zero-copy send of at least this many bytes sleeps while its receiver copies (its
+// core is better spent on the copy: a CPU engine's blocks share the host's cores).
+#define COMMREF_P2P_SLEEP_MIN_BYTES (256u << 10)
+
 // The sender's wait for the receiver's verdict on step `step`, the first of `op` (thread 0).
 static __device__ void p2pAwaitAccept(const CollArgs& a, const P2pOp& op, uint64_t step, KernelEnv& env) {
   const SendConnection s = makeSend(a, op.channel, op.conn, op.peer, op.conn);
@@ -68,20 +102,45 @@ static __device__ void p2pAwaitAccept(const CollArgs& a, const P2pOp& op, uint64
     g.wakeEngine();
     help = g.helpHook();
   }
-  waitAtLeast(s.credit, step + 1, env, kWaitP2pAccept, op.peer, op.channel, help);
+  const bool sleep = op.symWindow && op.bytes >= COMMREF_P2P_SLEEP_MIN_BYTES;
+  waitAtLeast(s.credit, step + 1, env, kWaitP2pAccept, op.peer, op.channel, help, sleep ? COMMREF_SLEEPING_SPINS : 1);
   if (env.failed) return;
   const uint64_t* h = (const uint64_t*)(s.slots + (step % a.layout.nsteps) * slotStride(a));
   if (load_acquire(&h[kVerdictStep]) == step + 1)
     commref_fail(env, kMismatch, kP2pSendRejected, op.peer, op.channel, h[kVerdictCount], h[kVerdictDesc]);
 }
 
-// One operation. `a`: the launch's record with this operation's descriptor and count.
-static __device__ void p2pRun(const CollArgs& a, const P2pOp& op) {
+// A zero-copy send (the top): one step, its header marked, accepted once the receiver has copied.
+static __device__ void p2pSendZeroCopy(const CollArgs& a, const P2pOp& op, uint64_t first, KernelEnv& env) {
+  if (threadIdx.x == 0) {
+    const SendConnection s = makeSend(a, op.channel, op.conn, op.peer, op.conn);
+    connWaitCredit(s, first, a, env);
+    if (!env.failed) {
+      uint64_t* h = (uint64_t*)(s.slots + (first % a.layout.nsteps) * slotStride(a));
+      h[kZeroCopyWindow] = op.symWindow;
+      h[kZeroCopyOffset] = op.symOffset;
+      h[kZeroCopyStep] = first + 1;
+      connPublishHeader(s, first, a);  // words 0, 1, then the ready word (release)
+    }
+    p2pAwaitAccept(a, op, first, env);
+    if (!env.failed) store_relaxed(stepStateOf(a, op.channel, COMMREF_CONN_IN + op.conn), first + 1);
+  }
+  leaveIfFailed(env.failed);
+}
+
+// One operation. `a`: the launch's record with this operation's descriptor and count;
+// `streamed`: the launch's streamStores.
+static __device__ void p2pRun(const CollArgs& a, const P2pOp& op, bool streamed) {
   const int c = op.channel, j = op.conn;
   const uint64_t first = load_relaxed(stepStateOf(a, c, op.send ? COMMREF_CONN_IN + j : j));
+  KernelEnv env = kernelEnv(a);
+  if (op.send && op.symWindow) {
+    p2pSendZeroCopy(a, op, first, env);
+    return;
+  }
+  __shared__ const char* zeroCopyFrom;  // recv: the sender's bytes when its send is zero copy
   const Share all{0, op.bytes};
   Prims<uint8_t, OpSum> p(a, c);
-  KernelEnv env = kernelEnv(a);
   if (op.send) {
     const uint8_t* src = (const uint8_t*)op.buf;
     p.addSend(j, op.peer, j);
@@ -94,9 +153,26 @@ static __device__ void p2pRun(const CollArgs& a, const P2pOp& op) {
     }
   } else {
     uint8_t* dst = (uint8_t*)op.buf;
-    p.addRecv(j, op.peer, j);
-    if (threadIdx.x == 0) p2pCheckFirst(a, op, first, env);
+    if (threadIdx.x == 0) {
+      zeroCopyFrom = nullptr;
+      p2pCheckFirst(a, op, first, env);
+      const RecvConnection r = makeRecv(a, c, j, op.peer, j);
+      const uint64_t* h = connSlotHeader(r, first, a);
+      if (!env.failed && !r.gin && h[kZeroCopyStep] == first + 1) zeroCopyFrom = p2pZeroCopySource(op, h, env);
+    }
     leaveIfFailed(env.failed);
+    if (zeroCopyFrom) {
+      copyOwnShare(dst, (const uint8_t*)zeroCopyFrom, op.bytes, streamed ? COMMREF_STREAM_MIN_BYTES : ~0ull);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const RecvConnection r = makeRecv(a, c, j, op.peer, j);
+        connRelease(r, first, a, env);
+        store_relaxed(r.stepState, first + 1);
+      }
+      __syncthreads();
+      return;
+    }
+    p.addRecv(j, op.peer, j);
     FOR_EACH_PIECE(base, len, all, p.slotElems()) p.recv(dst + base, len);
   }
   p.finish();
@@ -112,10 +188,10 @@ static __device__ void p2pBlock(const CollArgs& args) {
       a.callDesc = ops[i].callDesc;
       a.count = ops[i].count;
       a.protocol = kProtoSimple;
-      a.streamStores = 0;
+      a.streamStores = 0;  // FIFO steps: plain stores; zero-copy receives: the launch's (the top)
     }
     __syncthreads();
-    p2pRun(a, ops[i]);
+    p2pRun(a, ops[i], args.streamStores != 0);
     if (threadIdx.x == 0) store_release_u32((uint32_t*)&ops[i].done, 1);
     __syncthreads();  // thread 0 rewrites `a` for the next operation only after every thread is done with it
   }
