@@ -10,12 +10,18 @@ send and its recv that disagree fail on both ranks with CommMismatch naming what
 posted. A send completes once its receiver has taken the first slot, so a send and
 its recv must be in flight together: in one group (groups.py), or called in matching
 order. All operations of a group on one communicator are one launch, a block per
-(peer, direction) that runs that pair's operations in posted order.
+(peer, direction) that runs that pair's operations in posted order, or one block for
+all of a small group's (P2pLauncher.one_block).
+
+Zero copy: over an LSA link, a send whose buffer lies in a window from alloc_symmetric
+is read by its receiver straight from that window into the recvbuf (either kind of
+buffer), and completes once the receiver has copied it; the caller may then reuse it.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +35,8 @@ from .verify import DTYPE_CODES, dtype_name
 
 KERNEL = "commref_p2p"
 SEND, RECV = "send", "recv"
+ONE_BLOCK_MAX_BYTES = 64 * 1024  # a group's bytes that one block moves (P2pLauncher.one_block)
+_KEPT_OP, _KEPT_GROUP = "p2p op", "p2p group"  # the first item of a kept operation's and group's key
 
 
 @dataclass(eq=False)
@@ -72,15 +80,82 @@ def call_desc(dtype: np.dtype) -> int:
     return abi.pack_call("p2p", "ring", DTYPE_CODES[dtype_name(dtype)], 0, 0, 0)
 
 
+class KeptBuffer:
+    """A send's or recv's validated buffer (buffers.Buffer), kept so that the same
+    operation on the same array again skips the checks: it matches while the array is
+    the same live array with the shape, strides and dtype it had (and a recv's is still
+    writeable), launch_record.RepeatedCall's contract. It holds the array weakly."""
+
+    __slots__ = ("_ref", "_shape", "_dtype", "buf")
+
+    def __init__(self, obj, buf):
+        self._ref, self._shape, self._dtype, self.buf = weakref.ref(obj), (obj.shape, obj.strides), obj.dtype, buf
+
+    def matches(self, obj, write: bool) -> bool:
+        return (
+            self._ref() is obj
+            and (obj.shape, obj.strides) == self._shape
+            and obj.dtype is self._dtype
+            and (not write or obj.flags.writeable)
+        )
+
+
+@dataclass(eq=False)
+class KeptGroup:
+    """A group's launch (its operations' table, blocks and plan), kept for the same
+    operations on the same kept buffers again."""
+
+    bufs: tuple
+    ops: np.ndarray
+    nblocks: int
+    plan: CallPlan
+
+
 class P2pLauncher:
     """The p2p launches of one communicator `comm` (its rank, ranks, max_channels,
     kernels, threads, launch record and end_launch); `host`: its launch_record.HostWords,
     whose error record names a failed operation's peer and what it saw; `stores`: its
     tuner.StoreChooser, which picks streamStores (zero-copy receives) by the bytes a
-    launch receives."""
+    launch receives. `kept`: the dict where the communicator keeps repeated calls (one
+    that changes the symmetric windows clears it), at most `limit` entries: operations'
+    buffers (KeptBuffer) and groups' launches (KeptGroup) go there too."""
 
-    def __init__(self, comm, host, stores):
-        self.comm, self.host, self.stores = comm, host, stores
+    def __init__(self, comm, host, stores, kept: dict, limit: int):
+        self.comm, self.host, self.stores, self.kept, self.limit = comm, host, stores, kept, limit
+
+    def record(self, kind: str, buf, peer, stream) -> P2pCall:
+        """record() with the communicator's checks, skipped for an operation on a kept buffer."""
+        c, kept = self.comm, self.kept
+        try:
+            key = (_KEPT_OP, kind, id(buf), peer, peer.__class__)
+            k = kept.get(key)
+        except TypeError:  # an unhashable peer: record() says what is wrong with it
+            key = k = None
+        if k is not None and k.matches(buf, kind == RECV):
+            c.check_usable()
+            return P2pCall(kind, peer, k.buf, stream)
+        call = record(c._check, c.device, kind, buf, peer, stream, c.check_usable)
+        if key is not None and type(buf) is np.ndarray:
+            self._keep(key, KeptBuffer(buf, call.buf))
+        return call
+
+    def _keep(self, key, value) -> None:
+        if len(self.kept) >= self.limit:
+            self.kept.clear()
+        self.kept[key] = value
+
+    def prepared(self, calls: list[P2pCall]) -> KeptGroup:
+        """The group's launch: kept, or made (and kept where its buffers are)."""
+        key = (_KEPT_GROUP, *[(call.kind, call.peer, id(call.buf)) for call in calls])
+        g = self.kept.get(key)
+        if g is not None and all(a is call.buf for a, call in zip(g.bufs, calls)):
+            g.ops["done"] = 0
+            return g
+        ops, nblocks = self.table(calls)
+        plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
+        g = KeptGroup(tuple(call.buf for call in calls), ops, nblocks, plan)
+        self._keep(key, g)
+        return g
 
     def table(self, calls: list[P2pCall]) -> tuple[np.ndarray, int]:
         """The operations (abi.P2P_OP) in posted order and the number of blocks. Over an
@@ -102,14 +177,27 @@ class P2pLauncher:
                     op["symWindows"] = sym.table_address
                 elif (where := sym.of(call.buf)) is not None:
                     op["symOffset"], op["symWindow"] = where[1], where[2]
+        if len(blocks) > 1 and self.one_block(ops):
+            ops["block"] = 0
+            return ops, 1
         return ops, len(blocks)
+
+    def one_block(self, ops: np.ndarray) -> bool:
+        """Whether a group's operations run in one block (kernels/p2p.cu): each of one
+        step, at most nsteps per (peer, direction), ONE_BLOCK_MAX_BYTES in all. A small
+        group then wakes no engine thread; a block per pair would wait on more threads
+        than this host may have cores for."""
+        layout = self.comm.layout
+        if int(ops["bytes"].sum()) > ONE_BLOCK_MAX_BYTES or int(ops["bytes"].max()) > int(layout["slotBytes"]):
+            return False
+        return int(np.bincount(ops["block"]).max()) <= int(layout["nsteps"])
 
     def run(self, calls: list[P2pCall]) -> None:
         """Runs `calls` in one launch. A failure is raised with `member` set to the
         call that failed (the first of its (peer, direction) not done)."""
         c = self.comm
-        ops, nblocks = self.table(calls)
-        plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
+        g = self.prepared(calls)
+        ops, nblocks, plan = g.ops, g.nblocks, g.plan
         record = c.launch_record
         received = sum(call.buf.nbytes for call in calls if call.kind == RECV)
         streamed, store_key = self.stores.choose(KERNEL, received)

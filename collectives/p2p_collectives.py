@@ -60,7 +60,7 @@ def _root(comm, root) -> int:
 
 
 def _flat(comm, buf, name: str):
-    """`buf` as one dimension of its elements (a view, never a copy)."""
+    """`buf` as one dimension of its elements (itself or a view, never a copy)."""
     if buf is None:
         raise TypeError(f"rank {comm.rank}: {name} is required")
     flags = getattr(buf, "flags", None)
@@ -68,7 +68,7 @@ def _flat(comm, buf, name: str):
         raise TypeError(f"rank {comm.rank}: {name} must be an array, got {type(buf).__name__}")
     if not flags.c_contiguous:
         raise ValueError(f"rank {comm.rank}: {name} must be C-contiguous")
-    return buf.reshape(-1)
+    return buf if buf.ndim == 1 else buf.reshape(-1)  # itself: a repeated call finds its kept operations
 
 
 def _same_dtype(comm, s, r) -> None:

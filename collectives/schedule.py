@@ -28,7 +28,7 @@ class Scheduler:
         self.record, self.kernels, self.threads = comm.launch_record, comm.kernels, comm.threads
         self.gpu_stream, self.stores = comm.gpu_stream, tuner.StoreChooser(comm.options.stream_stores.value)
         self.repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall, kept
-        self.p2p = P2pLauncher(comm, host, self.stores)
+        self.p2p = P2pLauncher(comm, host, self.stores, self.repeated, REPEATED_CALLS)
 
     def launch(self, calls: list) -> None:
         """Prepares (CallPlanner) and runs recorded calls: the collectives (calls.Call)
