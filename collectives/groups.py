@@ -110,10 +110,15 @@ def _run(scheduler, calls: list, failures: list) -> None:
     try:
         scheduler.launch(calls)
     except BaseException as e:
-        member = getattr(e, "member", None)
-        if member is not None and e.args and isinstance(e.args[0], str):
-            e.args = (f"group member #{member.group_index} ({describe(member)}): {e.args[0]}", *e.args[1:])
+        name_member(e)
         failures.append(e)
+
+
+def name_member(e: BaseException) -> None:
+    """Prefixes the message of `e` with the group member it names (its `member`), if any."""
+    member = getattr(e, "member", None)
+    if member is not None and e.args and isinstance(e.args[0], str):
+        e.args = (f"group member #{member.group_index} ({describe(member)}): {e.args[0]}", *e.args[1:])
 
 
 def _join(thread: threading.Thread, comm, ncalls: int, failures: list) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError, CommMismatch, CommrefError
 
+from . import groups
 from .launch_record import CallPlan, plan_fields
 from .verify import DTYPE_CODES, dtype_name
 
@@ -102,13 +103,28 @@ class KeptBuffer:
 
 @dataclass(eq=False)
 class KeptGroup:
-    """A group's launch (its operations' table, blocks and plan), kept for the same
-    operations on the same kept buffers again."""
+    """A group's launch (its operations' table, blocks and plan, the bytes it receives),
+    kept for the same operations on the same kept buffers again."""
 
     bufs: tuple
     ops: np.ndarray
     nblocks: int
     plan: CallPlan
+    received: int
+
+    def __post_init__(self):
+        self.done = self.ops["done"]  # a view: reset before every launch
+
+
+@dataclass(eq=False)
+class KeptSequence:
+    """A composed call's sends and receives (its `calls`, members 0, 1, ... of its group)
+    on arrays whose buffers are kept (`arrays`: KeptBuffer, and whether written), with
+    their launch: the same call on the same arrays again runs it at once (P2pLauncher.again)."""
+
+    arrays: tuple
+    calls: list
+    group: KeptGroup
 
 
 class P2pLauncher:
@@ -149,13 +165,46 @@ class P2pLauncher:
         key = (_KEPT_GROUP, *[(call.kind, call.peer, id(call.buf)) for call in calls])
         g = self.kept.get(key)
         if g is not None and all(a is call.buf for a, call in zip(g.bufs, calls)):
-            g.ops["done"] = 0
+            g.done.fill(0)
             return g
         ops, nblocks = self.table(calls)
         plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
-        g = KeptGroup(tuple(call.buf for call in calls), ops, nblocks, plan)
+        received = sum(call.buf.nbytes for call in calls if call.kind == RECV)
+        g = KeptGroup(tuple(call.buf for call in calls), ops, nblocks, plan, received)
         self._keep(key, g)
         return g
+
+    def again(self, key, arrays) -> bool:
+        """Runs the composed call kept under `key` (KeptSequence, from keep_sequence) if
+        `arrays` are its arrays, unchanged, and returns True; else False (nothing ran).
+        Outside a group only (the caller checks). A failure is raised as a group's is
+        (groups.name_member)."""
+        k = self.kept.get(key)
+        if k is None:
+            return False
+        for (kb, write), a in zip(k.arrays, arrays):
+            if not kb.matches(a, write):
+                return False
+        self.comm.check_usable()
+        k.group.done.fill(0)
+        try:
+            self.launch(k.group, k.calls)
+        except BaseException as e:
+            groups.name_member(e)
+            raise
+        return True
+
+    def keep_sequence(self, key, ops: list[tuple[str, object, int]]) -> None:
+        """Keeps the composed call that has just run `ops` ((kind, array, peer) in
+        posted order, a group of its own) under `key`, if every operation's buffer was kept."""
+        kept = [self.kept.get((_KEPT_OP, kind, id(a), peer, int)) for kind, a, peer in ops]
+        if None in kept:
+            return
+        calls = [P2pCall(kind, peer, kb.buf) for (kind, _, peer), kb in zip(ops, kept)]
+        for i, call in enumerate(calls):
+            call.group_index = i
+        arrays = tuple((kb, kind == RECV) for (kind, _, _), kb in zip(ops, kept))
+        self._keep(key, KeptSequence(arrays, calls, self.prepared(calls)))
 
     def table(self, calls: list[P2pCall]) -> tuple[np.ndarray, int]:
         """The operations (abi.P2P_OP) in posted order and the number of blocks. Over an
@@ -195,11 +244,13 @@ class P2pLauncher:
     def run(self, calls: list[P2pCall]) -> None:
         """Runs `calls` in one launch. A failure is raised with `member` set to the
         call that failed (the first of its (peer, direction) not done)."""
+        self.launch(self.prepared(calls), calls)
+
+    def launch(self, g: KeptGroup, calls: list[P2pCall]) -> None:
+        """Launches the group `g` of `calls` (its done words reset); run() says how it fails."""
         c = self.comm
-        g = self.prepared(calls)
-        ops, nblocks, plan = g.ops, g.nblocks, g.plan
+        ops, nblocks, plan, received = g.ops, g.nblocks, g.plan, g.received
         record = c.launch_record
-        received = sum(call.buf.nbytes for call in calls if call.kind == RECV)
         streamed, store_key = self.stores.choose(KERNEL, received)
         record.set_call(plan, ops.ctypes.data, 0, streamed)
         try:
