@@ -32,6 +32,7 @@ from commref.transports.errors import CapabilityError, CommMismatch, CommrefErro
 
 from . import groups
 from .launch_record import CallPlan, plan_fields
+from .tuner import STORE_CHOOSER_MIN_BYTES
 from .verify import DTYPE_CODES, dtype_name
 
 KERNEL = "commref_p2p"
@@ -111,9 +112,12 @@ class KeptGroup:
     nblocks: int
     plan: CallPlan
     received: int
+    launch: object  # cpu_loader.PreparedLaunch of the communicator's record
+    streamed: int | None  # streamStores of every launch, or None: the store chooser's per launch
 
     def __post_init__(self):
         self.done = self.ops["done"]  # a view: reset before every launch
+        self.address = self.ops.ctypes.data
 
 
 @dataclass(eq=False)
@@ -170,7 +174,12 @@ class P2pLauncher:
         ops, nblocks = self.table(calls)
         plan = CallPlan(KERNEL, nblocks, None, plan_fields(0, 0, 0, nblocks, 1, 0), 0, len(calls), False)
         received = sum(call.buf.nbytes for call in calls if call.kind == RECV)
-        g = KeptGroup(tuple(call.buf for call in calls), ops, nblocks, plan, received)
+        c, stores = self.comm, self.stores
+        launch = c.kernels.prepared(KERNEL, nblocks, c.threads, c.launch_record.address)
+        streamed = (
+            stores.choose(KERNEL, received)[0] if received < STORE_CHOOSER_MIN_BYTES or stores.mode != "auto" else None
+        )
+        g = KeptGroup(tuple(call.buf for call in calls), ops, nblocks, plan, received, launch, streamed)
         self._keep(key, g)
         return g
 
@@ -248,17 +257,20 @@ class P2pLauncher:
 
     def launch(self, g: KeptGroup, calls: list[P2pCall]) -> None:
         """Launches the group `g` of `calls` (its done words reset); run() says how it fails."""
-        c = self.comm
-        ops, nblocks, plan, received = g.ops, g.nblocks, g.plan, g.received
-        record = c.launch_record
-        streamed, store_key = self.stores.choose(KERNEL, received)
-        record.set_call(plan, ops.ctypes.data, 0, streamed)
+        c, ops, launch, streamed = self.comm, g.ops, g.launch, g.streamed
+        store_key = None
+        if streamed is None:
+            streamed, store_key = self.stores.choose(KERNEL, g.received)
+        c.launch_record.set_call(g.plan, g.address, 0, streamed)
         try:
-            t0 = time.perf_counter()
-            status = c.kernels.launch(KERNEL, nblocks, c.threads, record.args, address=record.address)
-            if store_key is not None and not status:
-                self.stores.record(store_key, streamed, time.perf_counter() - t0, received)
-            c.end_launch(status)
+            if store_key is None:
+                status = launch.run(launch.desc)
+            else:
+                t0 = time.perf_counter()
+                status = launch.run(launch.desc)
+                if not status:
+                    self.stores.record(store_key, streamed, time.perf_counter() - t0, g.received)
+            c.end_launch(status, launch.refused)
         except CommrefError as e:
             failed = self.failed(calls, ops)
             exc = self.mismatch(failed) or e

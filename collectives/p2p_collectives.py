@@ -290,7 +290,11 @@ def call_alltoallv(comm, sendbuf, recvbuf, root: int, **kwargs) -> None:
 
 
 def call_sendrecv(comm, sendbuf, recvbuf, root: int, **kwargs) -> None:
-    _method(comm, "sendrecv", sendrecv)(sendbuf, recvbuf, **kwargs)
+    method = getattr(comm, "sendrecv", None)  # a baseline's; else composed (no partial: a hot path)
+    if method is None:
+        sendrecv(comm, sendbuf, recvbuf, **kwargs)
+    else:
+        method(sendbuf, recvbuf, **kwargs)
 
 
 def call_hypercube(comm, sendbuf, recvbuf, root: int, **kwargs) -> None:
