@@ -38,6 +38,7 @@ from .verify import DTYPE_CODES, dtype_name
 KERNEL = "commref_p2p"
 SEND, RECV = "send", "recv"
 ONE_BLOCK_MAX_BYTES = 64 * 1024  # a group's bytes that one block moves (P2pLauncher.one_block)
+ONE_BLOCK_MAX_SENDS = 32  # kernels/p2p.cu kMaxPending: one block posts every send before it waits
 _KEPT_OP, _KEPT_GROUP = "p2p op", "p2p group"  # the first item of a kept operation's and group's key
 
 
@@ -241,14 +242,24 @@ class P2pLauncher:
         return ops, len(blocks)
 
     def one_block(self, ops: np.ndarray) -> bool:
-        """Whether a group's operations run in one block (kernels/p2p.cu): each of one
-        step, at most nsteps per (peer, direction), ONE_BLOCK_MAX_BYTES in all. A small
-        group then wakes no engine thread; a block per pair would wait on more threads
-        than this host may have cores for."""
+        """Whether a group's operations run in one block (kernels/p2p.cu): every send of
+        one step (zero copy, or bytes that fit a slot), ONE_BLOCK_MAX_SENDS sends at most,
+        at most nsteps operations per (peer, direction), and besides the largest receive
+        at most ONE_BLOCK_MAX_BYTES to move. The launch then wakes no engine thread for work that one thread does as
+        fast (a zero-copy sendrecv: post, copy, done); a block per pair would wait on
+        more threads than this host may have cores for."""
         layout = self.comm.layout
-        if int(ops["bytes"].sum()) > ONE_BLOCK_MAX_BYTES or int(ops["bytes"].max()) > int(layout["slotBytes"]):
+        send = ops["send"] == 1
+        fifo_sends = ops["bytes"][send & (ops["symWindow"] == 0)]
+        if fifo_sends.size and int(fifo_sends.max()) > int(layout["slotBytes"]):
             return False
-        return int(np.bincount(ops["block"]).max()) <= int(layout["nsteps"])
+        received = ops["bytes"][~send]
+        rest = int(fifo_sends.sum()) + int(received.sum()) - (int(received.max()) if received.size else 0)
+        return (
+            rest <= ONE_BLOCK_MAX_BYTES
+            and int(send.sum()) <= ONE_BLOCK_MAX_SENDS
+            and int(np.bincount(ops["block"]).max()) <= int(layout["nsteps"])
+        )
 
     def run(self, calls: list[P2pCall]) -> None:
         """Runs `calls` in one launch. A failure is raised with `member` set to the

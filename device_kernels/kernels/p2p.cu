@@ -6,9 +6,9 @@
 // several steps, or once kMaxPending are pending; a send of several steps awaits its
 // accept after its first step. The host gives a block either the operations of one
 // (peer, direction), so that every operation of the group is in flight at once, or
-// (a group of small operations, one block for all) only sends and receives of one step,
-// at most nsteps per (peer, direction): every send is then posted before any wait on a
-// peer, so a group posted in any order on any rank cannot wait on itself either way.
+// (one block for all of a group's) only sends of one step, at most kMaxPending of them
+// and at most nsteps operations per (peer, direction): every send is then posted before
+// any wait on a peer. So a group posted in any order on any rank cannot wait on itself.
 //
 // Links. The link from rank s to rank r, d = (r - s) mod n, is outbound link (d - 1) % 4
 // of window channel max_channels + (d - 1) / 4 at s and inbound FIFO (d - 1) % 4 of that
@@ -95,12 +95,15 @@ static __device__ void p2pCheckFirst(const CollArgs& a, const P2pOp& op, uint64_
   commref_fail(env, kMismatch, kP2pRecvMismatch, op.peer, op.channel, count, desc);
 }
 
-// A zero-copy send of at least this many bytes sleeps while its receiver copies (its
-// core is better spent on the copy: a CPU engine's blocks share the host's cores).
+// A zero-copy send of at least this many bytes, in a block that received nothing, sleeps
+// while its receiver copies (its core is better spent on the copy: a CPU engine's blocks
+// share the host's cores); after receiving, the block polls first (the peer is copying
+// too, and done about as soon).
 #define COMMREF_P2P_SLEEP_MIN_BYTES (256u << 10)
 
 // The sender's wait for the receiver's verdict on step `step`, the first of `op` (thread 0).
-static __device__ void p2pAwaitAccept(const CollArgs& a, const P2pOp& op, uint64_t step, KernelEnv& env) {
+static __device__ void p2pAwaitAccept(const CollArgs& a, const P2pOp& op, uint64_t step, KernelEnv& env,
+                                      bool received = false) {
   const SendConnection s = makeSend(a, op.channel, op.conn, op.peer, op.conn);
   const uint64_t* help = nullptr;
   if (s.gin) {  // the credit comes through the engine: help it meanwhile (gin.h)
@@ -108,7 +111,7 @@ static __device__ void p2pAwaitAccept(const CollArgs& a, const P2pOp& op, uint64
     g.wakeEngine();
     help = g.helpHook();
   }
-  const bool sleep = op.symWindow && op.bytes >= COMMREF_P2P_SLEEP_MIN_BYTES;
+  const bool sleep = op.symWindow && op.bytes >= COMMREF_P2P_SLEEP_MIN_BYTES && !received;
   waitAtLeast(s.credit, step + 1, env, kWaitP2pAccept, op.peer, op.channel, help, sleep ? COMMREF_SLEEPING_SPINS : 1);
   if (env.failed) return;
   const uint64_t* h = (const uint64_t*)(s.slots + (step % a.layout.nsteps) * slotStride(a));
@@ -139,12 +142,12 @@ struct Pending {
 };
 
 // Awaits the accept of every pending send, in posted order, and marks each done; the
-// block leaves together if one failed.
-static __device__ void p2pAwaitAll(const CollArgs& args, const P2pOp* ops, Pending& pend) {
+// block leaves together if one failed. `received`: the block has run a receive.
+static __device__ void p2pAwaitAll(const CollArgs& args, const P2pOp* ops, Pending& pend, bool received) {
   KernelEnv env = kernelEnv(args);
   if (threadIdx.x == 0)
     for (int k = 0; k < pend.n && !env.failed; k++) {
-      p2pAwaitAccept(args, ops[pend.op[k]], pend.step[k], env);
+      p2pAwaitAccept(args, ops[pend.op[k]], pend.step[k], env, received);
       if (!env.failed) store_release_u32((uint32_t*)&ops[pend.op[k]].done, 1);
     }
   leaveIfFailed(env.failed);
@@ -213,13 +216,15 @@ static __device__ void p2pBlock(const CollArgs& args) {
   __shared__ CollArgs a;  // the launch's record with the running operation's descriptor and count
   Pending pend;
   pend.n = 0;
+  bool received = false;
   for (int sends = 1; sends >= 0; sends--)
     for (uint64_t i = 0; i < args.count; i++) {
       const P2pOp& op = ops[i];
       if (op.block != (int32_t)blockIdx.x || op.send != sends) continue;
-      // A send of several steps, and a full list, first await the pending accepts.
-      if (pend.n == kMaxPending || (sends && !op.symWindow && op.bytes > args.layout.slotBytes))
-        p2pAwaitAll(args, ops, pend);
+      // A send of several steps, and a send that finds the list full, first await the
+      // pending accepts (in one block for all, the host posts neither: p2p.py).
+      if (sends && (pend.n == kMaxPending || (!op.symWindow && op.bytes > args.layout.slotBytes)))
+        p2pAwaitAll(args, ops, pend, false);  // before any receive: sends run first
       if (threadIdx.x == 0) {
         a = args;
         a.callDesc = op.callDesc;
@@ -229,6 +234,7 @@ static __device__ void p2pBlock(const CollArgs& args) {
       }
       __syncthreads();
       uint64_t first;
+      received |= !sends;
       if (p2pRun(a, op, args.streamStores != 0, first)) {
         if (threadIdx.x == 0) store_release_u32((uint32_t*)&op.done, 1);
       } else {
@@ -238,7 +244,7 @@ static __device__ void p2pBlock(const CollArgs& args) {
       }
       __syncthreads();  // thread 0 rewrites `a` for the next operation only after every thread is done with it
     }
-  p2pAwaitAll(args, ops, pend);
+  p2pAwaitAll(args, ops, pend, received);
 }
 
 COMMREF_KERNEL(commref_p2p, CollArgs, args) { p2pBlock(args); }
