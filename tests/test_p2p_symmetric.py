@@ -9,6 +9,8 @@
   CommMismatch naming both ranks and what each posted, before the deadline;
 - the sender may reuse its buffer once the call returns: overwriting it at once never
   changes what the receiver got;
+- a sendrecv repeated on the same arrays runs its kept launch, exact every time, and a
+  failure met there names the group member as a group's does;
 - under mpiexec (the window is POSIX shared memory between processes): the same cases.
 """
 
@@ -233,6 +235,54 @@ def test_a_mismatch_on_the_zero_copy_path_fails_on_both_ranks(sent, received, fi
     assert f"rank 0: {send} to rank 1 does not match rank 1's {recv}: {name} is {at0!r} here and {at1!r} there" in m0
     assert f"rank 1: {recv} from rank 0 does not match rank 0's {send}: {name} is {at1!r} here and {at0!r} there" in m1
     assert s0 < DEADLINE and s1 < DEADLINE, (s0, s1)  # found, not timed out
+
+
+def test_a_repeated_sendrecv_goes_straight_to_its_kept_launch():
+    """sendrecv again on the same arrays (symmetric and plain) runs the kept launch,
+    exact every time; another view of the same memory is checked afresh."""
+    from commref.collectives.p2p_collectives import sendrecv
+
+    def body(world):
+        comm = _comm(world)
+        n, r = world.size, world.rank
+        out = []
+        pairs = [(comm.alloc_symmetric(5000, np.int32), np.zeros(5000, np.int32))]
+        pairs.append((np.zeros(7, np.uint32), np.zeros(7, np.uint32)))
+        for x, y in pairs:
+            for k in range(4):
+                x[...] = 100 * k + r
+                sendrecv(comm, x, y)
+                out.append(bool((y == 100 * k + (r - 1) % n).all()))
+            x[...] = 7 * r
+            sendrecv(comm, x.reshape(-1, 1)[:, 0], y)  # a new view: checked, then kept too
+            out.append(bool((y == 7 * ((r - 1) % n)).all()))
+        out.append(comm.kept_calls > 0)
+        close_after_barrier(world, comm)
+        return out
+
+    assert ThreadWorld.run(3, body, timeout=WORLD_TIMEOUT) == [[True] * 11] * 3
+
+
+def test_a_kept_sendrecv_fails_as_a_group_does():
+    """A mismatch met by a kept sendrecv names the group member on both ranks."""
+    from commref.collectives.p2p_collectives import sendrecv
+
+    def body(world, comm):
+        x = comm.alloc_symmetric(64, np.float32)
+        y = np.zeros(64, np.float32)
+        sendrecv(comm, x, y)  # kept
+        if world.rank == 1:
+            y = np.zeros(65, np.float32)
+            x = comm.alloc_symmetric(65, np.float32)
+        else:
+            comm.alloc_symmetric(65, np.float32)  # every rank allocates alike
+        sendrecv(comm, x, y)
+
+    (t0, m0, s0), (t1, m1, s1) = errors_per_rank(2, lambda world: _comm(world, DEADLINE), body)
+    assert t0 == t1 == "CommMismatch", (m0, m1)
+    assert m0.startswith("group member #0 (send of 64 float32 to rank 1)") or m0.startswith("group member #1"), m0
+    assert "does not match rank 1's" in m0 and "does not match rank 0's" in m1, (m0, m1)
+    assert s0 < DEADLINE and s1 < DEADLINE, (s0, s1)
 
 
 @pytest.mark.mpi
