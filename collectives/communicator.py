@@ -15,7 +15,7 @@ joined to the caller's by events (gpu_stream.py); a kernel's failure is raised a
 synchronize() or the next call.
 
 A call goes through three layers, as NCCL's enqueue pipeline: management (the methods
-validate and record it: calls.record_call, p2p.record; groups.py holds a group's records),
+validate and record it: calls.record_call, p2p.P2pLauncher.record; groups.py holds a group's records),
 preparation (calls.CallPlanner) and scheduling (schedule.Scheduler: each call on its
 path, a group's sends and receives in one launch). A single call is a group of one; on
 the CPU a call that repeats an earlier one on the same arrays (launch_record.RepeatedCall)
@@ -207,7 +207,7 @@ class Communicator:
         self._p2p(p2p.RECV, recvbuf, peer, stream)
 
     def _p2p(self, kind, buf, peer, stream) -> None:
-        groups.submit(self._scheduler, p2p.record(self._check, self.device, kind, buf, peer, stream, self.check_usable))
+        groups.submit(self._scheduler, self._scheduler.p2p.record(kind, buf, peer, stream))
 
     group_start, group_end, group = (staticmethod(f) for f in (groups.group_start, groups.group_end, groups.group))
 

@@ -141,18 +141,24 @@ def launch(schedulers: list, calls: list) -> None:
 
 def _run(scheduler, calls: list, indices: list | None, failures: list) -> None:
     """One scheduler's members (`indices`: their indices in the group; None: the
-    positions in `calls`); a failure goes to `failures`, its message naming the member
-    (schedule.Scheduler.launch sets the exception's `member` and `member_at`), its
-    `group_index` set."""
+    positions in `calls`); a failure goes to `failures`, named (name_member: from the
+    `member` and `member_at` that schedule.Scheduler.launch sets)."""
     try:
         scheduler.launch(calls)
     except BaseException as e:
-        member, at = getattr(e, "member", None), getattr(e, "member_at", None)
-        if member is not None and at is not None:
-            e.group_index = at if indices is None else indices[at]
-            if e.args and isinstance(e.args[0], str):
-                e.args = (f"group member #{e.group_index} ({describe(member)}): {e.args[0]}", *e.args[1:])
+        name_member(e, indices)
         failures.append(e)
+
+
+def name_member(e: BaseException, indices: list | None = None) -> None:
+    """Names the group member that `e` names (its `member`, at `member_at` among the
+    calls that launched; `indices`: their indices in the group, None: the same): sets
+    `e.group_index` and prefixes its message with the member, its index and the call."""
+    member, at = getattr(e, "member", None), getattr(e, "member_at", None)
+    if member is not None and at is not None:
+        e.group_index = at if indices is None else indices[at]
+        if e.args and isinstance(e.args[0], str):
+            e.args = (f"group member #{e.group_index} ({describe(member)}): {e.args[0]}", *e.args[1:])
 
 
 def _join(thread: threading.Thread, comm, ncalls: int, failures: list) -> None:

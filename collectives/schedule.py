@@ -41,7 +41,8 @@ class Scheduler:
         self.repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall, kept
         self.groups: dict = {}  # CPU: a group's members (RepeatedCalls, in order) -> FusedLaunch, kept
         self.launches = 0  # launches of this communicator's kernels so far (a fused group: one)
-        self.p2p = P2pLauncher(comm, host)
+        # p2p keeps its operations' buffers, groups and sendrecvs in `repeated` (forget() drops them)
+        self.p2p = P2pLauncher(comm, host, self.stores, self.repeated, REPEATED_CALLS)
 
     def forget(self) -> None:
         """Drops every kept call and group: the next calls are checked and planned afresh."""

@@ -78,6 +78,10 @@ class SymmetricWindows:
         self._engine = gin_engine
         self.windows: list = []
         self._ids: list[int] = []  # windows[i]'s GIN id
+        # Per GIN id: the peer table's address and the window's bytes (0, 0: none), what a
+        # zero-copy recv reads (P2pOp.symWindows, kernels/p2p.cu).
+        self.table = np.zeros((abi.GIN_MAX_WINDOWS, 2), dtype=np.uint64)
+        self.table_address = self.table.ctypes.data
         self._cache: dict = {}  # (collective, buffer addresses and sizes) -> direct()
 
     @property
@@ -119,6 +123,7 @@ class SymmetricWindows:
             self._engine.add_window(gin_id, win)
         self.windows.append(win)
         self._ids.append(gin_id)
+        self.table[gin_id] = address_of(win.peer_table), win.nbytes
         self._cache.clear()
         return win.local[:nbytes].view(dt)
 
@@ -136,6 +141,7 @@ class SymmetricWindows:
             )
         self._cache.clear()
         gin_id = self._ids.pop(mine)
+        self.table[gin_id] = 0
         if self._engine is not None:
             self._engine.remove_window(gin_id)
         self._release(self.windows.pop(mine))
@@ -185,6 +191,7 @@ class SymmetricWindows:
             win.free()
         self.windows.clear()
         self._ids.clear()
+        self.table[:] = 0
         self._cache.clear()
 
     def close(self) -> None:

@@ -257,3 +257,45 @@ def test_a_call_whose_stores_are_timed_launches_alone():
         return launches, kept, int(b.sum()), bool((y == 3).all())
 
     assert ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT) == [(2, 0, 6, True)] * 2
+
+
+def test_a_fused_groups_sends_are_zero_copy_in_one_block():
+    """A fused group's sends and receives take the table a group of sends alone takes
+    (p2p.P2pLauncher.prepare: zero copy from a symmetric window, one block for a small
+    group): one launch, exact, the send's window named."""
+    seen = []
+    real = schedule.P2pLauncher.prepare
+
+    def spy(self, calls):
+        got = real(self, calls)
+        seen.append((int(got[0]["symWindow"][[c.kind == "send" for c in calls]].min()), got[1]))
+        return got
+
+    def body(world):
+        comm = Communicator(world, "cpu", path="lsa", timeout=WORLD_TIMEOUT, slot_bytes=1024, nsteps=2)
+        r, n = world.rank, world.size
+        x, ar = np.arange(8, dtype=np.int64) + r, np.zeros(8, np.int64)
+        sent, got = comm.alloc_symmetric(3000, np.float32), np.zeros(3000, np.float32)
+        sent[...] = r + 0.5
+        before = comm.launches
+        with comm.group():
+            comm.allreduce(x, ar, "sum")
+            comm.send(sent, (r + 1) % n)
+            comm.recv(got, (r - 1) % n)
+        launches = comm.launches - before
+        comm.free_symmetric(sent)
+        close_after_barrier(world, comm)
+        return launches, ar, got
+
+    n = 2
+    mp = pytest.MonkeyPatch()
+    mp.setattr(schedule.P2pLauncher, "prepare", spy)
+    try:
+        results = ThreadWorld.run(n, body, timeout=WORLD_TIMEOUT)
+    finally:
+        mp.undo()
+    assert seen and all(window > 0 and nblocks == 1 for window, nblocks in seen), seen
+    for r, (launches, ar, got) in enumerate(results):
+        assert launches == 1
+        np.testing.assert_array_equal(ar, sum(np.arange(8, dtype=np.int64) + q for q in range(n)))
+        np.testing.assert_array_equal(got, np.full(3000, (r - 1) % n + 0.5, np.float32))

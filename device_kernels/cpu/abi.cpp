@@ -61,8 +61,9 @@ namespace {
   F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, avgDivisor) F(CollArgs, streamStores) \
   F(CollArgs, protocol) F(CollArgs, gin) F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)               \
   F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)                                                           \
-  F(P2pOp, buf) F(P2pOp, count) F(P2pOp, callDesc) F(P2pOp, bytes) F(P2pOp, peer) F(P2pOp, send)                 \
-  F(P2pOp, channel) F(P2pOp, conn) F(P2pOp, block) F(P2pOp, done)                                               \
+  F(P2pOp, buf) F(P2pOp, count) F(P2pOp, callDesc) F(P2pOp, bytes) F(P2pOp, symOffset) F(P2pOp, symWindows)     \
+  F(P2pOp, peer) F(P2pOp, send) F(P2pOp, channel) F(P2pOp, conn) F(P2pOp, block) F(P2pOp, done)                 \
+  F(P2pOp, symWindow) F(P2pOp, pad)                                                                             \
   F(DevComm, coll) F(DevComm, windowOff) F(DevComm, windowBytes) F(DevComm, counters) F(DevComm, lsaRanks)      \
   F(DevComm, launch) F(DevComm, signalBase) F(DevComm, nsignals) F(DevComm, ncounters) F(DevComm, flags)        \
   F(DevComm, lsaRank) F(DevComm, lsaSize) F(DevComm, ncontexts) F(DevComm, pad)                                \

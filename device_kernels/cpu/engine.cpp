@@ -277,7 +277,7 @@ void backoff(uint32_t spins) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
-  } else if (spins < 20000) {
+  } else if (spins < COMMREF_SLEEPING_SPINS) {  // port.h
     sched_yield();
   } else {
     struct timespec ts = {0, 20000};

@@ -238,15 +238,24 @@ struct KernelArgs {
 // collectives' channels), outbound link `conn` of a send, inbound FIFO `conn` of a recv.
 // `done`: written by the kernel (thread 0, release) once the operation has completed, so
 // that the host can name the one that failed.
+// Zero copy (kernels/p2p.cu): a send whose buffer lies in a symmetric window, over an LSA
+// link, has `symWindow` = the window's id (SymBuffer.ginWindow: the same on every rank)
+// and `symOffset` = the buffer's offset in it; otherwise symWindow is 0. A recv over an
+// LSA link has `symWindows` -> uint64_t[COMMREF_GIN_MAX_WINDOWS][2]: per window id, the
+// address of its peer table (SymBuffer.peerTable; 0: no such window) and its bytes.
 struct P2pOp {
-  uint64_t buf;        // device address: the send's source, the recv's destination
-  uint64_t count;      // elements: the slot header's count, which the peer's must equal
-  uint64_t callDesc;   // kP2p and the dtype (COMMREF_CALL_FIELDS): the peer's must equal it
-  uint64_t bytes;      // count * the dtype's size
-  int32_t peer, send;  // send: 1 sends to peer, 0 receives from it
+  uint64_t buf;         // device address: the send's source, the recv's destination
+  uint64_t count;       // elements: the slot header's count, which the peer's must equal
+  uint64_t callDesc;    // kP2p and the dtype (COMMREF_CALL_FIELDS): the peer's must equal it
+  uint64_t bytes;       // count * the dtype's size
+  uint64_t symOffset;   // send, symWindow != 0: buf's offset in its window
+  uint64_t symWindows;  // recv over LSA: the window table (above); 0 otherwise
+  int32_t peer, send;   // send: 1 sends to peer, 0 receives from it
   int32_t channel, conn;
   int32_t block;
   uint32_t done;
+  uint32_t symWindow;  // send: buf's window id, 0 where the send goes through the FIFO
+  uint32_t pad;
 };
 
 struct CopyArgs {  // engine self-test and benchmark kernels

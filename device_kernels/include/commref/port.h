@@ -7,6 +7,8 @@
 //     (on the GPU a __grid_constant__ parameter: `args` and every reference bound to
 //     it read the kernel parameter space, no per-thread copy)
 //   - commref_now_ns(), commref_spin_pause(spins), commref_block_exit()
+//   - COMMREF_SLEEPING_SPINS: a spin count from which commref_spin_pause sleeps (rather
+//     than pausing or yielding); a wait known to be long may start its count there
 //   - commref_wake_sleeper(word): after a sequentially consistent fence, wakes a host
 //     thread of this process that sleeps on `word` (a futex) if the word reads nonzero
 //     (the GIN engine's idle word, gin.h); nothing on the GPU
@@ -97,6 +99,7 @@ static __device__ __forceinline__ uint64_t commref_now_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#define COMMREF_SLEEPING_SPINS 65u
 static __device__ __forceinline__ void commref_spin_pause(uint32_t spins) {
   if (spins > 64) __nanosleep(64);
 }
@@ -180,6 +183,8 @@ const KernelInfo& kernel_at(unsigned i);
 namespace commref {
 
 static inline uint64_t commref_now_ns() { return commref_cpu::now_ns(); }
+// cpu/engine.cpp: a pause below 32 spins, sched_yield below COMMREF_SLEEPING_SPINS, then 20 us sleeps.
+#define COMMREF_SLEEPING_SPINS 20000u
 static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(spins); }
 // Throws out of the fiber: the engine abandons the block and returns kLaunchFailed.
 [[noreturn]] static inline void commref_block_exit() { commref_cpu::kernel_abort(); }

@@ -118,14 +118,16 @@ static __device__ __forceinline__ bool keepWaiting(KernelEnv& env, uint64_t star
 
 // Returns the value seen: >= expected, unless the wait failed (env.failed; at once if
 // it was already set). `help`: a progress hook (port.h, commref_help_progress) the wait
-// calls before each pause, or nullptr.
+// calls before each pause, or nullptr. `spinsFrom`: the first pause's spin count
+// (COMMREF_SLEEPING_SPINS: sleep from the first pause on, for a wait known to be long,
+// so that its core goes to whoever it waits on).
 static __device__ COMMREF_NOINLINE uint64_t waitAtLeast(const uint64_t* flag, uint64_t expected, KernelEnv& env,
                                                         uint32_t what, int peer, int channel,
-                                                        const uint64_t* help = nullptr) {
+                                                        const uint64_t* help = nullptr, uint32_t spinsFrom = 1) {
   uint64_t v = load_acquire(flag);
   if (v >= expected || env.failed) return v;
   uint64_t start = commref_now_ns();
-  for (uint32_t spins = 1;; spins++) {
+  for (uint32_t spins = spinsFrom;; spins++) {
     if (help) commref_help_progress(help);
     commref_spin_pause(spins);
     v = load_acquire(flag);
