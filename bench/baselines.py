@@ -126,18 +126,8 @@ class MPIBaseline:
         self.comm.Sendrecv(_bytes(sendbuf), (r + 1) % n, recvbuf=_bytes(recvbuf), source=(r - 1) % n)
 
     def hypercube(self, sendbuf, recvbuf) -> None:
-        n, r, c = self.nranks, self.rank, sendbuf.size
-        out = _bytes(recvbuf.reshape(-1))
-        b = c * sendbuf.itemsize
-        if recvbuf.size and not np.shares_memory(sendbuf, recvbuf):
-            out[r * b : (r + 1) * b] = _bytes(sendbuf.reshape(-1))
-        mask = 1
-        while mask < n:
-            mine = r & ~(mask - 1)
-            theirs = mine ^ mask
-            send, recv = out[mine * b : (mine + mask) * b], out[theirs * b : (theirs + mask) * b]
-            self.comm.Sendrecv(send, r ^ mask, recvbuf=recv, source=r ^ mask)
-            mask <<= 1
+        for send, peer, recv in _hypercube_steps(self.rank, self.nranks, sendbuf, recvbuf):
+            self.comm.Sendrecv(send, peer, recvbuf=recv, source=peer)
 
     def synchronize(self) -> None:
         pass
@@ -446,18 +436,8 @@ class GlooBaseline:
         self._exchange(self._t(sendbuf, True), (r + 1) % n, self._t(recvbuf, True), (r - 1) % n)
 
     def hypercube(self, sendbuf, recvbuf) -> None:
-        n, r, c = self.nranks, self.rank, sendbuf.size
-        out = _bytes(recvbuf.reshape(-1))
-        b = c * sendbuf.itemsize
-        if recvbuf.size and not np.shares_memory(sendbuf, recvbuf):
-            out[r * b : (r + 1) * b] = _bytes(sendbuf.reshape(-1))
-        mask = 1
-        while mask < n:
-            mine = r & ~(mask - 1)
-            theirs = mine ^ mask
-            send, recv = out[mine * b : (mine + mask) * b], out[theirs * b : (theirs + mask) * b]
-            self._exchange(self.torch.from_numpy(send), r ^ mask, self.torch.from_numpy(recv), r ^ mask)
-            mask <<= 1
+        for send, peer, recv in _hypercube_steps(self.rank, self.nranks, sendbuf, recvbuf):
+            self._exchange(self.torch.from_numpy(send), peer, self.torch.from_numpy(recv), peer)
 
     def synchronize(self) -> None:
         pass
@@ -465,6 +445,22 @@ class GlooBaseline:
     def close(self) -> None:
         self.group = None
         self._store = None
+
+
+def _hypercube_steps(rank: int, nranks: int, sendbuf, recvbuf):
+    """nccl-tests' hypercube allgather as a baseline runs it: after the local copy of
+    this rank's block (out of place), log2(nranks) steps, each yielding (the bytes to send,
+    the peer rank ^ 2^k, where its bytes land) in recvbuf; the caller exchanges them."""
+    out = _bytes(recvbuf.reshape(-1))
+    b = sendbuf.size * sendbuf.itemsize
+    if recvbuf.size and not np.shares_memory(sendbuf, recvbuf):
+        out[rank * b : (rank + 1) * b] = _bytes(sendbuf.reshape(-1))
+    mask = 1
+    while mask < nranks:
+        mine = rank & ~(mask - 1)
+        theirs = mine ^ mask
+        yield out[mine * b : (mine + mask) * b], rank ^ mask, out[theirs * b : (theirs + mask) * b]
+        mask <<= 1
 
 
 def _timedelta(seconds: float):
