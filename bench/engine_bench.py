@@ -22,7 +22,6 @@ and the grid-1 empty launch <= 50 us.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -108,7 +107,7 @@ def bench_launch(kernels: cpu_loader.CpuKernels, launches: int, grid: int, block
     args = copy_args()
     # As the Communicator calls it: prepared once (CallPlan.launch), run by its descriptor.
     prepared = kernels.prepared("commref_empty", grid, block, args.ctypes.data)
-    launch = functools.partial(prepared.run, prepared.desc)
+    launch = prepared.call
     for _ in range(min(200, launches)):  # warm the worker pool and the fiber stacks
         launch()
     samples = []

@@ -258,7 +258,10 @@ class Communicator:
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             again = repeat = None
         if again is not None and not self.broken and again.matches(sendbuf, recvbuf):
-            groups.submit_kept(self._scheduler, again)  # run now, or a member of this thread's group
+            if groups.state.depth:  # a member of this thread's group
+                groups.submit_kept(self._scheduler, again)
+            else:
+                self._scheduler.run_cpu(again)
             return
         call = record_call(self, coll, sendbuf, recvbuf, op, root, stream, algorithm, avg_divisor, flat, protocol)
         call.repeat = repeat

@@ -38,31 +38,32 @@ class _GroupState(threading.local):
     schedulers: list = []
 
 
-_state = _GroupState()
+# This thread's group; Communicator's kept-call path reads state.depth before submit_kept.
+state = _GroupState()
 
 
 def grouping() -> bool:
     """Whether this thread is inside a group (calls are recorded, not run)."""
-    return _state.depth > 0
+    return state.depth > 0
 
 
 def group_start() -> None:
     """ncclGroupStart: calls until the matching group_end are recorded; nests."""
-    if _state.depth <= 0:
-        _state.depth, _state.calls, _state.schedulers = 0, [], []
-    _state.depth += 1
+    if state.depth <= 0:
+        state.depth, state.calls, state.schedulers = 0, [], []
+    state.depth += 1
 
 
 def group_end() -> None:
     """ncclGroupEnd: the outermost one launches every recorded call (the module
     docstring); RuntimeError without a group_start."""
-    if _state.depth <= 0:
+    if state.depth <= 0:
         raise RuntimeError("group_end() without a matching group_start()")
-    _state.depth -= 1
-    if _state.depth:
+    state.depth -= 1
+    if state.depth:
         return
-    schedulers, calls = _state.schedulers, _state.calls
-    _state.schedulers, _state.calls = [], []
+    schedulers, calls = state.schedulers, state.calls
+    state.schedulers, state.calls = [], []
     launch(schedulers, calls)
 
 
@@ -79,9 +80,9 @@ class _Group:
         if exc_type is None:
             group_end()
             return
-        _state.depth -= 1
-        if not _state.depth:
-            _state.calls, _state.schedulers = [], []
+        state.depth -= 1
+        if not state.depth:
+            state.calls, state.schedulers = [], []
 
 
 _GROUP = _Group()
@@ -95,9 +96,9 @@ def group() -> _Group:
 def submit(scheduler, call) -> None:
     """Runs `call` (calls.Call or p2p.P2pCall) on `scheduler`, or records it in this
     thread's group."""
-    if _state.depth:
-        _state.calls.append(call)
-        _state.schedulers.append(scheduler)
+    if state.depth:
+        state.calls.append(call)
+        state.schedulers.append(scheduler)
     else:
         scheduler.launch([call])
 
@@ -105,9 +106,9 @@ def submit(scheduler, call) -> None:
 def submit_kept(scheduler, kept) -> None:
     """submit() of a kept call (launch_record.RepeatedCall) that matched its arrays: run
     at once (Scheduler.run_cpu), or recorded in this thread's group."""
-    if _state.depth:
-        _state.calls.append(kept)
-        _state.schedulers.append(scheduler)
+    if state.depth:
+        state.calls.append(kept)
+        state.schedulers.append(scheduler)
     else:
         scheduler.run_cpu(kept)
 

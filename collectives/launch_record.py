@@ -185,10 +185,10 @@ class FusedLaunch:
     they are now) with the member's per-call fields. It holds everything its launch
     reads but the members' arrays, which the RepeatedCalls match before it runs.
     `positions`: each member's index in the group's calls (the p2p launch's: None).
-    run(ptr, n) returns 0, or (i << 8) | the status of launch i, the first that failed
-    (the later ones did not run)."""
+    call() returns 0, or (i << 8) | the status of launch i, the first that failed (the
+    later ones did not run)."""
 
-    __slots__ = ("members", "positions", "records", "descs", "ops", "run", "ptr", "n")
+    __slots__ = ("members", "positions", "records", "descs", "ops", "call")
 
     def __init__(self, kernels, template: LaunchRecord, members: list, positions: list, threads: int, p2p=None):
         n = len(members) + (p2p is not None)
@@ -207,7 +207,7 @@ class FusedLaunch:
             record = LaunchRecord(self.records[n - 1 : n])
             record.set_call(plan, self.ops.ctypes.data, 0)
             self.descs[n - 1] = (entry, record.address, nblocks, threads)
-        self.run, self.ptr, self.n = kernels.run_group, ctypes.c_void_p(self.descs.ctypes.data), ctypes.c_uint(n)
+        self.call = kernels.bind(True, self.descs.ctypes.data, n)
 
     def refused(self, i: int):
         """The KernelError of launch `i`'s refusal (a function, as end_launch takes it)."""

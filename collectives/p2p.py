@@ -281,10 +281,10 @@ class P2pLauncher:
         c.launch_record.set_call(g.plan, g.address, 0, streamed)
         try:
             if store_key is None:
-                status = launch.run(launch.desc)
+                status = launch.call()
             else:
                 t0 = time.perf_counter()
-                status = launch.run(launch.desc)
+                status = launch.call()
                 if not status:
                     self.stores.record(store_key, streamed, time.perf_counter() - t0, g.received)
             c.end_launch(status, launch.refused)

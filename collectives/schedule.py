@@ -117,7 +117,7 @@ class Scheduler:
 
     def run_fused(self, fused: FusedLaunch, calls: list) -> None:
         """Runs a FusedLaunch of `calls`; a failure as launch() raises it."""
-        status = fused.run(fused.ptr, fused.n)
+        status = fused.call()
         self.launches += 1
         if not status:
             self.comm.end_launch(0)
@@ -180,13 +180,15 @@ class Scheduler:
             streamed, store_key = self.stores.choose(call.plan.kernel, call.nbytes, call.in_place)
             record.set_stream_stores(streamed)
             t0 = time.perf_counter()
-            status = launch.run(launch.desc)
+            status = launch.call()
             if store_key is not None and not status:
                 self.stores.record(store_key, streamed, time.perf_counter() - t0, call.nbytes)
         else:
-            status = launch.run(launch.desc)
+            status = launch.call()
         self.launches += 1
-        self.comm.end_launch(status, launch.refused)
+        comm = self.comm
+        if status or comm.proxy is not None:  # end_launch has nothing to raise otherwise
+            comm.end_launch(status, launch.refused)
 
     def launch_gpu(self, plan: CallPlan, send: int, recv: int, stream) -> int:
         """Enqueues the call on the communicator's stream, joined to the caller's

@@ -3,6 +3,9 @@
 separate translation units into one shared library (build_library, cached under
 build.cache_dir() by build.build_key: the sources and headers, the compiler and its
 version, the flags), loaded through ctypes (CpuKernels, one per process: cpu_kernels).
+A repeated launch is a call bound once (CpuKernels.bind): through the commref_pycall
+extension (cpu/pycall.cpp, built the same way against this Python's headers) where it
+builds, through ctypes where it cannot (no Python.h: `binding` says which).
 """
 
 from __future__ import annotations
@@ -10,16 +13,21 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
+import sysconfig
 import threading
 from pathlib import Path
 
 import numpy as np
 
 from . import abi, build
-from .build import ENGINE_SOURCE, INCLUDE_DIR, CompileError, KernelError
+from .build import ENGINE_SOURCE, INCLUDE_DIR, SOURCE_DIR, CompileError, KernelError
+
+PYCALL_SOURCE = SOURCE_DIR / "cpu" / "pycall.cpp"
 
 CPU_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-strict-aliasing")
 # ThreadSanitizer build of the same sources (tests/test_tsan.py).
@@ -101,6 +109,27 @@ def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ..
     return build_library("commref", build.cpu_sources(), flags, ("COMMREF_CPU", *defines), (INCLUDE_DIR,))
 
 
+@functools.cache
+def pycall_bound():
+    """commref_pycall's Bound type (cpu/pycall.cpp), built against this Python's headers
+    and loaded once per process; None where it cannot be (no Python.h, or a build that
+    fails): CpuKernels.bind falls back to ctypes then."""
+    include = sysconfig.get_paths().get("include")
+    header = Path(include) / "Python.h" if include else None
+    if header is None or not header.is_file():
+        return None
+    abi_tag = sysconfig.get_config_var("SOABI") or "unknown"
+    try:
+        path = build_library("pycall", [PYCALL_SOURCE], CPU_FLAGS, (f"COMMREF_PY_ABI={abi_tag}",), (), (header,))
+    except (CompileError, KernelError):
+        return None
+    loader = importlib.machinery.ExtensionFileLoader("commref_pycall", str(path))
+    spec = importlib.util.spec_from_file_location("commref_pycall", str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module.Bound
+
+
 class CpuKernels:
     """The kernels compiled for the CPU engine; launch() blocks until the grid ends."""
 
@@ -122,6 +151,22 @@ class CpuKernels:
         self.run_group.argtypes = [ctypes.c_void_p, ctypes.c_uint]
         self.run_group.restype = ctypes.c_int
         self._entry: dict[str, int] = {}
+        # bind(): the commref_pycall extension's Bound, or ctypes where it is missing
+        self._bound = pycall_bound() if os.environ.get("COMMREF_CPU_BINDING", "auto") != "ctypes" else None
+        self.binding = "ctypes" if self._bound is None else "extension"
+
+    def bind(self, group: bool, address: int, n: int = 0):
+        """A call bound once: calling it (no arguments) runs
+        commref_cpu_launch_prepared(address) (the LaunchDesc at `address`), or, for a
+        `group`, commref_cpu_launch_group(address, n) (n LaunchDescs there), and returns
+        its status. The caller keeps the descriptors alive while the call is used."""
+        fn = self.run_group if group else self.run_prepared
+        if self._bound is not None:
+            entry = ctypes.cast(fn, ctypes.c_void_p).value
+            return self._bound(entry, address, n) if group else self._bound(entry, address)
+        if group:
+            return functools.partial(fn, ctypes.c_void_p(address), ctypes.c_uint(n))
+        return functools.partial(fn, ctypes.c_void_p(address))
 
     def entry(self, name: str) -> int:
         addr = self._entry.get(name)
@@ -178,19 +223,18 @@ class CpuKernels:
 
 
 class PreparedLaunch:
-    """One CPU launch described once (abi.LAUNCH_DESC); `status = run(desc)` runs it and
+    """One CPU launch described once (abi.LAUNCH_DESC); `status = call()` runs it and
     returns what CpuKernels.launch returns, except that a refusal comes back as
     abi.LAUNCH_REFUSED for the caller to raise (refused()). The record at `address` must
     outlive it."""
 
-    __slots__ = ("name", "grid", "block", "record", "desc", "run")
+    __slots__ = ("name", "grid", "block", "record", "call")
 
     def __init__(self, kernels: CpuKernels, name: str, grid: int, block: int, address: int):
         self.name, self.grid, self.block = name, grid, block
         self.record = np.zeros(1, dtype=abi.LAUNCH_DESC)
         self.record[0] = (kernels.entry(name), address, grid, block)
-        self.desc = ctypes.c_void_p(self.record.ctypes.data)
-        self.run = kernels.run_prepared
+        self.call = kernels.bind(False, self.record.ctypes.data)
 
     def refused(self) -> KernelError:
         return KernelError(f"the CPU engine could not run {self.name} with grid={self.grid} block={self.block}")

@@ -161,6 +161,50 @@ def test_concurrent_launches_from_python_threads(kernels):
     assert not errors, "\n".join(errors)
 
 
+@pytest.mark.parametrize("binding", ["extension", "ctypes"])
+def test_bound_launches_run_and_fail_as_launch_does(binding, monkeypatch):
+    """A prepared launch and a group of them run through the call CpuKernels.bind made,
+    by the commref_pycall extension (built here: this Python has its headers) and by the
+    ctypes fallback alike, with the same results and statuses as launch()."""
+    if binding == "ctypes":
+        monkeypatch.setenv("COMMREF_CPU_BINDING", "ctypes")
+    kernels = cpu_loader.CpuKernels(cpu_loader.build_cpu_library())
+    assert kernels.binding == binding
+    dst = np.full(4, SENTINEL, dtype=np.uint64)
+    args = copy_args(dst=dst.ctypes.data)
+    prepared = kernels.prepared("commref_engine_selftest", 3, 5, args.ctypes.data)
+    for _ in range(3):
+        dst[:] = SENTINEL
+        assert prepared.call() == abi.LAUNCH_OK
+        np.testing.assert_array_equal(dst[:3], selftest_expected(3, 5))
+        assert dst[3] == SENTINEL
+    # A group: two copies, then a launch the engine refuses (block 2000), then one not run.
+    src = np.arange(64, dtype=np.uint8) + 1
+    outs = [np.zeros(64, dtype=np.uint8) for _ in range(4)]
+    records = [copy_args(src.ctypes.data, o.ctypes.data, 64) for o in outs]
+    descs = np.zeros(4, dtype=abi.LAUNCH_DESC)
+    for i, (rec, block) in enumerate(zip(records, (7, 1, 2000, 3))):
+        descs[i] = (kernels.entry("commref_copy"), rec.ctypes.data, 2, block)
+    status = kernels.bind(True, descs.ctypes.data, 4)()
+    assert status == (2 << 8) | abi.LAUNCH_REFUSED, f"status {status:#x}"
+    np.testing.assert_array_equal(outs[0], src)
+    np.testing.assert_array_equal(outs[1], src)
+    assert not outs[3].any(), "the member after the refused one ran"
+    assert kernels.bind(True, descs.ctypes.data, 2)() == abi.LAUNCH_OK
+
+
+def test_pycall_refuses_bad_bindings():
+    bound = cpu_loader.pycall_bound()
+    assert bound is not None, "commref_pycall did not build against this Python's headers"
+    with pytest.raises(ValueError, match="nonzero entry"):
+        bound(0, 1)
+    with pytest.raises(ValueError, match="32 bits"):
+        bound(1, 1, 1 << 33)
+    call = bound(1, 1)
+    with pytest.raises(TypeError, match="takes no arguments"):
+        call(5)
+
+
 def stream_args(base: int, words: int, nin: int, nout: int, shared: int, streamed: bool) -> np.ndarray:
     a = np.zeros(1, dtype=abi.STREAM_ARGS)
     a[0]["base"], a[0]["words"] = base, words
