@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from commref.device_kernels import abi
+from commref.device_kernels import abi, cpu_loader
 from commref.device_kernels.build import KernelError
 from commref.transports.errors import CommAborted, CommMismatch, CommTimeout, format_seconds
 from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_device_pointer
@@ -112,6 +112,7 @@ class RepeatedCall:
         "_recv",
         "_shapes",
         "_dtype",
+        "matches",
         "kept",
         "plan",
         "send",
@@ -139,19 +140,32 @@ class RepeatedCall:
         what: tuple = ("call", 0, ""),
     ):
         self.kept, self.what = False, what  # what: (collective, count, dtype) for describe()
+        self.matches = self._never
         if keep:
+            extension = cpu_loader.pycall()
             try:
-                self._send, self._recv = weakref.ref(sendbuf), weakref.ref(recvbuf)
-                self._shapes = (sendbuf.shape, sendbuf.strides, recvbuf.shape, recvbuf.strides)
-                self._dtype = s.dtype  # is recvbuf's (the checks compared them)
+                if extension is not None:  # the same test on the arrays' fields
+                    self.matches = extension.Arrays(sendbuf, recvbuf)
+                else:
+                    self._send, self._recv = weakref.ref(sendbuf), weakref.ref(recvbuf)
+                    self._shapes = (sendbuf.shape, sendbuf.strides, recvbuf.shape, recvbuf.strides)
+                    self._dtype = s.dtype  # is recvbuf's (the checks compared them)
+                    self.matches = self._matches
                 self.kept = True
             except TypeError:
                 pass
         self.plan, self.send, self.recv, self.nbytes, self.sym = plan, s.address, r.address, s.nbytes, sym
         self.streamed, self.timed, self.in_place = streamed, timed, in_place
 
-    def matches(self, sendbuf, recvbuf) -> bool:
-        """Whether a call with these arrays is this call again, unchanged."""
+    # matches(sendbuf, recvbuf): whether a call with these arrays is this call again,
+    # unchanged: commref_pycall.Arrays where the extension loads (cpu_loader.pycall),
+    # else _matches; never true for a call that is not kept.
+
+    @staticmethod
+    def _never(sendbuf, recvbuf) -> bool:
+        return False
+
+    def _matches(self, sendbuf, recvbuf) -> bool:
         dtype = self._dtype
         return (
             self._send() is sendbuf

@@ -109,25 +109,34 @@ def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ..
     return build_library("commref", build.cpu_sources(), flags, ("COMMREF_CPU", *defines), (INCLUDE_DIR,))
 
 
+def pycall():
+    """The commref_pycall extension (cpu/pycall.cpp: Bound, Arrays), built against this
+    Python's and numpy's headers and loaded once per process; None where it cannot be
+    (no Python.h, or a build that fails), or where COMMREF_CPU_BINDING=ctypes asks for
+    the fallbacks (ctypes launches, Python's attribute checks)."""
+    if os.environ.get("COMMREF_CPU_BINDING", "auto") == "ctypes":
+        return None
+    return _pycall_module()
+
+
 @functools.cache
-def pycall_bound():
-    """commref_pycall's Bound type (cpu/pycall.cpp), built against this Python's headers
-    and loaded once per process; None where it cannot be (no Python.h, or a build that
-    fails): CpuKernels.bind falls back to ctypes then."""
+def _pycall_module():
     include = sysconfig.get_paths().get("include")
     header = Path(include) / "Python.h" if include else None
     if header is None or not header.is_file():
         return None
+    numpy_header = Path(np.get_include()) / "numpy" / "ndarraytypes.h"
     abi_tag = sysconfig.get_config_var("SOABI") or "unknown"
     try:
-        path = build_library("pycall", [PYCALL_SOURCE], CPU_FLAGS, (f"COMMREF_PY_ABI={abi_tag}",), (), (header,))
+        path = build_library(
+            "pycall", [PYCALL_SOURCE], CPU_FLAGS, (f"COMMREF_PY_ABI={abi_tag}",), (), (header, numpy_header)
+        )
     except (CompileError, KernelError):
         return None
     loader = importlib.machinery.ExtensionFileLoader("commref_pycall", str(path))
-    spec = importlib.util.spec_from_file_location("commref_pycall", str(path), loader=loader)
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("commref_pycall", loader))
     loader.exec_module(module)
-    return module.Bound
+    return module
 
 
 class CpuKernels:
@@ -152,8 +161,9 @@ class CpuKernels:
         self.run_group.restype = ctypes.c_int
         self._entry: dict[str, int] = {}
         # bind(): the commref_pycall extension's Bound, or ctypes where it is missing
-        self._bound = pycall_bound() if os.environ.get("COMMREF_CPU_BINDING", "auto") != "ctypes" else None
-        self.binding = "ctypes" if self._bound is None else "extension"
+        extension = pycall()
+        self._bound = None if extension is None else extension.Bound
+        self.binding = "ctypes" if extension is None else "extension"
 
     def bind(self, group: bool, address: int, n: int = 0):
         """A call bound once: calling it (no arguments) runs

@@ -194,15 +194,45 @@ def test_bound_launches_run_and_fail_as_launch_does(binding, monkeypatch):
 
 
 def test_pycall_refuses_bad_bindings():
-    bound = cpu_loader.pycall_bound()
-    assert bound is not None, "commref_pycall did not build against this Python's headers"
+    extension = cpu_loader.pycall()
+    assert extension is not None, "commref_pycall did not build against this Python's headers"
     with pytest.raises(ValueError, match="nonzero entry"):
-        bound(0, 1)
+        extension.Bound(0, 1)
     with pytest.raises(ValueError, match="32 bits"):
-        bound(1, 1, 1 << 33)
-    call = bound(1, 1)
+        extension.Bound(1, 1, 1 << 33)
     with pytest.raises(TypeError, match="takes no arguments"):
-        call(5)
+        extension.Bound(1, 1)(5)
+    with pytest.raises(TypeError, match="sendbuf must be a numpy array, got list"):
+        extension.Arrays([1.0], np.zeros(1))
+    with pytest.raises(TypeError, match="more than 8 dimensions"):
+        extension.Arrays(np.zeros((1,) * 9), np.zeros(1))
+
+
+def test_pycall_arrays_match_only_the_same_arrays_unchanged():
+    """commref_pycall.Arrays answers what RepeatedCall's Python test answers: the same
+    live arrays, with their shape, strides and dtype, the second still writeable."""
+    a, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    same = cpu_loader.pycall().Arrays(a, b)
+    assert same(a, b)
+    assert not same(b, a) and not same(a, a) and not same(a.copy(), b) and not same(a, b[:])
+    b.flags.writeable = False
+    assert not same(a, b)
+    b.flags.writeable = True
+    b.shape = (2, 2)
+    assert not same(a, b)
+    b.shape = (4,)
+    a.dtype = np.int32
+    assert not same(a, b)
+    a.dtype = np.float32
+    assert same(a, b)
+    square = np.ones((2, 2), np.float32)
+    same_square = cpu_loader.pycall().Arrays(square, b)
+    square.strides = (4, 8)  # transposed in place: a change of strides alone
+    assert not same_square(square, b)
+    square.strides = (8, 4)
+    assert same_square(square, b)
+    del a
+    assert not same(np.ones(4, np.float32), b), "a dead array matched its successor"
 
 
 def stream_args(base: int, words: int, nin: int, nout: int, shared: int, streamed: bool) -> np.ndarray:

@@ -1,6 +1,7 @@
-// commref_pycall — a CPython extension that calls one C entry of the CPU library with
-// its arguments bound once, so that a repeated launch costs a method call instead of a
-// ctypes conversion (cpu_loader.BoundCall).
+// commref_pycall — a CPython extension for the CPU engine's repeated calls: a launch
+// bound once, so that repeating it costs a method call instead of a ctypes conversion
+// (cpu_loader.CpuKernels.bind), and the check that a call's arrays are a kept call's
+// (launch_record.RepeatedCall).
 //
 //   Bound(entry, arg)        calling it runs  int entry(const void* arg)
 //   Bound(entry, arg, n)     calling it runs  int entry(const void* arg, unsigned n)
@@ -9,8 +10,18 @@
 // as long as the Bound object lives. A call takes no arguments, releases the GIL while
 // the entry runs (ranks that are threads of one process wait for each other inside it)
 // and returns the entry's int.
+//
+//   Arrays(sendbuf, recvbuf) calling it with (a, b) says whether a is sendbuf and b is
+//                            recvbuf, both alive (held weakly) with the shape, strides
+//                            and dtype they had, and b still writeable
+//
+// what launch_record.RepeatedCall.matches asks of a later call's arrays, read from the
+// arrays' fields (numpy's ndarraytypes.h) instead of their Python attributes. Both must
+// be numpy arrays (TypeError otherwise, or where they cannot be weakly referenced).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <ndarraytypes.h>  // numpy/ under numpy.get_include(): the folder is on the path (cpu_loader.pycall)
 
 #include <cstddef>
 #include <cstdint>
@@ -66,6 +77,98 @@ int boundInit(PyObject* self, PyObject* args, PyObject* kwargs) {
 
 PyTypeObject BoundType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+PyObject* ndarrayType = nullptr;  // numpy.ndarray, looked up when the module loads
+
+constexpr int kMaxDims = 8;  // arrays of more dimensions are not matched (Arrays refuses them)
+
+// One array as it was: its weak reference, shape, strides and dtype (held).
+struct ArrayState {
+  PyObject* ref;
+  PyObject* descr;
+  int nd;
+  npy_intp dims[kMaxDims];
+  npy_intp strides[kMaxDims];
+};
+
+struct Arrays {
+  PyObject_HEAD ArrayState send, recv;
+  vectorcallfunc vectorcall;
+};
+
+int arrayState(ArrayState* st, PyObject* a, const char* what) {
+  if (!PyObject_TypeCheck(a, reinterpret_cast<PyTypeObject*>(ndarrayType))) {
+    PyErr_Format(PyExc_TypeError, "%s must be a numpy array, got %s", what, Py_TYPE(a)->tp_name);
+    return -1;
+  }
+  PyArrayObject* arr = reinterpret_cast<PyArrayObject*>(a);
+  if (PyArray_NDIM(arr) > kMaxDims) {
+    PyErr_Format(PyExc_TypeError, "%s has more than %d dimensions", what, kMaxDims);
+    return -1;
+  }
+  st->ref = PyWeakref_NewRef(a, nullptr);  // TypeError where it cannot be weakly referenced
+  if (st->ref == nullptr) return -1;
+  st->descr = reinterpret_cast<PyObject*>(PyArray_DESCR(arr));
+  Py_INCREF(st->descr);
+  st->nd = PyArray_NDIM(arr);
+  for (int i = 0; i < st->nd; i++) {
+    st->dims[i] = PyArray_DIMS(arr)[i];
+    st->strides[i] = PyArray_STRIDES(arr)[i];
+  }
+  return 0;
+}
+
+bool sameArray(const ArrayState& st, PyObject* a) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* held = nullptr;
+  if (PyWeakref_GetRef(st.ref, &held) < 0) PyErr_Clear();
+  Py_XDECREF(held);  // only compared: `a` holds the object alive if it is the one
+#else
+  PyObject* held = PyWeakref_GET_OBJECT(st.ref);  // Py_None once the array is gone
+#endif
+  if (held != a) return false;
+  PyArrayObject* arr = reinterpret_cast<PyArrayObject*>(a);  // the object that was an ndarray
+  if (PyArray_NDIM(arr) != st.nd || reinterpret_cast<PyObject*>(PyArray_DESCR(arr)) != st.descr) return false;
+  for (int i = 0; i < st.nd; i++)
+    if (PyArray_DIMS(arr)[i] != st.dims[i] || PyArray_STRIDES(arr)[i] != st.strides[i]) return false;
+  return true;
+}
+
+PyObject* arraysCall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "Arrays(a, b): two arrays, positional");
+    return nullptr;
+  }
+  const Arrays* m = reinterpret_cast<const Arrays*>(self);
+  bool same = sameArray(m->send, args[0]) && sameArray(m->recv, args[1]) &&
+              (PyArray_FLAGS(reinterpret_cast<PyArrayObject*>(args[1])) & NPY_ARRAY_WRITEABLE);
+  return PyBool_FromLong(same);
+}
+
+int arraysInit(PyObject* self, PyObject* args, PyObject* kwargs) {
+  PyObject *send = nullptr, *recv = nullptr;
+  static const char* names[] = {"sendbuf", "recvbuf", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", const_cast<char**>(names), &send, &recv)) return -1;
+  Arrays* m = reinterpret_cast<Arrays*>(self);
+  if (m->send.ref != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "Arrays is initialized once");
+    return -1;
+  }
+  if (arrayState(&m->send, send, "sendbuf") < 0 || arrayState(&m->recv, recv, "recvbuf") < 0) return -1;
+  m->vectorcall = arraysCall;
+  return 0;
+}
+
+void arraysDealloc(PyObject* self) {
+  Arrays* m = reinterpret_cast<Arrays*>(self);
+  Py_XDECREF(m->send.ref);
+  Py_XDECREF(m->send.descr);
+  Py_XDECREF(m->recv.ref);
+  Py_XDECREF(m->recv.descr);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject ArraysType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "commref_pycall", "Bound calls of the CPU library's entries.", -1};
 
 }  // namespace
@@ -80,11 +183,27 @@ PyMODINIT_FUNC PyInit_commref_pycall() {
   BoundType.tp_vectorcall_offset = offsetof(Bound, vectorcall);
   BoundType.tp_doc = "Bound(entry, arg[, n]): calling it runs entry(arg) or entry(arg, n) without the GIL.";
   if (PyType_Ready(&BoundType) < 0) return nullptr;
+  ArraysType.tp_name = "commref_pycall.Arrays";
+  ArraysType.tp_basicsize = sizeof(Arrays);
+  ArraysType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  ArraysType.tp_new = PyType_GenericNew;
+  ArraysType.tp_init = arraysInit;
+  ArraysType.tp_dealloc = arraysDealloc;
+  ArraysType.tp_call = PyVectorcall_Call;
+  ArraysType.tp_vectorcall_offset = offsetof(Arrays, vectorcall);
+  ArraysType.tp_doc = "Arrays(sendbuf, recvbuf): calling it with (a, b) says whether they are those arrays, unchanged.";
+  if (PyType_Ready(&ArraysType) < 0) return nullptr;
+  PyObject* numpy = PyImport_ImportModule("numpy");
+  if (numpy == nullptr) return nullptr;
+  ndarrayType = PyObject_GetAttrString(numpy, "ndarray");
+  Py_DECREF(numpy);
+  if (ndarrayType == nullptr) return nullptr;
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   Py_INCREF(&BoundType);
-  if (PyModule_AddObject(m, "Bound", reinterpret_cast<PyObject*>(&BoundType)) < 0) {
-    Py_DECREF(&BoundType);
+  Py_INCREF(&ArraysType);
+  if (PyModule_AddObject(m, "Bound", reinterpret_cast<PyObject*>(&BoundType)) < 0 ||
+      PyModule_AddObject(m, "Arrays", reinterpret_cast<PyObject*>(&ArraysType)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
