@@ -166,8 +166,7 @@ def test_bound_launches_run_and_fail_as_launch_does(binding, monkeypatch):
     """A prepared launch and a group of them run through the call CpuKernels.bind made,
     by the commref_pycall extension (built here: this Python has its headers) and by the
     ctypes fallback alike, with the same results and statuses as launch()."""
-    if binding == "ctypes":
-        monkeypatch.setenv("COMMREF_CPU_BINDING", "ctypes")
+    monkeypatch.setenv("COMMREF_CPU_BINDING", "ctypes" if binding == "ctypes" else "auto")
     kernels = cpu_loader.CpuKernels(cpu_loader.build_cpu_library())
     assert kernels.binding == binding
     dst = np.full(4, SENTINEL, dtype=np.uint64)
