@@ -169,30 +169,34 @@ void arraysDealloc(PyObject* self) {
 
 PyTypeObject ArraysType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "commref_pycall", "Bound calls of the CPU library's entries.", -1};
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "commref_pycall",
+                      "The CPU engine's repeated calls: bound launches, kept arrays.", -1};
+
+// A callable type of this module: made with (args) by `init`, called through the
+// vectorcall slot at `vectorcallOffset`.
+int readyType(PyTypeObject& t, const char* name, Py_ssize_t size, initproc init, destructor dealloc,
+              Py_ssize_t vectorcallOffset, const char* doc) {
+  t.tp_name = name;
+  t.tp_basicsize = size;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_new = PyType_GenericNew;
+  t.tp_init = init;
+  if (dealloc != nullptr) t.tp_dealloc = dealloc;
+  t.tp_call = PyVectorcall_Call;
+  t.tp_vectorcall_offset = vectorcallOffset;
+  t.tp_doc = doc;
+  return PyType_Ready(&t);
+}
 
 }  // namespace
 
 PyMODINIT_FUNC PyInit_commref_pycall() {
-  BoundType.tp_name = "commref_pycall.Bound";
-  BoundType.tp_basicsize = sizeof(Bound);
-  BoundType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
-  BoundType.tp_new = PyType_GenericNew;
-  BoundType.tp_init = boundInit;
-  BoundType.tp_call = PyVectorcall_Call;
-  BoundType.tp_vectorcall_offset = offsetof(Bound, vectorcall);
-  BoundType.tp_doc = "Bound(entry, arg[, n]): calling it runs entry(arg) or entry(arg, n) without the GIL.";
-  if (PyType_Ready(&BoundType) < 0) return nullptr;
-  ArraysType.tp_name = "commref_pycall.Arrays";
-  ArraysType.tp_basicsize = sizeof(Arrays);
-  ArraysType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
-  ArraysType.tp_new = PyType_GenericNew;
-  ArraysType.tp_init = arraysInit;
-  ArraysType.tp_dealloc = arraysDealloc;
-  ArraysType.tp_call = PyVectorcall_Call;
-  ArraysType.tp_vectorcall_offset = offsetof(Arrays, vectorcall);
-  ArraysType.tp_doc = "Arrays(sendbuf, recvbuf): calling it with (a, b) says whether they are those arrays, unchanged.";
-  if (PyType_Ready(&ArraysType) < 0) return nullptr;
+  if (readyType(BoundType, "commref_pycall.Bound", sizeof(Bound), boundInit, nullptr, offsetof(Bound, vectorcall),
+                "Bound(entry, arg[, n]): calling it runs entry(arg) or entry(arg, n) without the GIL.") < 0 ||
+      readyType(ArraysType, "commref_pycall.Arrays", sizeof(Arrays), arraysInit, arraysDealloc,
+                offsetof(Arrays, vectorcall),
+                "Arrays(sendbuf, recvbuf): calling it with (a, b) says whether they are those arrays, unchanged.") < 0)
+    return nullptr;
   PyObject* numpy = PyImport_ImportModule("numpy");
   if (numpy == nullptr) return nullptr;
   ndarrayType = PyObject_GetAttrString(numpy, "ndarray");
