@@ -309,10 +309,14 @@ def test_launched_under_mpi_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not MPIWorld.launched_under_mpi()
     world = world_from_env(timeout=3)
     assert isinstance(world, ThreadWorld) and world.size == 1 and world.timeout == 3
-    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID", "HYDRA_FOO"):
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID"):
         monkeypatch.setenv(name, "0")
         assert MPIWorld.launched_under_mpi()
         monkeypatch.delenv(name)
+    # mpiexec's own configuration, set where a job is started (hosts in other namespaces, say)
+    monkeypatch.setenv("HYDRA_HOST_FILE", "/tmp/hosts")
+    monkeypatch.setenv("HYDRA_LAUNCHER", "ssh")
+    assert not MPIWorld.launched_under_mpi()
 
 
 def test_launched_under_mpi_does_not_import_mpi() -> None:

@@ -35,7 +35,8 @@ _MPI_LAUNCHER_VARS = (
     "MPI_LOCALNRANKS",
     "MV2_COMM_WORLD_RANK",
 )
-_MPI_LAUNCHER_PREFIXES = ("HYDRA_",)
+# Not HYDRA_*: those configure MPICH's mpiexec (HYDRA_HOST_FILE, HYDRA_LAUNCHER, ...) in
+# the shell that starts a job; a rank it starts has PMI_RANK and its kin.
 
 
 class _Backoff:
@@ -136,9 +137,7 @@ class MPIWorld(World):
         Looks only at the environment; does not import or initialize MPI.
         """
         env = os.environ
-        if any(name in env for name in _MPI_LAUNCHER_VARS):
-            return True
-        return any(name.startswith(_MPI_LAUNCHER_PREFIXES) for name in env)
+        return any(name in env for name in _MPI_LAUNCHER_VARS)
 
     @property
     def comm(self) -> _MPI.Comm:
