@@ -1,0 +1,193 @@
+"""The device API held to its word: a litmus test per promise (collectives/device_api/
+conformance.py's LITMUS, the kernel tests/kernels/litmus.cu) run on every wire of
+conformance.WIRES, each cell of its table checked: a forbidden or refined outcome never
+observed over every launch and seed, a shown one observed at least once, a refused
+program refused with a clear error. Then the table of docs/device-api.md against the
+data structure, and the ordering study's verdicts and the runtime's refusals against it.
+
+Each wire is run once per module (two ranks in a ThreadWorld, one DeviceComm per seed:
+LAUNCHES launches of every litmus the backend runs, ROUNDS rounds each, then a launch of the
+per-context cells alone, CONTEXT_ROUNDS rounds, where they are shown: alone they meet
+fewer barriers, so a held context is overtaken more often); the cells read its counts.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import WORLD_TIMEOUT, user_kernel
+
+from commref import ThreadWorld
+from commref.collectives.device_api import DeviceComm, Kernel
+from commref.collectives.device_api import conformance as cf
+from commref.transports.errors import CapabilityError
+from commref.transports.gin import semantics
+from commref.transports.gin.study.cells import counted_writes_refusal, study_safe
+
+HERE = Path(__file__).resolve().parent
+KERNEL = Kernel((HERE / "kernels" / "litmus.cu").read_text(), "litmus", filename="litmus.cu")
+LAUNCHES, ROUNDS = 2, 100  # of every litmus, per seed
+CONTEXT_ROUNDS = 300
+# the seeds of the wires where one decides landing orders (the others: one run)
+SEEDS = {"ordered-indep": (1, 2, 3), "unordered": (1, 2, 3), "unordered-gda": (1, 2, 3)}
+OUTCOMES = {"A": 0, "B": 1}
+# What a refused litmus is refused for, posted by every rank alone (so that each fails
+# its own launch, with no put left in flight): a strong signal to the next rank.
+STRONG_ALONE = Kernel(
+    user_kernel("strong_alone", "  comm.signal((comm.rank() + 1) % comm.nranks(), StrongSignalInc(0));\n"),
+    "strong_alone",
+)
+
+
+def _options(wire: cf.Wire, seed: int) -> dict:
+    return dict(
+        window_bytes=cf.WINDOW_BYTES,
+        signals=cf.CODES,
+        counters=1,
+        contexts=2,
+        counted_writes=True,
+        device="cpu",
+        seed=seed,
+        **wire.options,
+    )
+
+
+@functools.cache
+def observed(name: str) -> tuple[np.ndarray, int]:
+    """Rank 1's stale reads per outcome (litmus.cu's counts) summed over the seeds of
+    wire `name`, and the rounds each litmus ran."""
+    wire = cf.WIRES[name]
+    context_shown = any(t.cls("A", name) == cf.SHOWN for t in cf.LITMUS if t.context_cell)
+    launches = [(cf.mask(wire), ROUNDS)] * LAUNCHES
+    if context_shown:
+        launches.append((cf.mask(wire, only_context_cells=True), CONTEXT_ROUNDS))
+    total = np.zeros(2 * cf.CODES, np.uint64)
+    start = time.monotonic()
+    for seed in SEEDS.get(name, (1,)):
+
+        def body(world, seed=seed):
+            with DeviceComm(world, **_options(wire, seed)) as dc:
+                counts = np.zeros(2 * cf.CODES, np.uint64)
+                for m, rounds in launches:
+                    KERNEL.launch(dc, 1, args=(m, rounds, counts))
+                return counts, dc.backend
+
+        (mine, _), (counts, backend) = ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
+        assert not mine.any()  # rank 0 reads nothing
+        assert backend == wire.options.get("backend")
+        total += counts
+    at = {f"{t.name}/{o}": 2 * t.code + i for t in cf.LITMUS for o, i in OUTCOMES.items() if o in t.outcomes}
+    seen = {k: int(total[i]) for k, i in at.items() if total[i]}
+    print(f"{name}: {time.monotonic() - start:.1f} s, stale reads {seen}")
+    return total, len(SEEDS.get(name, (1,)))
+
+
+CELLS = [(t.name, o, w) for t in cf.LITMUS for o in sorted(t.outcomes) for w in cf.WIRES if t.cls(o, w) != cf.REFUSED]
+
+
+@pytest.mark.parametrize("litmus, outcome, wire", CELLS, ids=[f"{t}-{o}-{w}" for t, o, w in CELLS])
+def test_cell(litmus, outcome, wire):
+    """A forbidden or refined outcome is never observed; a shown one is, at least once."""
+    t = cf.BY_NAME[litmus]
+    counts, seeds = observed(wire)
+    stale = int(counts[2 * t.code + OUTCOMES[outcome]])
+    cls = t.cls(outcome, wire)
+    if cls == cf.SHOWN:
+        assert stale > 0, f"{litmus} {outcome} on {wire}: allowed, yet not observed over {seeds} seed(s)"
+    else:
+        assert stale == 0, f"{litmus} {outcome} on {wire} is {cls}, yet observed {stale} times: {t.promise}"
+
+
+REFUSED = sorted({(t.name, w) for t in cf.LITMUS for o in t.outcomes for w in cf.WIRES if t.cls(o, w) == cf.REFUSED})
+
+
+@pytest.mark.parametrize("litmus, wire", REFUSED, ids=[f"{t}-{w}" for t, w in REFUSED])
+def test_refused_cell(litmus, wire):
+    """A program the backend cannot run is refused clearly: the communicator that requires
+    strong signals is refused at creation (CapabilityError naming them), and the kernel
+    that posts one on a weak-only communicator fails its launch (ValueError naming the
+    flag), without a hang. The refused program is the strong signal every strong litmus
+    posts (STRONG_ALONE, on every rank)."""
+    t, w = cf.BY_NAME[litmus], cf.WIRES[wire]
+    assert t.strong and not w.strong  # the one refusal the table holds
+
+    def body(world):
+        options = _options(w, 1)
+        with pytest.raises(CapabilityError, match="strong signals"):
+            DeviceComm(world, **{**options, "strong_signals": True})
+        with DeviceComm(world, **options, timeout=10) as dc:
+            start = time.monotonic()
+            with pytest.raises(ValueError, match=rf"^rank {world.rank}: a device-API call in block 0 was given "):
+                STRONG_ALONE.launch(dc, 1)
+            assert time.monotonic() - start < 10
+
+    ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
+
+
+def test_every_promise_has_a_forbidden_cell_and_every_freedom_is_shown_somewhere():
+    """The suite tries to break every litmus somewhere, and every freedom it names is
+    produced by some wire (the adversarial ones)."""
+    for t in cf.LITMUS:
+        classes = {t.cls(o, w) for o in t.outcomes for w in cf.WIRES}
+        assert classes <= set(cf.CLASSES), t.name
+        assert cf.FORBIDDEN in classes or cf.SHOWN in classes, t.name
+        for o in t.outcomes:
+            allowed = [w for w in cf.WIRES if t.cls(o, w) in (cf.SHOWN, cf.REFINED)]
+            assert not allowed or any(t.cls(o, w) == cf.SHOWN for w in allowed), (t.name, o)
+    per_context = [t for t in cf.LITMUS if t.context_cell]
+    assert per_context and all(t.cls("A", "ordered-indep") == cf.SHOWN for t in per_context)
+    assert sorted(t.code for t in cf.LITMUS) == list(range(cf.CODES))
+
+
+def test_litmus_codes_match_the_kernel():
+    """conformance.py's codes are litmus.cu's enum, name for name."""
+    source = KERNEL.source
+    enum = dict(re.findall(r"^\s*k(\w+) = (\d+),?\s*(?://|$)", source, flags=re.MULTILINE))
+    assert int(enum.pop("LitmusCodes")) == cf.CODES
+    camel = {"".join(p.capitalize() for p in t.name.split("-")): t.code for t in cf.LITMUS}
+    assert {k: int(v) for k, v in enum.items()} == camel
+
+
+def test_the_docs_table_is_the_data_structure():
+    doc = (HERE.parent / "docs" / "device-api.md").read_text()
+    assert cf.table() in doc, "docs/device-api.md's conformance table differs from conformance.table()"
+
+
+def test_the_study_agrees_with_the_table():
+    """Where the ordering study has a cell for a litmus, its verdict is the table's: safe
+    exactly where the stale read of A is forbidden (refused cells aside)."""
+    checked = 0
+    for t in cf.LITMUS:
+        if t.study is None:
+            continue
+        row, strength, _ = t.study
+        for name, w in cf.WIRES.items():
+            column, cls = cf.study_column(t, w), t.cls("A", name)
+            if column is None or cls == cf.REFUSED:
+                continue
+            assert study_safe(row, column, strength) == (cls == cf.FORBIDDEN), (t.name, name, row, column, cls)
+            checked += 1
+    assert checked == 36  # 7 litmus with a study cell x 6 GIN wires, less the 6 refused
+
+
+def test_the_runtime_refusals_agree_with_the_table_and_the_study():
+    """The runtime refuses counted writes exactly where the study finds them unsafe, on
+    no wire of the table (their cells are forbidden everywhere, never refused), and on a
+    wire that places writes twice; and strong signals are refused on exactly the wires
+    whose strong litmus cells are refused."""
+    counted = cf.BY_NAME["counted-write"]
+    for name, w in cf.WIRES.items():
+        transport = None if w.column is None else semantics.Transport(name, ordered=w.column == "ordered")
+        assert counted_writes_refusal(transport) is None
+        assert counted.cls("A", name) == cf.FORBIDDEN
+    twice = semantics.Transport("unordered+duplicates", ordered=False, duplicates=True)
+    assert not study_safe("counted-writes", "unordered+duplicates")
+    assert "unsafe" in counted_writes_refusal(twice)
+    for name, w in cf.WIRES.items():
+        strong_cells = {t.cls(o, name) for t in cf.LITMUS if t.strong for o in t.outcomes}
+        assert (strong_cells == {cf.REFUSED}) == (not w.strong), name
