@@ -6,7 +6,8 @@ program refused with a clear error. Then the table of docs/device-api.md against
 data structure, and the ordering study's verdicts and the runtime's refusals against it.
 
 Each wire is run once per module (two ranks in a ThreadWorld, one DeviceComm per seed:
-LAUNCHES launches of every litmus the backend runs, ROUNDS rounds each, then a launch of the
+LAUNCHES launches of every litmus the backend runs, ROUNDS rounds each (UNSEEDED_ROUNDS
+where no seed decides anything), then a launch of the
 per-context cells alone, CONTEXT_ROUNDS rounds, where they are shown: alone they meet
 fewer barriers, so a held context is overtaken more often); the cells read its counts.
 """
@@ -31,10 +32,10 @@ from commref.transports.gin.study.cells import counted_writes_refusal, study_saf
 
 HERE = Path(__file__).resolve().parent
 KERNEL = Kernel((HERE / "kernels" / "litmus.cu").read_text(), "litmus", filename="litmus.cu")
-LAUNCHES, ROUNDS = 2, 100  # of every litmus, per seed
+# the seeds of the wires where one decides landing orders (the others: one run, more rounds)
+SEEDS = {w: (1, 2, 3) for w in ("ordered-indep", "ordered-indep-gda", "unordered", "unordered-gda")}
+LAUNCHES, ROUNDS, UNSEEDED_ROUNDS = 2, 100, 400  # of every litmus, per seed
 CONTEXT_ROUNDS = 300
-# the seeds of the wires where one decides landing orders (the others: one run)
-SEEDS = {"ordered-indep": (1, 2, 3), "unordered": (1, 2, 3), "unordered-gda": (1, 2, 3)}
 OUTCOMES = {"A": 0, "B": 1}
 # What a refused litmus is refused for, posted by every rank alone (so that each fails
 # its own launch, with no put left in flight): a strong signal to the next rank.
@@ -63,16 +64,16 @@ def observed(name: str) -> tuple[np.ndarray, int]:
     wire `name`, and the rounds each litmus ran."""
     wire = cf.WIRES[name]
     context_shown = any(t.cls("A", name) == cf.SHOWN for t in cf.LITMUS if t.context_cell)
-    launches = [(cf.mask(wire), ROUNDS)] * LAUNCHES
+    launches = [(cf.mask(wire), ROUNDS if name in SEEDS else UNSEEDED_ROUNDS)] * LAUNCHES
     if context_shown:
         launches.append((cf.mask(wire, only_context_cells=True), CONTEXT_ROUNDS))
-    total = np.zeros(2 * cf.CODES, np.uint64)
+    total = np.zeros(2 * cf.CODES + 1, np.uint64)
     start = time.monotonic()
     for seed in SEEDS.get(name, (1,)):
 
         def body(world, seed=seed):
             with DeviceComm(world, **_options(wire, seed)) as dc:
-                counts = np.zeros(2 * cf.CODES, np.uint64)
+                counts = np.zeros(2 * cf.CODES + 1, np.uint64)
                 for m, rounds in launches:
                     KERNEL.launch(dc, 1, args=(m, rounds, counts))
                 return counts, dc.backend
@@ -80,6 +81,8 @@ def observed(name: str) -> tuple[np.ndarray, int]:
         (mine, _), (counts, backend) = ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
         assert not mine.any()  # rank 0 reads nothing
         assert backend == wire.options.get("backend")
+        ran = sum(rounds * bin(m).count("1") for m, rounds in launches)
+        assert counts[-1] == ran, f"{name}, seed {seed}: {counts[-1]} litmus runs, not {ran}"
         total += counts
     at = {f"{t.name}/{o}": 2 * t.code + i for t in cf.LITMUS for o, i in OUTCOMES.items() if o in t.outcomes}
     seen = {k: int(total[i]) for k, i in at.items() if total[i]}
@@ -172,7 +175,7 @@ def test_the_study_agrees_with_the_table():
                 continue
             assert study_safe(row, column, strength) == (cls == cf.FORBIDDEN), (t.name, name, row, column, cls)
             checked += 1
-    assert checked == 36  # 7 litmus with a study cell x 6 GIN wires, less the 6 refused
+    assert checked == 40  # 7 litmus with a study cell x 7 GIN wires, less the 9 refused
 
 
 def test_the_runtime_refusals_agree_with_the_table_and_the_study():

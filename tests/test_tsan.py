@@ -166,7 +166,7 @@ def litmus(world, wire, options, threads):
     opts = dict(window_bytes=cf.WINDOW_BYTES, signals=cf.CODES, counters=1, contexts=2, counted_writes=True,
                 device="cpu", threads=threads, timeout=120, **options)
     with DeviceComm(world, **opts) as dc:
-        counts = np.zeros(2 * cf.CODES, np.uint64)
+        counts = np.zeros(2 * cf.CODES + 1, np.uint64)
         for _ in range(2):
             LITMUS.launch(dc, 1, args=(mask, 10, counts))
         return counts.tolist()

@@ -81,6 +81,13 @@ WIRES: dict[str, Wire] = {
             "ordered wire with independent contexts (GinOptions.independent_contexts), proxy backend",
         ),
         Wire(
+            "ordered-indep-gda",
+            dict(path="gin", wire="ordered", backend="gda", strong_signals=False, independent_contexts=True),
+            "ordered",
+            "ordered/2ctx",
+            "ordered wire with independent contexts, gda backend (a barrier's fence: a flush, then a weak signal)",
+        ),
+        Wire(
             "unordered",
             dict(path="gin", wire="unordered", backend="proxy"),
             "unordered",
@@ -127,7 +134,7 @@ def _row(default: str, **per_wire: str) -> dict:
     return out
 
 
-_GIN_STRONG_ONLY = dict(ordered_gda=REFUSED, unordered_gda=REFUSED)
+_GIN_STRONG_ONLY = dict(ordered_gda=REFUSED, ordered_indep_gda=REFUSED, unordered_gda=REFUSED)
 _UNORDERED_SHOWN = dict(unordered=SHOWN, unordered_gda=SHOWN)
 
 
@@ -230,7 +237,7 @@ LITMUS: tuple[Litmus, ...] = (
         11,
         "put A on context 1; both barrier(Puts, 0); read A",
         "a barrier fences only the contexts it names",
-        {"A": _row(REFINED, lsa=FORBIDDEN, ordered_indep=SHOWN, **_UNORDERED_SHOWN)},
+        {"A": _row(REFINED, lsa=FORBIDDEN, ordered_indep=SHOWN, ordered_indep_gda=SHOWN, **_UNORDERED_SHOWN)},
         context_cell=True,
     ),
     Litmus(

@@ -13,7 +13,8 @@
 // (rank 1's, written by rank 0's puts; or rank 1's get destination), +64 and +72 their
 // sources (rank 0's).
 //
-// Arguments: mask (bit `code`: run it), rounds, counts (uint64[2 * LITMUS_CODES], rank 1).
+// Arguments: mask (bit `code`: run it), rounds, counts (uint64[2 * kLitmusCodes + 1], rank
+// 1; the last word counts the litmus run, round by round, so a run that did nothing shows).
 #include "commref/device.h"
 using namespace commref;
 
@@ -137,6 +138,7 @@ COMMREF_KERNEL(litmus, KernelArgs, args) {
         if (load_relaxed(comm.local<uint64_t>(a)) != stamp(c, 0)) counts[2 * c]++;
         if (readB && load_relaxed(comm.local<uint64_t>(b)) != stamp(c, 1)) counts[2 * c + 1]++;
       }
+      if (threadIdx.x == 0) counts[2 * kLitmusCodes]++;
       __syncthreads();
       if (c == kGetBeforeFlush) ctx0.flush();  // it lands before the round ends
     }
