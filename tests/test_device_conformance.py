@@ -15,6 +15,7 @@ fewer barriers, so a held context is overtaken more often); the cells read its c
 from __future__ import annotations
 
 import functools
+import os
 import re
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from commref.collectives.device_api import DeviceComm, Kernel
 from commref.collectives.device_api import conformance as cf
 from commref.transports.errors import CapabilityError
 from commref.transports.gin import semantics
+from commref.transports.gin.engines import ENGINE_ENV
 from commref.transports.gin.study.cells import counted_writes_refusal, study_safe
 
 HERE = Path(__file__).resolve().parent
@@ -60,6 +62,21 @@ def _options(wire: cf.Wire, seed: int) -> dict:
 
 @functools.cache
 def observed(name: str) -> tuple[np.ndarray, int]:
+    """observed_on(name) with the wire's GIN engine asked for (COMMREF_GIN_ENGINE)."""
+    engine = cf.WIRES[name].engine
+    before = os.environ.get(ENGINE_ENV)
+    if engine:
+        os.environ[ENGINE_ENV] = engine
+    try:
+        return observed_on(name)
+    finally:
+        if engine and before is None:
+            del os.environ[ENGINE_ENV]
+        elif engine:
+            os.environ[ENGINE_ENV] = before
+
+
+def observed_on(name: str) -> tuple[np.ndarray, int]:
     """Rank 1's stale reads per outcome (litmus.cu's counts) summed over the seeds of
     wire `name`, and the rounds each litmus ran."""
     wire = cf.WIRES[name]
@@ -76,11 +93,12 @@ def observed(name: str) -> tuple[np.ndarray, int]:
                 counts = np.zeros(2 * cf.CODES + 1, np.uint64)
                 for m, rounds in launches:
                     KERNEL.launch(dc, 1, args=(m, rounds, counts))
-                return counts, dc.backend
+                return counts, dc.properties()
 
-        (mine, _), (counts, backend) = ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
+        (mine, _), (counts, props) = ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
         assert not mine.any()  # rank 0 reads nothing
-        assert backend == wire.options.get("backend")
+        assert props.gin_backend == wire.options.get("backend")
+        assert props.gin_engine == (wire.engine or _default_engine(wire)), (name, props.gin_engine)
         ran = sum(rounds * bin(m).count("1") for m, rounds in launches)
         assert counts[-1] == ran, f"{name}, seed {seed}: {counts[-1]} litmus runs, not {ran}"
         total += counts
@@ -88,6 +106,14 @@ def observed(name: str) -> tuple[np.ndarray, int]:
     seen = {k: int(total[i]) for k, i in at.items() if total[i]}
     print(f"{name}: {time.monotonic() - start:.1f} s, stale reads {seen}")
     return total, len(SEEDS.get(name, (1,)))
+
+
+def _default_engine(wire: cf.Wire) -> str | None:
+    """The engine a wire gets unasked: native for the plain ordered wire, else python."""
+    if wire.options["path"] == "lsa":
+        return None
+    plain = wire.options["wire"] == "ordered" and not wire.options.get("independent_contexts")
+    return "native" if plain else "python"
 
 
 CELLS = [(t.name, o, w) for t in cf.LITMUS for o in sorted(t.outcomes) for w in cf.WIRES if t.cls(o, w) != cf.REFUSED]
@@ -175,7 +201,7 @@ def test_the_study_agrees_with_the_table():
                 continue
             assert study_safe(row, column, strength) == (cls == cf.FORBIDDEN), (t.name, name, row, column, cls)
             checked += 1
-    assert checked == 40  # 7 litmus with a study cell x 7 GIN wires, less the 9 refused
+    assert checked == 47  # 7 litmus with a study cell x 8 GIN wires, less the 9 refused
 
 
 def test_the_runtime_refusals_agree_with_the_table_and_the_study():

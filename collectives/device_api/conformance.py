@@ -42,6 +42,7 @@ class Wire:
     column: str | None  # the study's column (None: LSA, which the study does not model)
     column_2ctx: str | None
     doc: str
+    engine: str | None = None  # the GIN engine asked for (COMMREF_GIN_ENGINE); None: the default
 
     @property
     def strong(self) -> bool:
@@ -58,6 +59,14 @@ WIRES: dict[str, Wire] = {
             "ordered",
             "ordered/2ctx",
             "ordered wire, proxy backend, native engine (a peer's contexts serialized)",
+        ),
+        Wire(
+            "ordered-python",
+            dict(path="gin", wire="ordered", backend="proxy"),
+            "ordered",
+            "ordered/2ctx",
+            "ordered wire, proxy backend, the Python proxy (COMMREF_GIN_ENGINE=python)",
+            engine="python",
         ),
         Wire(
             "ordered-rc",
