@@ -10,13 +10,17 @@ LAUNCHES launches of every litmus the backend runs, ROUNDS rounds each (UNSEEDED
 where no seed decides anything), then a launch of the
 per-context cells alone, CONTEXT_ROUNDS rounds, where they are shown: alone they meet
 fewer barriers, so a held context is overtaken more often); the cells read its counts.
+test_cells_over_mpi runs three wires again over network="mpi" under mpiexec (this file
+is the job's script).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -76,35 +80,51 @@ def observed(name: str) -> tuple[np.ndarray, int]:
             os.environ[ENGINE_ENV] = before
 
 
+def _launches(name: str) -> list[tuple[int, int]]:
+    """(mask, rounds) of each launch on wire `name`."""
+    wire = cf.WIRES[name]
+    launches = [(cf.mask(wire), ROUNDS if name in SEEDS else UNSEEDED_ROUNDS)] * LAUNCHES
+    if any(t.cls("A", name) == cf.SHOWN for t in cf.LITMUS if t.context_cell):
+        launches.append((cf.mask(wire, only_context_cells=True), CONTEXT_ROUNDS))
+    return launches
+
+
+def litmus_run(world, name: str, seed: int, **more):
+    """One rank's run of wire `name` with `seed` (`more`: further options, network="mpi"):
+    its counts (litmus.cu's) and the communicator's properties."""
+    with DeviceComm(world, **_options(cf.WIRES[name], seed), **more) as dc:
+        counts = np.zeros(2 * cf.CODES + 1, np.uint64)
+        for m, rounds in _launches(name):
+            KERNEL.launch(dc, 1, args=(m, rounds, counts))
+        return counts, dc.properties()
+
+
+def _checked(name: str, seed: int, mine, counts, props) -> None:
+    """What a run of wire `name` must show whatever its outcomes: rank 0 (`mine`) read
+    nothing, the backend and engine are the wire's, every litmus ran every round."""
+    wire = cf.WIRES[name]
+    assert not np.asarray(mine).any()  # rank 0 reads nothing
+    assert props.gin_backend == wire.options.get("backend")
+    assert props.gin_engine == (wire.engine or _default_engine(wire)), (name, props.gin_engine)
+    ran = sum(rounds * bin(m).count("1") for m, rounds in _launches(name))
+    assert counts[-1] == ran, f"{name}, seed {seed}: {counts[-1]} litmus runs, not {ran}"
+
+
+def _summary(total) -> dict:
+    at = {f"{t.name}/{o}": 2 * t.code + i for t in cf.LITMUS for o, i in OUTCOMES.items() if o in t.outcomes}
+    return {k: int(total[i]) for k, i in at.items() if total[i]}
+
+
 def observed_on(name: str) -> tuple[np.ndarray, int]:
     """Rank 1's stale reads per outcome (litmus.cu's counts) summed over the seeds of
-    wire `name`, and the rounds each litmus ran."""
-    wire = cf.WIRES[name]
-    context_shown = any(t.cls("A", name) == cf.SHOWN for t in cf.LITMUS if t.context_cell)
-    launches = [(cf.mask(wire), ROUNDS if name in SEEDS else UNSEEDED_ROUNDS)] * LAUNCHES
-    if context_shown:
-        launches.append((cf.mask(wire, only_context_cells=True), CONTEXT_ROUNDS))
+    wire `name`, and the number of seeds."""
     total = np.zeros(2 * cf.CODES + 1, np.uint64)
     start = time.monotonic()
     for seed in SEEDS.get(name, (1,)):
-
-        def body(world, seed=seed):
-            with DeviceComm(world, **_options(wire, seed)) as dc:
-                counts = np.zeros(2 * cf.CODES + 1, np.uint64)
-                for m, rounds in launches:
-                    KERNEL.launch(dc, 1, args=(m, rounds, counts))
-                return counts, dc.properties()
-
-        (mine, _), (counts, props) = ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
-        assert not mine.any()  # rank 0 reads nothing
-        assert props.gin_backend == wire.options.get("backend")
-        assert props.gin_engine == (wire.engine or _default_engine(wire)), (name, props.gin_engine)
-        ran = sum(rounds * bin(m).count("1") for m, rounds in launches)
-        assert counts[-1] == ran, f"{name}, seed {seed}: {counts[-1]} litmus runs, not {ran}"
+        (mine, _), (counts, props) = ThreadWorld.run(2, litmus_run, name, seed, timeout=WORLD_TIMEOUT)
+        _checked(name, seed, mine, counts, props)
         total += counts
-    at = {f"{t.name}/{o}": 2 * t.code + i for t in cf.LITMUS for o, i in OUTCOMES.items() if o in t.outcomes}
-    seen = {k: int(total[i]) for k, i in at.items() if total[i]}
-    print(f"{name}: {time.monotonic() - start:.1f} s, stale reads {seen}")
+    print(f"{name}: {time.monotonic() - start:.1f} s, stale reads {_summary(total)}")
     return total, len(SEEDS.get(name, (1,)))
 
 
@@ -220,3 +240,55 @@ def test_the_runtime_refusals_agree_with_the_table_and_the_study():
     for name, w in cf.WIRES.items():
         strong_cells = {t.cls(o, name) for t in cf.LITMUS if t.strong for o in t.outcomes}
         assert (strong_cells == {cf.REFUSED}) == (not w.strong), name
+
+
+# Over MPI (network="mpi", 2 processes; this file is the job's script): the wires whose
+# links the MPI network carries, with their seeds, their cells as in the table.
+MPI_WIRES = {"ordered": (1,), "unordered": (1, 2), "unordered-gda": (1, 2)}
+
+
+def _mpi_main() -> None:
+    from commref import MPIWorld
+
+    world = MPIWorld()
+    for name, seeds in MPI_WIRES.items():
+        counts = np.zeros(2 * cf.CODES + 1, np.uint64)
+        for seed in seeds:
+            more, props = litmus_run(world, name, seed, network="mpi", timeout=WORLD_TIMEOUT)
+            counts += more
+        line = dict(wire=name, rank=world.rank, counts=counts.tolist(), backend=props.gin_backend)
+        sys.stdout.write("LITMUS " + json.dumps({**line, "engine": props.gin_engine}) + "\n")
+        sys.stdout.flush()
+    world.barrier(what="litmus over MPI done")
+
+
+def test_cells_over_mpi():
+    """The litmus over the MPI network (2 processes under mpiexec): every forbidden or
+    refined cell unseen, every shown one seen, on each wire of MPI_WIRES."""
+    from conftest import clean_env, run_mpi
+
+    proc = run_mpi(2, [os.path.relpath(__file__, HERE.parent)], timeout=180, env=clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    runs = [json.loads(line[len("LITMUS ") :]) for line in proc.stdout.splitlines() if line.startswith("LITMUS ")]
+    assert sorted((r["wire"], r["rank"]) for r in runs) == sorted((w, r) for w in MPI_WIRES for r in (0, 1)), out
+    by = {(r["wire"], r["rank"]): r for r in runs}
+    for name in MPI_WIRES:
+        counts = np.array(by[name, 1]["counts"], np.uint64)
+        props = cf.WIRES[name]
+        assert by[name, 1]["backend"] == props.options.get("backend")
+        assert not any(by[name, 0]["counts"]), by[name, 0]  # rank 0 reads nothing
+        ran = len(MPI_WIRES[name]) * sum(rounds * bin(m).count("1") for m, rounds in _launches(name))
+        assert counts[-1] == ran, (name, int(counts[-1]), ran)
+        print(f"{name} over MPI ({by[name, 1]['engine']} engine): stale reads {_summary(counts)}")
+        for t in cf.LITMUS:
+            for o in t.outcomes:
+                cls, stale = t.cls(o, name), int(counts[2 * t.code + OUTCOMES[o]])
+                if cls == cf.SHOWN:
+                    assert stale > 0, f"{t.name} {o} over MPI on {name}: allowed, yet not observed"
+                elif cls != cf.REFUSED:
+                    assert stale == 0, f"{t.name} {o} over MPI on {name} is {cls}, yet observed {stale} times"
+
+
+if __name__ == "__main__":
+    _mpi_main()
