@@ -242,6 +242,35 @@ def test_the_runtime_refusals_agree_with_the_table_and_the_study():
         assert (strong_cells == {cf.REFUSED}) == (not w.strong), name
 
 
+def test_a_strong_signal_carried_weak_is_caught(monkeypatch):
+    """The suite can fail: a proxy that carries every strong signal as weak (the planted
+    bug of test_gin_conformance, where the proxy decodes descriptors) makes the forbidden
+    stale reads of the strong litmus show on the unordered wire."""
+    from commref.device_kernels import abi
+    from commref.transports.gin.proxy import GinProxy
+
+    original = GinProxy._execute
+
+    def weak(self, d):
+        if d.flags & abi.GIN_HAS_SIGNAL and d.flags & abi.GIN_STRONG:
+            d = d._replace(flags=d.flags & ~abi.GIN_STRONG)
+        original(self, d)
+
+    monkeypatch.setattr(GinProxy, "_execute", weak)
+    strong = [cf.BY_NAME["strong-covers-earlier"], cf.BY_NAME["strong-signal-alone"]]
+
+    def body(world):
+        with DeviceComm(world, **_options(cf.WIRES["unordered"], 1)) as dc:
+            counts = np.zeros(2 * cf.CODES + 1, np.uint64)
+            KERNEL.launch(dc, 1, args=(sum(1 << t.code for t in strong), ROUNDS, counts))
+            return counts
+
+    counts = ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)[1]
+    stale = {t.name: int(counts[2 * t.code]) for t in strong}
+    print(f"strong signals carried weak, unordered wire: stale reads of A {stale} in {ROUNDS} rounds")
+    assert all(stale.values()), stale
+
+
 # Over MPI (network="mpi", 2 processes; this file is the job's script): the wires whose
 # links the MPI network carries, with their seeds, their cells as in the table.
 MPI_WIRES = {"ordered": (1,), "unordered": (1, 2), "unordered-gda": (1, 2)}
