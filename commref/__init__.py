@@ -4,7 +4,8 @@ The public face: ``Communicator`` (nccl4py-shaped collectives over LSA peer memo
 GIN), the worlds that bootstrap ranks (``MPIWorld``, one rank per process;
 ``ThreadWorld``, ranks as threads of one process), groups of calls (``group``,
 ``group_start``, ``group_end``: NCCL's ncclGroupStart/End), users' own kernels on a device
-communicator (``DeviceComm``, ``Kernel``: include/commref/device.h), and the error types. The
+communicator (``DeviceComm``, ``Kernel``: include/commref/device.h; ``DeviceRequirements``,
+``DeviceProperties``), and the error types. The
 ``commref`` command (check, bench, study) is ``commref.cli``.
 """
 
@@ -22,7 +23,7 @@ if (_TREE / "collectives" / "catalogue.py").is_file() and str(_TREE) not in __pa
     __path__.append(str(_TREE))
 
 from commref.collectives.communicator import Communicator
-from commref.collectives.device_api import CompileError, DeviceComm, Kernel
+from commref.collectives.device_api import CompileError, DeviceComm, DeviceProperties, DeviceRequirements, Kernel
 from commref.collectives.groups import group, group_end, group_start
 from commref.collectives.rma import RegisteredWindow, WaitSignalDesc
 from commref.collectives.setup import SPLIT_NOCOLOR
@@ -45,6 +46,8 @@ __all__ = [
     "group_start",
     "group_end",
     "DeviceComm",
+    "DeviceRequirements",
+    "DeviceProperties",
     "Kernel",
     "CompileError",
     "MPIWorld",

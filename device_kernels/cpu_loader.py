@@ -97,11 +97,11 @@ def build_library(
     return build.build_once(build.cache_dir() / f"lib{name}-{key}.so", make)
 
 
-def build_user_cpu_library(source: Path) -> Path:
+def build_user_cpu_library(source: Path, flags: tuple[str, ...] = CPU_FLAGS) -> Path:
     """A user's kernel file (device_api.Kernel), compiled with the CPU engine into a
     library of its own (its own engine: kernels register with the engine they are
-    linked with)."""
-    return build_library(f"user-{source.stem}", [source, ENGINE_SOURCE], CPU_FLAGS, ("COMMREF_CPU",), (INCLUDE_DIR,))
+    linked with). `flags`: TSAN_FLAGS for the ThreadSanitizer build (tests/test_tsan.py)."""
+    return build_library(f"user-{source.stem}", [source, ENGINE_SOURCE], flags, ("COMMREF_CPU",), (INCLUDE_DIR,))
 
 
 def build_cpu_library(flags: tuple[str, ...] = CPU_FLAGS, defines: tuple[str, ...] = ()) -> Path:

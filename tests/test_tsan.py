@@ -11,6 +11,14 @@ block and with several (fibers, which the engine announces to TSan), over LSA
 connections and over GIN (the kernels' side of it: the proxy is Python), then
 launches the engine self-test kernels from several Python threads at once.
 
+The device API's kernels too (DEVICE_SCRIPT): the conformance suite's litmus kernel
+(tests/kernels/litmus.cu: strong and weak signals, signals alone, flush and counters,
+gets, counted writes, barriers of every fence level and context set) over LSA and over
+GIN, with one thread per block and with several, and commref.ep's dispatch and combine
+over LSA, each user library built with the same flags (the litmus whose stale read is
+shown on the wire are left out: they race by design). Negative: a kernel that counts
+its write on the target's signal before storing the data (EARLY_COUNT) must be reported.
+
 - Positive: the normal build runs clean (no ThreadSanitizer report at all) and
   every result is exact.
 - Negative: built with COMMREF_TEST_BROKEN_RELEASE, store_release() is relaxed, so
@@ -129,6 +137,93 @@ print("RESULT " + json.dumps({"wrong": result, "errors": errors}), flush=True)
 """
 
 
+# Runs in the TSan subprocess: argv = the collectives' TSan library, "positive" or "negative".
+DEVICE_SCRIPT = r"""
+import ctypes, json, sys
+from pathlib import Path
+
+import numpy as np
+
+from commref import ep
+from commref.collectives.device_api import DeviceComm, Kernel, ep_check
+from commref.collectives.device_api import conformance as cf
+from commref.device_kernels import cpu_loader
+from commref.transports.thread_world import ThreadWorld
+
+assert hasattr(ctypes.CDLL(None), "__tsan_switch_to_fiber"), "the TSan runtime is not loaded"
+lib, mode = Path(sys.argv[1]), sys.argv[2]
+tsan_kernels = cpu_loader.CpuKernels(lib)
+cpu_loader.cpu_kernels = lambda defines=(): tsan_kernels
+plain_user_library = cpu_loader.build_user_cpu_library
+cpu_loader.build_user_cpu_library = lambda source: plain_user_library(source, flags=cpu_loader.TSAN_FLAGS)
+result = {}
+LITMUS = Kernel(Path("tests/kernels/litmus.cu").read_text(), "litmus", filename="litmus.cu")
+
+def litmus(world, wire, options, threads):
+    # Not the litmus whose outcome is shown on the wire: they race by design (a get's
+    # destination read before flush, while the engine's memcpy may be landing it).
+    mask = sum(1 << t.code for t in cf.LITMUS if t.cls("A", wire) != cf.SHOWN)
+    opts = dict(window_bytes=cf.WINDOW_BYTES, signals=cf.CODES, counters=1, contexts=2, counted_writes=True,
+                device="cpu", threads=threads, timeout=120, **options)
+    with DeviceComm(world, **opts) as dc:
+        counts = np.zeros(2 * cf.CODES + 1, np.uint64)
+        for _ in range(2):
+            LITMUS.launch(dc, 1, args=(mask, 10, counts))
+        return counts.tolist()
+
+# A counted write planted to count before its data: the count (a release add on the
+# target's signal) is published, then the data is stored; the receiver waits for the
+# count and reads.
+EARLY_COUNT = '''
+#include "commref/device.h"
+using namespace commref;
+COMMREF_KERNEL(early_count, KernelArgs, args) {
+  DeviceComm comm(args);
+  uint64_t* seen = comm.ptr<uint64_t>(0);
+  for (uint64_t i = 1; i <= 20; i++) {
+    if (comm.rank() == 0) {
+      comm.signal(1, StrongSignalInc(0));
+      if (threadIdx.x == 0) *comm.lsaPtr<uint64_t>(1, 0) = comm.launch() << 32 | i;
+    } else {
+      comm.waitSignal(0, 20 * (comm.launch() - 1) + i, 0);
+      if (threadIdx.x == 0) seen[0] += *comm.local<uint64_t>(0) != (comm.launch() << 32 | i);
+    }
+    comm.barrier();
+  }
+}
+'''
+
+def early_count(world):
+    kernel = Kernel(EARLY_COUNT, "early_count")
+    with DeviceComm(world, window_bytes=64, signals=1, device="cpu", path="lsa", timeout=120) as dc:
+        seen = np.zeros(1, np.uint64)
+        kernel.launch(dc, 1, args=(seen,))
+        return int(seen[0])
+
+def ep_round(world):
+    x, topk, w = ep.make_inputs(world.rank, world.size, 12, 64, 8, 3, seed=7)
+    all_topk = world.allgather(topk, what="tsan ep: topk")
+    all_w = world.allgather(w, what="tsan ep: weights")
+    with ep.Buffer(world, num_experts=8, hidden=64, max_tokens_per_rank=16, num_topk=3, low_latency_mode=True,
+                   device="cpu", path="lsa", timeout=120) as buf:
+        problems, _ = ep_check.checked_round(buf, (x, topk, w), all_topk, all_w)
+        return len(problems)
+
+if mode == "positive":
+    for path, options in (("lsa", dict(path="lsa")), ("ordered", dict(path="gin", wire="ordered", backend="proxy"))):
+        for threads in (1, 4):
+            per_rank = ThreadWorld.run(2, litmus, path, options, threads, timeout=120)
+            for t in cf.LITMUS:
+                if t.cls("A", path) != cf.SHOWN:  # the others are never observed
+                    result[f"litmus/{path}/threads={threads}/{t.name}"] = per_rank[1][2 * t.code]
+    for rank, bad in enumerate(ThreadWorld.run(2, ep_round, timeout=120)):
+        result[f"ep/lsa/rank={rank}"] = bad
+else:
+    result["early_count"] = ThreadWorld.run(2, early_count, timeout=120)[1]
+print("RESULT " + json.dumps({"wrong": result}), flush=True)
+"""
+
+
 def find_libtsan() -> tuple[str | None, str]:
     """The compiler's ThreadSanitizer runtime, or None and why not."""
     try:
@@ -169,17 +264,19 @@ def broken_tsan_library() -> Path:
 
 
 def run_under_tsan(
-    lib: Path, threads: int, tmp_path: Path, path: str = "lsa"
+    lib: Path, threads: int, tmp_path: Path, path: str = "lsa", script_text: str = SCRIPT, argv: tuple = ()
 ) -> tuple[subprocess.CompletedProcess, dict | None]:
-    script = tmp_path / "tsan_collectives.py"
-    script.write_text(SCRIPT)
+    """`script_text` (SCRIPT: argv lib, threads, path; DEVICE_SCRIPT: argv lib, mode)
+    in a subprocess under TSan; its RESULT line."""
+    script = tmp_path / "tsan_script.py"
+    script.write_text(script_text)
     env = dict(os.environ)
     env["LD_PRELOAD"] = LIBTSAN
     env["TSAN_OPTIONS"] = TSAN_OPTIONS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("COMMREF_TIMEOUT", "120")
     proc = subprocess.run(
-        [sys.executable, str(script), str(lib), str(threads), path],
+        [sys.executable, str(script), str(lib), *(argv or (str(threads), path))],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -247,3 +344,30 @@ def test_tsan_detects_broken_release(broken_tsan_library, tmp_path, threads):
     summaries = re.findall(r"SUMMARY: ThreadSanitizer: data race (\S+)", proc.stderr)
     assert any("/commref/" in s for s in summaries), "\n".join(summaries) + "\n" + describe(proc)
     assert result is not None, describe(proc)  # the run itself completed
+
+
+def test_tsan_clean_device_api_kernels(tsan_library, tmp_path):
+    """The litmus kernel over LSA and GIN (1 and 4 threads per block) and commref.ep over
+    LSA: no ThreadSanitizer report, every forbidden or refined outcome unseen, the EP
+    round exact."""
+    proc, result = run_under_tsan(tsan_library, 0, tmp_path, script_text=DEVICE_SCRIPT, argv=("positive",))
+    summaries = sorted(set(re.findall(r"SUMMARY: ThreadSanitizer: .*", proc.stderr)))
+    assert "WARNING: ThreadSanitizer" not in proc.stderr, "\n".join(summaries) + "\n" + describe(proc)
+    assert proc.returncode == 0 and result is not None, describe(proc)
+    bad = {case: n for case, n in result["wrong"].items() if n}
+    assert not bad, f"under TSan: {bad}"
+    assert sum(c.startswith("litmus/lsa/") for c in result["wrong"]) == 2 * 15  # every litmus, 1 and 4 threads
+    assert sum(c.startswith("litmus/ordered/") for c in result["wrong"]) == 2 * 14  # all but get-before-flush
+    assert sum(c.startswith("ep/") for c in result["wrong"]) == 2
+
+
+def test_tsan_detects_a_count_published_before_its_data(tsan_library, tmp_path):
+    """A counted write whose count is released before its data is stored (EARLY_COUNT):
+    the receiver's read races with the sender's store, and TSan says so (the window is
+    too short for a stale read to show on the CPU)."""
+    proc, result = run_under_tsan(tsan_library, 0, tmp_path, script_text=DEVICE_SCRIPT, argv=("negative",))
+    assert "WARNING: ThreadSanitizer: data race" in proc.stderr, describe(proc)
+    assert proc.returncode == TSAN_EXITCODE, describe(proc)
+    summaries = re.findall(r"SUMMARY: ThreadSanitizer: data race (\S+)", proc.stderr)
+    assert any("early_count" in s for s in summaries), "\n".join(summaries) + "\n" + describe(proc)
+    assert result is not None, describe(proc)

@@ -31,11 +31,14 @@ import numpy as np
 from commref.device_kernels import abi, build, cpu_loader, gpu_loader
 from commref.device_kernels.build import CompileError, KernelError
 from commref.transports.errors import CapabilityError
+from commref.transports.gin.native import NativeProxy
+from commref.transports.gin.options import GinOptions
 from commref.transports.gin.study.cells import counted_writes_refusal
 
 from .. import tuner
 from ..communicator import Communicator
 from ..launch_record import address_of
+from . import requirements as req
 
 
 class _EndsOwned:
@@ -66,7 +69,11 @@ class DeviceComm(_EndsOwned):
     "signal-per-put", unless told otherwise), `counted_writes` (device.h countedPut over
     GIN: refused where the ordering study finds counted writes unsafe on the wire).
     Other keywords are Communicator options (path, backend, wire, network, device_id: by
-    default this rank's GPU, world.local_rank % the visible GPUs, communicator.use_rank_gpu)."""
+    default this rank's GPU, world.local_rank % the visible GPUs, communicator.use_rank_gpu).
+    `requirements` (requirements.DeviceRequirements) states them as one object instead,
+    with barrier counts, VA signals, multimem and queue depth besides (the keywords above
+    are then left out); what cannot be met is refused at creation. properties() says
+    what the communicator has."""
 
     def __init__(
         self,
@@ -79,8 +86,23 @@ class DeviceComm(_EndsOwned):
         strong_signals: bool = True,
         counted_writes: bool = False,
         device: str = "auto",
+        requirements: req.DeviceRequirements | None = None,
         **options,
     ):
+        self.requirements = requirements
+        if requirements is not None:
+            stated = dict(signals=signals, counters=counters, contexts=contexts, strong_signals=strong_signals)
+            stated["counted_writes"] = counted_writes
+            given = [k for k, v in stated.items() if v != req.DeviceRequirements.__dataclass_fields__[k].default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: state them in requirements, not beside it")
+            if not isinstance(requirements, req.DeviceRequirements):
+                raise TypeError(f"requirements must be a DeviceRequirements, not {type(requirements).__name__}")
+            signals, counters, contexts = requirements.signals, requirements.counters, requirements.contexts
+            strong_signals, counted_writes = requirements.strong_signals, requirements.counted_writes
+            req.refuse(world.rank, requirements.refusal_before(options))
+            if requirements.queue_depth:
+                options.setdefault("gin_queue", max(requirements.queue_depth, GinOptions.queue))
         if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 8 or window_bytes % 8:
             raise ValueError(f"window_bytes must be a positive multiple of 8, not {window_bytes!r}")
         if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= abi.DEVCOMM_MAX_CONTEXTS:
@@ -104,6 +126,10 @@ class DeviceComm(_EndsOwned):
         )
         try:
             self._setup(window_bytes, signals, counters, strong_signals, counted_writes)
+            if requirements is not None:
+                req.refuse(self.rank, requirements.refusal_after(self.comm.backend))
+            # collective, as creation is: every rank's LSA team, for properties()
+            self._lsa_teams = len(set(world.allgather(tuple(self.lsa_ranks), "device communicator LSA teams")))
         except BaseException:
             self.comm.close()
             raise
@@ -147,6 +173,39 @@ class DeviceComm(_EndsOwned):
     def backend(self) -> str | None:
         """The GIN backend's name, None when every peer is over LSA."""
         return self.comm.backend.name if self.comm.backend is not None else None
+
+    def properties(self) -> req.DeviceProperties:
+        """What this communicator has (requirements.DeviceProperties): its GIN backend,
+        engine and wire, their abilities, multimem, its LSA team and the number of LSA
+        teams, its contexts, signals, counters, barriers and queue depth."""
+        comm, backend = self.comm, self.comm.backend
+        caps = backend.caps if backend is not None else None
+        used = comm.gin.used
+        return req.DeviceProperties(
+            rank=self.rank,
+            nranks=self.nranks,
+            device=self.device,
+            gin_backend=backend.name if backend is not None else None,
+            gin_engine=("native" if isinstance(comm.proxy, NativeProxy) else "python") if used else None,
+            wire=comm.gin.options.wire.value if used else None,
+            strong_signals=self.strong_signals,
+            va_signals=req.USER_VA_SIGNALS and (caps is None or caps.va_signals),
+            counters_supported=caps is None or caps.counters,
+            get_supported=caps is None or caps.get,
+            local_completion_orders_later_writes=caps is not None and caps.local_completion_orders_later_writes,
+            counted_writes=self.counted_writes,
+            multimem=req.MULTIMEM,
+            lsa_rank=self.lsa_ranks.index(self.rank),
+            lsa_size=len(self.lsa_ranks),
+            lsa_teams=self._lsa_teams,
+            contexts=self.contexts,
+            signals=self.signals,
+            counters=self.counters,
+            barriers=req.WORLD_BARRIERS,
+            lsa_barriers=req.LSA_BARRIERS,
+            rail_barriers=req.RAIL_BARRIERS,
+            queue_depth=comm.gin.options.queue if used else 0,
+        )
 
     def window(self, dtype="uint8", count: int | None = None, offset: int = 0):
         """This rank's device window (or `count` elements of `dtype` from byte `offset`)
