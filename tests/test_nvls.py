@@ -5,15 +5,18 @@ The AllReduce is exact at 2, 3, 5 and 8 ranks in both variants, in and out of pl
 calls it cannot run (plain buffers, GIN peers, a (dtype, op) multicast does not
 reduce, another collective) are refused with the reason before any launch; the device
 API's handle reduces, stores to and meets the LSA team only, and its barrier refuses
-words outside the window. The GPU build of multimem's PTX is test_compile's business
-(test_multimem_ptx_builds_for_sm90 there needs nvcc).
+words outside the window. With nvcc, a kernel that uses every multicast reduction builds
+for sm_90 through ptxas into the multimem instructions, and one asking for a reduction
+multicast lacks does not build.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
-from helpers import PREAMBLE, WORLD_TIMEOUT
+from helpers import PREAMBLE, WORLD_TIMEOUT, nvcc_sm90
 
 from commref import CapabilityError, ThreadWorld
 from commref.collectives import check, nvls
@@ -211,3 +214,42 @@ COMMREF_KERNEL(order, KernelArgs, args) {
     folded = np.float32(np.float32(np.float32(1e8) + np.float32(1.0)) + np.float32(-1e8))
     assert ThreadWorld.run(3, body, timeout=WORLD_TIMEOUT) == [float(folded)] * 3
     assert float(folded) == 0.0  # members in another order: 1.0
+
+
+# Every (T, Op) of multimemSupported, with the multicast address a launch argument (so the
+# PTX path is not folded away), and the multimem barrier.
+EVERY_PAIR = (
+    PREAMBLE
+    + r"""
+template <typename T, typename Op>
+__device__ void one(const Multimem& m, uint64_t off) { m.st<T>(off, m.ldReduce<T, Op>(off)); }
+COMMREF_KERNEL(every_pair, KernelArgs, args) {
+  Multimem m = lsaMultimem(args, args.arg[0]);
+  one<float, OpSum>(m, 0); one<double, OpSum>(m, 8);
+  one<half_t, OpSum>(m, 16); one<bf16_t, OpSum>(m, 20); one<half_t, OpMin>(m, 16); one<bf16_t, OpMax>(m, 20);
+  one<int32_t, OpSum>(m, 24); one<uint32_t, OpMin>(m, 24); one<int64_t, OpMax>(m, 32); one<uint64_t, OpSum>(m, 32);
+  m.barrier(64);
+}
+"""
+)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (a compile check, nothing runs)")
+def test_multimem_ptx_builds_for_sm90(tmp_path):
+    src = tmp_path / "every_pair.cu"
+    src.write_text(EVERY_PAIR)
+    proc = nvcc_sm90(src, tmp_path / "every_pair.cubin", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = nvcc_sm90(src, tmp_path / "every_pair.ptx", "-ptx", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ptx = (tmp_path / "every_pair.ptx").read_text()
+    for op in ("add.f32", "add.f64", "add.acc::f32.f16x2", "add.acc::f32.bf16x2", "min.f16x2", "max.bf16x2"):
+        assert f"multimem.ld_reduce.relaxed.sys.global.{op} " in ptx, op
+    for op in ("add.u32", "min.u32", "max.s64", "add.u64"):
+        assert f"multimem.ld_reduce.relaxed.sys.global.{op} " in ptx, op
+    assert "multimem.st.relaxed.sys.global.b32 " in ptx and "multimem.st.relaxed.sys.global.b64 " in ptx
+    assert "multimem.st.release.sys.global.b64 " in ptx  # the barrier's word
+    bad = tmp_path / "float_max.cu"
+    bad.write_text(EVERY_PAIR.replace("one<float, OpSum>(m, 0);", "one<float, OpMax>(m, 0);"))
+    proc = nvcc_sm90(bad, tmp_path / "float_max.ptx", "-ptx", timeout=300)
+    assert proc.returncode != 0 and "NVLink multicast does not reduce this type" in proc.stderr, proc.stderr[-2000:]
