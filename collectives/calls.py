@@ -17,7 +17,7 @@ import numpy as np
 from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError
 
-from . import catalogue, tuner
+from . import catalogue, nvls, tuner
 from .hierarchical import HIERARCHICAL
 from .launch_record import CallPlan, plan_fields
 from .routes import Route
@@ -68,7 +68,11 @@ def record_call(comm, coll, sendbuf, recvbuf, op, root, stream, algorithm, avg_d
     s, r, count = check.call(spec, sendbuf, recvbuf, root)
     comm.check_usable()
     algorithm, protocol = algorithm or comm.algorithm, protocol or comm.protocol
-    route = comm._router.route(comm._symmetric, spec, s, r, count, explain=algorithm == "direct")
+    route = comm._router.route(comm._symmetric, spec, s, r, count, explain=algorithm in ("direct", nvls.NVLS))
+    if algorithm == nvls.NVLS:
+        why = nvls.refusal(spec.name, dtype_name(s.dtype), op, route, comm.peer_mask, comm._router.refusal)
+        if why:
+            raise (CapabilityError if comm.peer_mask else ValueError)(f"rank {comm.rank}: {why}")
     direct = route.direct is not None
     sig = CallSignature(coll, algorithm, count, s.dtype, op, root, direct, avg_divisor, flat, protocol)
     return Call(spec, sig, s, r, sendbuf, recvbuf, route, stream)
@@ -133,6 +137,7 @@ class CallPlanner:
                 self.allowed,
                 why_not_direct,
                 c.protocol_refusals,
+                c.options.nvls_variant.value,
             )
         except (ValueError, CapabilityError) as e:
             raise type(e)(f"rank {c.rank}: {e}") from None
@@ -142,9 +147,8 @@ class CallPlanner:
         fields32 = plan_fields(
             sig.root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize, divisor, plan.protocol
         )
-        desc = abi.pack_call(
-            spec.name, plan.algorithm, DTYPE_CODES[dname], op_code, sig.root, plan.nchannels, plan.protocol
-        )
+        codes = (DTYPE_CODES[dname], op_code, sig.root, plan.nchannels)
+        desc = abi.pack_call(spec.name, plan.algorithm, *codes, plan.protocol, plan.variant)
         kernel, kspec = spec.kernels[plan.algorithm], kernel_spec(spec.name, dname, op)
         launch = None
         if self.gpu_stream is not None:
@@ -158,7 +162,7 @@ class CallPlanner:
             fields32,
             desc,
             spec.kernel_count(sig.count, dtype.itemsize),
-            plan.algorithm == "direct",
+            plan.algorithm in ("direct", nvls.NVLS),
             protocol=plan.protocol,
             launch=launch,
         )

@@ -266,6 +266,7 @@ CATALOGUE: dict[str, Collective] = {
                 "ring": "commref_ring_allreduce",
                 "tree": "commref_tree_allreduce",
                 "direct": "commref_direct_allreduce",
+                "nvls": "commref_nvls_allreduce",
             },
             scaled=None,
             root_only=None,

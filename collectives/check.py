@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import catalogue, group_check, p2p_collectives, tuner, verify
+from . import catalogue, group_check, nvls, p2p_collectives, tuner, verify
 from .memory import Memory, SymmetricMemory, array_module
 from .p2p_collectives import P2P
 from .verify import DTYPES, OPS
@@ -18,13 +18,19 @@ from .verify import DTYPES, OPS
 DEFAULT_COUNTS = (0, 1, 7, 1001)
 
 
-def algorithms_for(coll: str, direct: bool = True, hierarchical: bool = False) -> tuple[str, ...]:
+# The algorithms whose calls take buffers from alloc_symmetric (run_sweep's SymmetricMemory).
+SYMMETRIC = ("direct", nvls.NVLS)
+
+
+def algorithms_for(coll: str, direct: bool = True, hierarchical: bool = False, lsa: bool = False) -> tuple[str, ...]:
     """The algorithms implemented for `coll`; without `direct`, not the direct kernels
     (Communicator.direct_kernels says where they run); without
     `hierarchical`, not the hierarchical algorithm (it needs several nodes of
-    several ranks each)."""
+    several ranks each); without `lsa` (the direct kernels run over LSA), not "nvls"."""
     return tuple(
-        a for a in catalogue.get(coll).algorithms if (direct or a != "direct") and (hierarchical or a != "hierarchical")
+        a
+        for a in catalogue.get(coll).algorithms
+        if (direct or a != "direct") and (hierarchical or a != "hierarchical") and (lsa or a != nvls.NVLS)
     )
 
 
@@ -74,7 +80,9 @@ def cases(
     in-place form (catalogue.Collective.in_place_ok) runs out of place only.
     `protocols`: the cases of the ring and tree algorithms once per protocol (the other
     algorithms' once, with none); empty: once, in the communicator's protocol. A
-    collective that refuses `nranks` or `device` has none (skipped() says why)."""
+    collective that refuses `nranks` or `device` has none (skipped() says why). The
+    "nvls" AllReduce runs where the direct kernels run over LSA (`direct`, not `pushed`),
+    for the (dtype, op) pairs NVLink multicast reduces (nvls.supported)."""
     out = []
     for coll in collectives:
         spec = catalogue.get(coll)
@@ -83,7 +91,7 @@ def cases(
         placements = [ip for ip in in_place if not ip or spec.in_place_ok]
         for algo, protocol in [
             (a, p)
-            for a in algorithms_for(coll, direct, hierarchical)
+            for a in algorithms_for(coll, direct, hierarchical, direct and not pushed)
             for p in (protocols if protocols and a in tuner.PROTOCOL_ALGORITHMS else [None])
         ]:
             if algorithms and algo not in algorithms:
@@ -94,6 +102,8 @@ def cases(
             even = pushing and spec.gin_direct_even_out_of_place
             for di, dtype in enumerate(dtypes):
                 for oi, op in enumerate(ops if spec.reducing else [None]):
+                    if algo == nvls.NVLS and not nvls.supported(dtype, op):
+                        continue
                     for count in dict.fromkeys(c - c % nranks for c in counts) if even else counts:
                         root = (count + di + oi) % nranks
                         runs = [(ip, "small") for ip in (placements if not even else [False])]
@@ -137,8 +147,8 @@ def run_case(comm, case: Case, stream=None, memory: Memory | None = None) -> int
     spec = catalogue.get(case.coll)
     dt = DTYPES[case.dtype]
     if memory is None:
-        if case.algorithm == "direct":
-            raise ValueError("direct cases need a SymmetricMemory (run_sweep makes one)")
+        if case.algorithm in SYMMETRIC:
+            raise ValueError(f"{case.algorithm} cases need a SymmetricMemory (run_sweep makes one)")
         memory = Memory(array_module(comm.device))
     if isinstance(memory, SymmetricMemory):
         memory.reset()
@@ -172,13 +182,13 @@ def run_sweep(comm, case_list, progress=None, stream=None) -> list[int]:
             )
         }
     )
-    direct = [c for c in case_list if c.algorithm == "direct"]
+    direct = [c for c in case_list if c.algorithm in SYMMETRIC]
     plain = Memory(array_module(comm.device))
     symmetric = SymmetricMemory(comm, plain.xp, max(_direct_bytes(c, comm.nranks) for c in direct)) if direct else None
     wrong = []
     for i, case in enumerate(case_list):
         with stream if stream is not None else contextlib.nullcontext():
-            wrong.append(run_case(comm, case, stream, symmetric if case.algorithm == "direct" else plain))
+            wrong.append(run_case(comm, case, stream, symmetric if case.algorithm in SYMMETRIC else plain))
         if progress:
             progress(i + 1, len(case_list))
     if symmetric is not None:

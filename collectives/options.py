@@ -37,6 +37,7 @@ class Algorithm(Choice):
     RING = "ring"
     TREE = "tree"
     DIRECT = "direct"
+    NVLS = "nvls"
     HIERARCHICAL = "hierarchical"
 
 
@@ -59,6 +60,16 @@ def default_protocol() -> Protocol:
     """The protocol COMMREF_PROTO names (any case; unset or empty: auto), validated."""
     value = os.environ.get(PROTOCOL_ENV, "").strip().lower() or Protocol.AUTO.value
     return choice(Protocol, value, PROTOCOL_ENV)
+
+
+class NvlsVariant(Choice):
+    """Which NVLS AllReduce a call of algorithm "nvls" runs (kernels/nvls.cu): one-shot
+    (every rank reduces the whole buffer), two-shot (each rank its part, stored to every
+    rank); auto by size (nvls.variant)."""
+
+    AUTO = "auto"
+    ONE_SHOT = "one_shot"
+    TWO_SHOT = "two_shot"
 
 
 class StreamStores(Choice):
@@ -85,6 +96,7 @@ class CommOptions:
     device_id: int | None = None  # CUDA device (default: local_rank % GPUs, communicator.use_rank_gpu)
     stream_stores: StreamStores = StreamStores.AUTO
     protocol: Protocol | None = None  # None: COMMREF_PROTO, else auto
+    nvls_variant: NvlsVariant = NvlsVariant.AUTO  # algorithm "nvls": one_shot, two_shot or by size
     # The device communicator's requirements (device_api.DeviceComm): bytes of each rank's
     # device window, signals beyond the connections' own (counters: gin_counters), and its
     # GIN contexts (each has barrier words of its own).
@@ -104,6 +116,7 @@ class CommOptions:
         fix(self, "device", choice(Device, self.device, "device"))
         fix(self, "algorithm", choice(Algorithm, self.algorithm, "algorithm"))
         fix(self, "stream_stores", choice(StreamStores, self.stream_stores, "stream_stores"))
+        fix(self, "nvls_variant", choice(NvlsVariant, self.nvls_variant, "nvls_variant"))
         fix(
             self,
             "protocol",

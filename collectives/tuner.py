@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from commref.transports.errors import CapabilityError
 
-from . import catalogue
+from . import catalogue, nvls
 from .hierarchical import HIERARCHICAL, NodeShape
 from .routes import needs_symmetric
 
@@ -55,6 +55,7 @@ class Plan:
     algorithm: str
     nchannels: int
     protocol: str = "simple"  # of the ring and tree kernels' steps (include/commref/proto.h)
+    variant: str | None = None  # algorithm "nvls": nvls.ONE_SHOT or TWO_SHOT
 
 
 # Below this many bytes per rank, a tree's log(n) latency beats a ring's n steps.
@@ -132,6 +133,7 @@ def plan(
     allowed=PROTOCOLS,
     why_not_direct: str | None = None,
     refused=None,
+    nvls_variant: str = "auto",
 ) -> Plan:
     """Algorithm, channel count and protocol for one call. `nbytes` is the size of the
     full (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
@@ -146,7 +148,10 @@ def plan(
     (protocol_refusal) raises CapabilityError. Protocols are the ring
     and tree kernels': the direct kernels use no FIFO, so a call of algorithm "direct"
     runs without one (its plan says simple), and auto does not pick direct for LL or
-    LL128. A hierarchical plan has no channels: its children plan their own calls."""
+    LL128. A hierarchical plan has no channels: its children plan their own calls.
+    Algorithm "nvls" (nvls.py) runs only where asked for: its multimem handle is the LSA
+    emulation in this version, which loads what the direct kernel loads, so the model
+    gives "auto" no reason to take it; its variant is `nvls_variant` (nvls.variant)."""
     refusal = protocol_refusal(protocol, refused)
     if refusal:
         raise CapabilityError(refusal)
@@ -160,7 +165,7 @@ def plan(
             f"algorithm {algorithm!r} is implemented for "
             f"{', '.join(catalogue.with_algorithm(algorithm))} only, not {coll}"
         )
-    if algorithm == "direct" and not symmetric:
+    if algorithm in ("direct", nvls.NVLS) and not symmetric:
         raise ValueError(why_not_direct or needs_symmetric(spec))
     if algorithm == HIERARCHICAL and not isinstance(nodes, NodeShape):
         raise ValueError(
@@ -192,7 +197,8 @@ def plan(
         nchannels = max(1, min(max_channels, nbytes // BYTES_PER_CHANNEL))
     if algorithm == "tree" and max_channels >= 2:
         nchannels = max(2, nchannels)  # both trees of the double binary tree
-    return Plan(algorithm, nchannels, choose_protocol(protocol, algorithm, nbytes, device, allowed))
+    variant = nvls.variant(nbytes, nvls_variant) if algorithm == nvls.NVLS else None
+    return Plan(algorithm, nchannels, choose_protocol(protocol, algorithm, nbytes, device, allowed), variant)
 
 
 # ---- streamed stores on the CPU (CollArgs.streamStores, include/commref/move.h) ----

@@ -189,7 +189,7 @@ def check_footprint(args, nranks: int) -> host_limits.Footprint:
         group_check.MEMBERS * 2 * nranks * count if c == GROUP else sum(catalogue.get(c).counts(count, nranks))
         for c in colls
     )
-    direct = nranks <= abi.DIRECT_MAX_RANKS and (not args.algorithm or "direct" in args.algorithm)
+    direct = nranks <= abi.DIRECT_MAX_RANKS and (not args.algorithm or {"direct", "nvls"} & set(args.algorithm))
     shm = (
         host_limits.MPICH_SHM_PER_RANK
         + footprint.connection_window_bytes(options, nranks)

@@ -114,6 +114,7 @@ CALL_FIELDS = (
     ("root", 24, 16),
     ("nchannels", 40, 8),
     ("protocol", 48, 4),
+    ("variant", 52, 4),  # nvls AllReduce: NVLS_VARIANTS; 0 otherwise
 )
 COLLECTIVE_CODES = {
     "allreduce": 0,
@@ -124,7 +125,9 @@ COLLECTIVE_CODES = {
     "alltoall": 5,
     "p2p": 6,  # a send or recv (kernels/p2p.cu)
 }
-ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2}
+ALGORITHM_CODES = {"ring": 0, "tree": 1, "direct": 2, "nvls": 3}
+# NvlsVariant (kernels/nvls.cu): the call descriptor's variant field of an nvls AllReduce.
+NVLS_VARIANTS = {"one_shot": 0, "two_shot": 1}
 # Protocol (args.h, include/commref/proto.h): how a FIFO step's data and readiness travel.
 PROTOCOL_CODES = {"simple": 0, "ll": 1, "ll128": 2}
 
@@ -143,6 +146,7 @@ KERNEL_NAMES = (
     "commref_direct_allgather",
     "commref_ring_alltoall",
     "commref_direct_alltoall",
+    "commref_nvls_allreduce",
     "commref_p2p",
 )
 ENGINE_KERNELS = {
@@ -516,9 +520,17 @@ def window_layout(
 
 
 def pack_call(
-    coll: str, algorithm: str, dtype_code: int, op_code: int, root: int, nchannels: int, protocol: str = "simple"
+    coll: str,
+    algorithm: str,
+    dtype_code: int,
+    op_code: int,
+    root: int,
+    nchannels: int,
+    protocol: str = "simple",
+    variant: str | None = None,
 ) -> int:
-    """The call descriptor (CALL_FIELDS) of one call."""
+    """The call descriptor (CALL_FIELDS) of one call; `variant`: an nvls call's
+    (NVLS_VARIANTS), None for the others."""
     values = (
         COLLECTIVE_CODES[coll],
         ALGORITHM_CODES[algorithm],
@@ -527,6 +539,7 @@ def pack_call(
         root,
         nchannels,
         PROTOCOL_CODES[protocol],
+        0 if variant is None else NVLS_VARIANTS[variant],
     )
     desc = 0
     for (_, shift, bits), v in zip(CALL_FIELDS, values):

@@ -108,6 +108,10 @@ def checked(call: Call, rank: int) -> list[str]:
     return [SEND, RECV]
 
 
+# The algorithms whose calls need buffers from alloc_symmetric (these calls' are plain).
+SYMMETRIC_ONLY = ("direct", "nvls")
+
+
 @st.composite
 def calls(draw, nranks: int) -> Call:
     coll = draw(st.sampled_from(catalogue.KERNEL_NAMES))
@@ -118,7 +122,7 @@ def calls(draw, nranks: int) -> Call:
         draw(st.sampled_from(list(DTYPES))),
         draw(st.sampled_from(list(OPS))) if spec.reducing else None,
         draw(st.integers(0, nranks - 1)) if spec.rooted else 0,
-        draw(st.sampled_from([a for a in spec.kernels if a != "direct"])),
+        draw(st.sampled_from([a for a in spec.kernels if a not in SYMMETRIC_ONLY])),
         draw(st.booleans()) if spec.in_place_ok else False,
     )
 
@@ -147,7 +151,7 @@ BAD_DTYPES = [
 ]
 BAD_ROOTS = [-1, "n", "n+3", -7, 0.0, 1.5, "0", None, True, False, np.float64(0), [0]]
 BAD_OPS = ["xor", "SUM", "", None, 0, 2, b"sum", "sum ", "mean", "band", ("sum",)]
-BAD_ALGORITHMS = ["foo", "RING", "rings", 5, "direct", "hierarchical", "tree"]  # "tree": allreduce only
+BAD_ALGORITHMS = ["foo", "RING", "rings", 5, "direct", "hierarchical", "tree", "nvls"]  # "tree", "nvls": allreduce only
 NOT_ARRAYS = [None, [1.0, 2.0], (1, 2), b"\0" * 8, 3.0, "abc", np.float32(1.0), "memoryview", "device"]
 
 
@@ -388,9 +392,10 @@ def disagreements(draw):
             other = replace(base, op=draw(st.sampled_from([o for o in OPS if o != base.op])))
         elif field == "root" and s.rooted:
             other = replace(base, root=draw(st.sampled_from([x for x in range(nranks) if x != base.root])))
-        elif field == "algorithm" and len([a for a in s.kernels if a != "direct"]) > 1:
+        elif field == "algorithm" and len([a for a in s.kernels if a not in SYMMETRIC_ONLY]) > 1:
             other = replace(
-                base, algorithm=draw(st.sampled_from([a for a in s.kernels if a not in ("direct", base.algorithm)]))
+                base,
+                algorithm=draw(st.sampled_from([a for a in s.kernels if a not in (*SYMMETRIC_ONLY, base.algorithm)])),
             )
         elif field == "collective":
             other = draw(calls(nranks).filter(lambda c: c.coll != base.coll))

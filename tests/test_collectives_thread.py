@@ -61,22 +61,31 @@ def test_sweep(nranks, geometry, many_channels):
     assert all(r[1] == wrong for r in results), "ranks disagree on the per-case totals"
     # Every collective x algorithm x dtype x op x count x placement was run: reducing
     # (collective, algorithm) pairs are allreduce ring, tree and direct, reduce_scatter
-    # ring and direct, reduce ring; moving ones allgather ring and direct, broadcast ring.
+    # ring and direct, reduce ring; moving ones allgather ring and direct, broadcast ring;
+    # and allreduce nvls for the pairs it reduces.
     assert {(c.coll, c.algorithm) for c in case_list} >= {
         ("allreduce", "direct"),
         ("reduce_scatter", "direct"),
         ("allgather", "direct"),
         ("alltoall", "direct"),
+        ("allreduce", "nvls"),
     }
     # alltoall ring and direct: out of place only (no in-place form).
     reducing, moving, out_of_place_only = 6, 3, 2
     floats = [d for d in DTYPES if d in verify.SUBNORMAL_EXPONENT]
     denormal = reducing * len(verify.DENORMAL_OPS) * len(floats) * len(counts)
-    assert (
-        len(case_list)
-        == ((reducing * len(OPS) + moving) * 2 + out_of_place_only) * len(DTYPES) * len(counts) + denormal
+    # allreduce nvls: the 14 (dtype, op) pairs NVLink multicast reduces here (float32 sum
+    # avg; bfloat16, uint64, float16 sum avg min max), and 10 of them on denormal inputs
+    # (the floating ones but none of int8's or uint64's)
+    nvls, nvls_denormal = 14 * len(counts) * 2, 10 * len(counts)
+    assert len(case_list) == (
+        ((reducing * len(OPS) + moving) * 2 + out_of_place_only) * len(DTYPES) * len(counts)
+        + denormal
+        + nvls
+        + nvls_denormal
     )
-    assert sum(c.values == "denormal" for c in case_list) == denormal
+    assert sum(c.values == "denormal" for c in case_list) == denormal + nvls_denormal
+    assert sum(c.algorithm == "nvls" for c in case_list) == nvls + nvls_denormal
     bad = [(c, w) for c, w in zip(case_list, wrong) if w]
     assert sum(wrong) == 0, f"{len(bad)} failing cases, first: {bad[:5]}"
 

@@ -160,9 +160,12 @@ def test_call_descriptor_fields():
         "root": 513,
         "nchannels": 7,
         "protocol": "ll128",
+        "variant": 0,
     }
     simple = abi.pack_call("broadcast", "ring", abi.DTYPE_CODES["bfloat16"], abi.OP_CODES["avg"], 513, 7)
     assert abi.unpack_call(simple)["protocol"] == "simple" and simple != desc  # ranks that disagree differ
+    one, two = (abi.pack_call("allreduce", "nvls", 7, 0, 0, 2, variant=v) for v in ("one_shot", "two_shot"))
+    assert abi.unpack_call(two)["variant"] == abi.NVLS_VARIANTS["two_shot"] == 1 and one != two
 
 
 def test_wait_what_describes_every_wait_code():

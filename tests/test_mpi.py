@@ -37,9 +37,12 @@ def test_check_reduced(nranks, shm_leak_check):
     # x 4 dtypes x 5 counts out of place; and on denormal inputs the 6 reducing pairs x
     # 3 ops (not prod) x 2 floating dtypes x 5 counts; per dtype and count, the collectives
     # of sends and receives (gather and scatter in and out of place, alltoallv and sendrecv
-    # out of place, hypercube allgather both ways on powers of two) and one group case
+    # out of place, hypercube allgather both ways on powers of two) and one group case;
+    # allreduce nvls for the 8 (dtype, op) pairs multicast reduces (float32 sum avg,
+    # bfloat16 and uint64 sum avg max) x 5 counts x 2, and 5 of them on denormals x 5 counts
     composed = 2 + 2 + 1 + 1 + (2 if nranks & (nranks - 1) == 0 else 0) + 1
-    assert cases == (6 * 4 + 3) * 4 * 5 * 2 + 2 * 4 * 5 + 6 * 3 * 2 * 5 + composed * 4 * 5
+    nvls = 8 * 5 * 2 + 5 * 5
+    assert cases == (6 * 4 + 3) * 4 * 5 * 2 + 2 * 4 * 5 + 6 * 3 * 2 * 5 + composed * 4 * 5 + nvls
     assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
 
 
@@ -49,8 +52,12 @@ def test_check_full_default_sweep(shm_leak_check):
     # 10 dtypes x (6 reducing (collective, algorithm) x 5 ops + 3 moving) x 4 counts x 2 placements,
     # alltoall ring+direct x 10 dtypes x 4 counts out of place, and on denormal inputs 6
     # reducing pairs x 4 ops (not prod) x 4 floating dtypes x 4 counts; the collectives of
-    # sends and receives (9 cases per dtype and count at 4 ranks, as above) and the group cases
-    assert cases == 10 * (6 * 5 + 3) * 4 * 2 + 2 * 10 * 4 + 6 * 4 * 4 * 4 + 9 * 10 * 4
+    # sends and receives (9 cases per dtype and count at 4 ranks, as above) and the group cases;
+    # allreduce nvls: 28 (dtype, op) pairs (sum and avg over 8 dtypes, min and max over 6)
+    # x 4 counts x 2, and 12 of them on denormal inputs (float16 and bfloat16 x 4 ops,
+    # float32 and float64 x sum and avg) x 4 counts
+    nvls = 28 * 4 * 2 + 12 * 4
+    assert cases == 10 * (6 * 5 + 3) * 4 * 2 + 2 * 10 * 4 + 6 * 4 * 4 * 4 + 9 * 10 * 4 + nvls
     assert re.search(r"^allreduce +ring +bfloat16 denormal ", proc.stdout, re.M)
     for coll in ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall"):
         assert coll in proc.stdout

@@ -432,7 +432,7 @@ def test_check_cases_per_protocol():
     per = check.cases(["allreduce", "allgather"], ["float32"], ["sum"], [], [7], 2, 1, protocols=["simple", "ll"])
     line = [c for c in base if c.algorithm in tuner.PROTOCOL_ALGORITHMS]
     assert len(per) == len(base) + len(line)
-    assert {c.label for c in per} == {"ring/simple", "ring/ll", "tree/simple", "tree/ll", "direct"}
+    assert {c.label for c in per} == {"ring/simple", "ring/ll", "tree/simple", "tree/ll", "direct", "nvls"}
     assert all(c.protocol is None for c in base)
 
 

@@ -92,18 +92,20 @@ def rank_main(world):
             comm.allgather(x, out)
             exp = verify.expected_output("allgather", np.uint8, None, 3 + it, r, n, count)
             wrong[f"allgather/ring/{count}/{it}"] = verify.count_wrong(out, exp)
-        if path == "lsa":  # direct kernels: peers load this rank's symmetric buffers
+        if path == "lsa":  # direct and nvls kernels: peers load this rank's symmetric buffers
             arena = arenas.get(r) or arenas.setdefault(r, SymmetricArena(comm, 1 << 20))
-            for coll, dt, op, count in (("allreduce", np.int32, "sum", 3001), ("reduce_scatter", np.int32, "sum", 1001),
-                                        ("allgather", np.uint8, None, 7777)):
+            for coll, dt, op, count, algo in (("allreduce", np.int32, "sum", 3001, "direct"),
+                                              ("reduce_scatter", np.int32, "sum", 1001, "direct"),
+                                              ("allgather", np.uint8, None, 7777, "direct"),
+                                              ("allreduce", np.int32, "sum", 3001, "nvls")):
                 arena.reset()
                 x = verify.make_input(coll, dt, op, 21 + it, r, n, count)
                 send = arena.take(x.size, dt)
                 send[...] = x
                 out = arena.take(catalogue.get(coll).counts(count, n)[1], dt)
-                getattr(comm, coll)(send, out, *([op] if op else []), algorithm="direct")
+                getattr(comm, coll)(send, out, *([op] if op else []), algorithm=algo)
                 exp = verify.expected_output(coll, dt, op, 21 + it, r, n, count)
-                wrong[f"{coll}/direct/{count}/{it}"] = verify.count_wrong(out, exp)
+                wrong[f"{coll}/{algo}/{count}/{it}"] = verify.count_wrong(out, exp)
     arenas.pop(r, None)
     comm.close()  # with GIN: drains this rank's proxy (peers still wait for its last puts)
     return wrong
@@ -327,9 +329,10 @@ def test_tsan_clean_collectives(tsan_library, tmp_path, threads, path):
     assert result is not None, describe(proc)
     bad = {case: n for case, n in result["wrong"].items() if n}
     assert not bad and not result["errors"], f"wrong results under TSan: {bad} {result['errors']}"
-    per_iteration = 6 + (3 if path == "lsa" else 0)  # 4 allreduce + 2 allgather (+ 3 direct)
+    per_iteration = 6 + (4 if path == "lsa" else 0)  # 4 allreduce + 2 allgather (+ 3 direct, 1 nvls)
     assert len(result["wrong"]) == 2 * (2 + 3) * per_iteration + 1  # every case ran on every rank
     assert path != "lsa" or any("/direct/" in case for case in result["wrong"])
+    assert path != "lsa" or any("/nvls/" in case for case in result["wrong"])
 
 
 @pytest.mark.parametrize("threads", [1, 5])

@@ -171,6 +171,8 @@ struct Table {
   C(COLLECTIVE_CODES, kReduce, "reduce") C(COLLECTIVE_CODES, kAlltoAll, "alltoall")                            \
   C(COLLECTIVE_CODES, kP2p, "p2p")                                                                             \
   C(ALGORITHM_CODES, kRing, "ring") C(ALGORITHM_CODES, kTree, "tree") C(ALGORITHM_CODES, kDirect, "direct")    \
+  C(ALGORITHM_CODES, kNvls, "nvls") C(NVLS_VARIANTS, kNvlsOneShot, "one_shot")                                  \
+  C(NVLS_VARIANTS, kNvlsTwoShot, "two_shot")                                                                   \
   C(PROTOCOL_CODES, kProtoSimple, "simple") C(PROTOCOL_CODES, kProtoLL, "ll")                                  \
   C(PROTOCOL_CODES, kProtoLL128, "ll128")                                                                      \
   C(GIN_PROTOCOLS, kGinStrong, "strong") C(GIN_PROTOCOLS, kGinWeakLast, "weak-last")                           \

@@ -72,6 +72,10 @@ from mpi4py import MPI
 print(MPI.Get_library_version().splitlines()[0])
 import commref
 print("commref", commref.__version__, "from", commref.__file__)
+from commref.collectives import nvls
+why = nvls.multicast_support("cuda")
+print(f"NVLink multicast: {why or 'supported'}; {cupy.cuda.runtime.getDeviceCount()} GPU(s); algorithm nvls runs"
+      " its LSA emulation in the MPI check below (no multicast object is bound to the windows in this version)")
 EOF
 CC=90
 [ "$DRY" = 1 ] || CC=$(timeout $PROBE_S python3 -c "import cupy; print(cupy.cuda.Device(0).compute_capability)") || CC=90
@@ -85,7 +89,7 @@ step "4 ranks as threads on one GPU" 15 python3 tests/gpu/thread_world_gpu.py --
   --op sum max --count 0 7 1001 65537
 step "8 ranks as threads on one GPU" 15 python3 tests/gpu/thread_world_gpu.py --np 8 --channels 1 --dtype float32 \
   --op sum max --count 7 1001 65537
-step "2 MPI ranks on one GPU through CUDA IPC" 20 $MPI2 -m commref.cli check --device cuda \
+step "2 MPI ranks on one GPU through CUDA IPC (ring, tree, direct, nvls)" 20 $MPI2 -m commref.cli check --device cuda \
   --dtype float32 bfloat16 int32 --op sum max --count 0 7 1001 65537
 step "protocols simple and LL, 2 MPI ranks (the tuner never picks LL on cuda)" 15 $MPI2 -m commref.cli check \
   --device cuda --protocol simple ll --algorithm ring tree --dtype float32 int8 --op sum --count 7 1001 65537

@@ -148,14 +148,17 @@ struct SymBuffer {
 // packed as X(field, shift, bits): field = (callDesc >> shift) & ((1 << bits) - 1).
 // Kernels only compare whole descriptors (a step's header, an LSA barrier slot); the
 // host packs them (abi.pack_call) and decodes a mismatch (abi.unpack_call).
-#define COMMREF_CALL_FIELDS(X)                              \
-  X(collective, 0, 4) /* Collective */                      \
-  X(algorithm, 4, 4)  /* Algorithm */                       \
-  X(dtype, 8, 8)      /* DataType (reduce.h) */             \
-  X(op, 16, 8)        /* RedOp (reduce.h) */                \
-  X(root, 24, 16)     /* rooted collectives; 0 otherwise */ \
-  X(nchannels, 40, 8)                                       \
-  X(protocol, 48, 4) /* Protocol (proto.h) */
+#define COMMREF_CALL_VARIANT_SHIFT 52
+#define COMMREF_CALL_VARIANT_BITS 4
+#define COMMREF_CALL_FIELDS(X)                                                               \
+  X(collective, 0, 4) /* Collective */                                                       \
+  X(algorithm, 4, 4)  /* Algorithm */                                                        \
+  X(dtype, 8, 8)      /* DataType (reduce.h) */                                              \
+  X(op, 16, 8)        /* RedOp (reduce.h) */                                                 \
+  X(root, 24, 16)     /* rooted collectives; 0 otherwise */                                  \
+  X(nchannels, 40, 8)                                                                        \
+  X(protocol, 48, 4)                                                /* Protocol (proto.h) */ \
+  X(variant, COMMREF_CALL_VARIANT_SHIFT, COMMREF_CALL_VARIANT_BITS) /* nvls: NvlsVariant (kernels/nvls.cu); else 0 */
 enum Collective : uint32_t {
   kAllReduce = 0,
   kAllGather = 1,
@@ -165,7 +168,9 @@ enum Collective : uint32_t {
   kAlltoAll = 5,
   kP2p = 6  // a send or recv (kernels/p2p.cu); its peer's descriptor must be the same
 };
-enum Algorithm : uint32_t { kRing = 0, kTree = 1, kDirect = 2 };
+enum Algorithm : uint32_t { kRing = 0, kTree = 1, kDirect = 2, kNvls = 3 };
+// An nvls AllReduce's call descriptor field `variant` (kernels/nvls.cu).
+enum NvlsVariant : uint32_t { kNvlsOneShot = 0, kNvlsTwoShot = 1 };
 // How a step's data and its readiness travel through a FIFO slot (proto.h). The direct
 // kernels use no FIFO: their calls carry kProtoSimple.
 enum Protocol : uint32_t { kProtoSimple = 0, kProtoLL = 1, kProtoLL128 = 2 };

@@ -63,6 +63,7 @@
 //     them a connection per peer instead (below).
 #pragma once
 #include "flow.h"  // Prims, connectRing (over connection.h, gin.h, lsa.h, move.h)
+#include "multimem.h"
 
 namespace commref {
 
