@@ -100,7 +100,7 @@ def start_engine(
     from commref.transports.gin import native
 
     engine = gin_engine() if engine is None else check_gin_engine(engine)
-    why_not = native.supports(plan.transport, plan.network, observer)
+    why_not = native.supports(plan.transport, plan.network, observer, o.segment_bytes)
     if why_not is None and o.fault.active:
         why_not = "a lossy wire (fault), which the Python proxy carries"
     if why_not is None and o.independent_contexts:
@@ -119,7 +119,13 @@ def start_engine(
     site = EngineSite(world, window, layout, o.queue, plan.backend, plan.transport, plan.network)
     if engine != "python" and why_not is None:
         proxy = native.NativeProxy(
-            site, mpi_comm=mpi_comm, mpi_tag=mpi_tag, wire_rate=o.wire_rate, wire_latency=o.wire_latency
+            site,
+            o.seed,
+            o.segment_bytes,
+            mpi_comm=mpi_comm,
+            mpi_tag=mpi_tag,
+            wire_rate=o.wire_rate,
+            wire_latency=o.wire_latency,
         )
     else:
         from commref.transports.gin.proxy import GinProxy

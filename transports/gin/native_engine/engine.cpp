@@ -57,6 +57,7 @@
 #include "core.h"
 #include "mpi_net.h"
 #include "shm_net.h"
+#include "unordered.h"
 #include "wire.h"
 
 namespace {
@@ -68,7 +69,8 @@ class Engine : public Core {
         delivery_(c),
         wire_(cfg_, reinterpret_cast<const GinDescriptor*>(c.queueBase)),
         shm_(c),
-        mpi_(*this, delivery_) {
+        mpi_(*this, delivery_),
+        uw_(cfg_) {
     ring_ = reinterpret_cast<GinDescriptor*>(c.queueBase);
     const uint64_t header = c.queueBase + c.capacity * sizeof(GinDescriptor);  // gin.h: the words after the ring
     consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
@@ -94,7 +96,8 @@ class Engine : public Core {
   static int helpHook(void* engine) { return static_cast<Engine*>(engine)->help(); }
   int help() {
     if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
-    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return 0;  // nothing to take: no RMW
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !held_.load(std::memory_order_relaxed))
+      return 0;  // nothing to take, nothing held: no RMW
     if (!tryTake()) return 0;
     const int took = drain(64);  // a failure sets failed_: the engine thread ends
     release();
@@ -130,6 +133,7 @@ class Engine : public Core {
     out[5] = doorbells_.load(std::memory_order_relaxed);
     out[6] = inFlight_.load(std::memory_order_acquire);
     out[7] = byKernels_.load(std::memory_order_relaxed);
+    out[8] = pending_.load(std::memory_order_acquire);
   }
 
   uint64_t running() const { return thread_.joinable() && !exited_.load(std::memory_order_acquire); }
@@ -153,7 +157,7 @@ class Engine : public Core {
         release();
       }
       if (took < 0 || moved < 0) break;
-      if (took > 0 || moved > 0 || waitingForWire()) {
+      if (took > 0 || moved > 0 || waitingForWire() || held_.load(std::memory_order_relaxed)) {
         idle = 0;
         sleepNs = 1000;
         continue;
@@ -195,7 +199,8 @@ class Engine : public Core {
   void sleep(uint64_t ns) {
     __atomic_store_n(idle_, 1u, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst)) {
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst) &&
+        !held_.load(std::memory_order_relaxed)) {
       const struct timespec ts = timespecOf(ns);
       syscall(SYS_futex, idle_, FUTEX_WAIT_PRIVATE, 1u, &ts, nullptr, 0);
     }
@@ -214,7 +219,10 @@ class Engine : public Core {
     int took = 0;
     while (took < budget) {
       const uint64_t slot = next_;
-      if (!published(slot)) break;
+      if (!published(slot)) {
+        if (cfg_.unordered && !idleUnordered(took)) return -1;
+        break;
+      }
       if (wire_.modeled && !wire_.due(slot, next_, [this](uint64_t s) { return published(s); })) break;
       const GinDescriptor c = ring_[slot % cfg_.capacity];
       if (!execute(c)) return -1;
@@ -223,18 +231,180 @@ class Engine : public Core {
       ops_.fetch_add(1, std::memory_order_release);
       took++;
     }
+    if (cfg_.unordered) {
+      pending_.store(uw_.pending(), std::memory_order_release);
+      held_.store(uw_.held(), std::memory_order_relaxed);
+    }
     return took;
+  }
+
+  // ---- the unordered wire (unordered.h) ----
+
+  // The landing callback: carries one of the wire's landings on this engine's network.
+  auto landing() {
+    return [this](const Landing& e) { return carry(e); };
+  }
+  // The queue was found empty after taking `took`: links without doorbells land; held
+  // puts are released once the takers found it empty releasePolls times in a row. False on error.
+  bool idleUnordered(int took) {
+    std::string why;
+    if (!uw_.serveUnrung(landing(), &why)) return failUnordered(why);
+    if (took > 0 || !uw_.held()) {
+      emptyPolls_ = 0;
+      return true;
+    }
+    if (++emptyPolls_ < (uint64_t)cfg_.releasePolls) return true;
+    emptyPolls_ = 0;
+    auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
+    return uw_.releaseHeld(release, landing(), &why) || failUnordered(why);
+  }
+
+  bool failUnordered(const std::string& why) { return failed() ? false : fail(who() + "unordered GIN wire: " + why); }
+
+  void traceHeld(const Pending& p, uint32_t kind, uint64_t a) {
+    if (!delivery_.tracing()) return;
+    const CommrefGinTraceRecord r{p.peer, p.ctx, kind, 0, p.seq, a, 0, 0, 0};
+    delivery_.record(&r, 1);
+  }
+
+  // A put's source copied into the put (it is reusable from here on) and its counter bumped.
+  void stage(Pending& p) {
+    if (!p.stagedSrc && p.nbytes) {
+      p.staged.assign(p.src, p.src + p.nbytes);
+      p.src = p.staged.data();
+      p.stagedSrc = true;
+    }
+    count(p);
+  }
+
+  void count(Pending& p) {
+    if (!p.counter || p.counted) return;
+    bumpCounter(p.counterId);
+    p.counted = true;
+    traceHeld(p, kTraceCounter, p.counterId);
+  }
+
+  bool carry(const Landing& e) {
+    {
+      Pending& p = *e.put;
+      if (e.segment >= 0) {
+        uint64_t off = 0, n = 0;
+        p.segment(uw_.segmentBytes(), (uint64_t)e.segment, &off, &n);
+        const char* from = p.src + (off - p.dstOffset);
+        if (mpi()) {
+          GinDescriptor seg{};
+          seg.peer = p.peer;
+          seg.ctx = p.ctx;
+          seg.dstOffset = off;
+          seg.windows = ginWindows(0, p.dstWin);
+          bool counted = false;
+          if (!mpi_.put(seg, from, n, 0, false, p.seq, &counted)) return false;
+        } else {
+          shm_.land(p.dst + (off - p.dstOffset), from, n, p.bulk);
+        }
+        if (delivery_.tracing()) {
+          const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSeg, 0, p.seq, (uint64_t)e.segment, e.copy, 0, 0};
+          delivery_.record(&r, 1);
+        }
+        if (p.dataLeft == 0) count(p);
+      } else if (!signalOf(p)) {
+        return false;
+      }
+      if (p.done()) events_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+
+  bool signalOf(const Pending& p) {
+    if (mpi()) {
+      GinDescriptor sig{};
+      sig.op = kGinSignal;
+      sig.peer = p.peer;
+      sig.ctx = p.ctx;
+      sig.flags = kGinHasSignal | (p.va ? kGinVaSignal : 0);
+      sig.signal = p.signal;
+      bool counted = false;
+      if (!mpi_.put(sig, nullptr, 0, p.value, false, p.seq, &counted)) return false;
+    } else {
+      shm_.signal(reinterpret_cast<char*>(peers_[p.peer]), p.va, p.signal, p.value);
+    }
+    if (delivery_.tracing()) {
+      const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSignal, 0, p.seq, 0, 0, 0, 0};
+      delivery_.record(&r, 1);
+    }
+    return true;
+  }
+
+  // A put (putValue, signal) taken onto the unordered wire: posted, landing at its doorbell.
+  bool postUnordered(const GinDescriptor& d, const char* src, char* dst, uint64_t nbytes, uint64_t value) {
+    Pending p;
+    p.peer = d.peer;
+    p.ctx = d.ctx;
+    p.hasSignal = d.flags & kGinHasSignal;
+    p.va = d.flags & kGinVaSignal;
+    p.strong = p.hasSignal && ((d.flags & kGinStrongSignal) || cfg_.strongAlways);
+    p.counter = d.op == kGinPut && (d.flags & kGinHasCounter);
+    p.counterId = d.counter;
+    p.dstWin = ginDstWindow(d.windows);
+    p.signal = d.signal;
+    p.value = value;
+    p.dstOffset = d.dstOffset;
+    p.nbytes = nbytes;
+    p.bulk = d.flags & kGinBulk;
+    p.src = src;
+    p.dst = dst;
+    if (d.op == kGinPutValue) {  // its value lives in the descriptor
+      p.staged.assign(src, src + 8);
+      p.src = p.staged.data();
+      p.stagedSrc = true;
+    }
+    Pending& q = uw_.post(std::move(p));
+    if (delivery_.tracing()) delivery_.tracePost(d, q.seq, nbytes, value, cfg_.strongAlways);
+    if ((cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && q.hasSignal) {
+      q.signalDone = true;  // planted: the signal before any of its data
+      if (!signalOf(q)) return false;
+    }
+    if (q.nbytes == 0 && !q.hasSignal) count(q);
+    return true;
+  }
+
+  bool doorbellUnordered(const GinDescriptor& d) {
+    std::string why;
+    auto hold = [this](const Pending& p, uint64_t until) { traceHeld(p, kTraceHold, until); };
+    auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
+    auto stageIt = [this](Pending& p) { stage(p); };
+    return uw_.doorbell(uw_.link(d.peer, d.ctx), hold, release, stageIt, landing(), &why) || failUnordered(why);
   }
 
   // ---- executing a descriptor ----
 
   // Carries one descriptor; false when it was refused or failed (the engine ends). The
   // checks run in abi.GIN_REFUSALS' order, as the Python proxy's do.
-  bool execute(const GinDescriptor& d) {
+  bool execute(const GinDescriptor& taken) {
+    GinDescriptor d = taken;
+    if (cfg_.plant & kPlantStripStrong) d.flags &= ~(uint32_t)kGinStrongSignal;  // planted
     if (d.op == kGinFlush) {  // shm: everything landed when taken; mpi: every send completes first
+      if (cfg_.unordered) {   // the sources of what is not landed yet are copied: reusable
+        auto stageIt = [this](Pending& p) { stage(p); };
+        auto traced = [this](int32_t peer, int32_t ctx) {
+          if (!delivery_.tracing()) return;
+          const CommrefGinTraceRecord r{peer, ctx, kTraceFlush, 0, 0, 0, 0, 0, 0};
+          delivery_.record(&r, 1);
+        };
+        uw_.flush(d.ctx, stageIt, traced);
+      }
       if (mpi() && !mpi_.completeSends(d.ctx)) return false;
-      if (delivery_.tracing()) delivery_.traceFlush(d.ctx);
+      if (!cfg_.unordered && delivery_.tracing()) delivery_.traceFlush(d.ctx);
       return true;
+    }
+    if (d.op == kGinDoorbell && cfg_.unordered) {
+      doorbells_.fetch_add(1, std::memory_order_relaxed);
+      if (delivery_.tracing()) {
+        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceDoorbell, 0, uw_.link(d.peer, d.ctx).doorbells + 1, 0, 0,
+                                      0,      0};
+        delivery_.record(&r, 1);
+      }
+      return doorbellUnordered(d);
     }
     if (d.op == kGinDoorbell) {
       const uint64_t n = ++delivery_.link(d.peer, d.ctx).doorbells;
@@ -296,18 +466,23 @@ class Engine : public Core {
                 : (dst = at(dstWin, d.peer, d.dstOffset, nbytes, kGinAccessPutDestination, d.op, d.peer)) == nullptr)
         return false;
     }
+    if (cfg_.unordered) return postUnordered(d, src, dst, nbytes, value);
     const bool counter = d.op == kGinPut && (d.flags & kGinHasCounter);
     const uint64_t seq = delivery_.link(d.peer, d.ctx).seq++;
     bool counted = counter;  // the counter bumped before this returns (else when the sends complete)
     if (mpi()) {
       if (!mpi_.put(d, src, nbytes, value, counter, seq, &counted)) return false;
     } else {
+      const bool early = (cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && hasSignal;
+      if (early) shm_.signal(peer, va, d.signal, value);  // planted: before the data
       if (nbytes) shm_.land(dst, src, nbytes, d.flags & kGinBulk);
       if (counter) bumpCounter(d.counter);
-      if (hasSignal) shm_.signal(peer, va, d.signal, value);  // after the data
+      if (hasSignal && !early) shm_.signal(peer, va, d.signal, value);  // after the data
     }
     events_.fetch_add(1, std::memory_order_relaxed);
-    if (delivery_.tracing()) delivery_.tracePut(d, seq, nbytes, value, counted, cfg_.strongAlways);
+    if (delivery_.tracing())
+      delivery_.tracePut(d, seq, nbytes, value, counted, cfg_.strongAlways,
+                         (cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && hasSignal && !mpi());
     return true;
   }
 
@@ -315,6 +490,8 @@ class Engine : public Core {
   WireModel wire_;
   ShmNet shm_;
   MpiNet mpi_;
+  UnorderedWire uw_;
+  uint64_t emptyPolls_ = 0;  // unordered: the takers found the queue empty this many times in a row, puts held
   GinDescriptor* ring_;
   uint64_t* consumed_;
   const uint64_t* claimed_;
