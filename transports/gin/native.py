@@ -48,8 +48,15 @@ SOURCE = ENGINE_DIR / "engine.cpp"  # the translation unit; it includes the head
 # with sched_yield, then sleeps doubling from 1 us to sleep_max_ns. Measured at 2 ranks
 # on 2 cores (docs/gin.md, "The native engine").
 # On the unordered wire held puts are released once the takers found the queue empty
-# release_polls times in a row (native_engine/unordered.h, "Liveness").
-POLLING = {"spin_polls": 256, "yield_polls": 2000, "sleep_max_ns": 1_000_000, "release_polls": 64}
+# release_polls times in a row, overtaken_polls times while a later put with data has had
+# its signal applied past a held one (native_engine/unordered.h, "Liveness").
+POLLING = {
+    "spin_polls": 256,
+    "yield_polls": 2000,
+    "sleep_max_ns": 1_000_000,
+    "release_polls": 4,
+    "overtaken_polls": 256,
+}
 
 # Planted bugs (native_engine/core.h, kPlant*), for the tests that must catch them; 0 in
 # every real run. NativeProxy reads PLANT when it is made (tests set it with monkeypatch).
@@ -96,6 +103,7 @@ class EngineConfig(ctypes.Structure):
         ("duplicates", ctypes.c_int32),
         ("flushOrdersLaterWrites", ctypes.c_int32),
         ("releasePolls", ctypes.c_int32),
+        ("overtakenPolls", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
         ("segmentBytes", ctypes.c_uint64),
         ("plant", ctypes.c_uint64),
@@ -375,6 +383,7 @@ class NativeProxy:
             duplicates=int(transport.duplicates),
             flushOrdersLaterWrites=int(transport.flush_orders_later_writes),
             releasePolls=int(poll["release_polls"]),
+            overtakenPolls=int(poll["overtaken_polls"]),
             seed=int(seed) & (2**64 - 1),
             segmentBytes=int(segment_bytes or 4096),
             plant=int(PLANT),

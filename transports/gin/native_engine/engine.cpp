@@ -245,7 +245,8 @@ class Engine : public Core {
     return [this](const Landing& e) { return carry(e); };
   }
   // The queue was found empty after taking `took`: links without doorbells land; held
-  // puts are released once the takers found it empty releasePolls times in a row. False on error.
+  // puts are released once the takers found it empty releasePolls times in a row (overtakenPolls
+  // while a held put was overtaken: unordered.h, "Liveness"). False on error.
   bool idleUnordered(int took) {
     std::string why;
     if (!uw_.serveUnrung(landing(), &why)) return failUnordered(why);
@@ -253,7 +254,7 @@ class Engine : public Core {
       emptyPolls_ = 0;
       return true;
     }
-    if (++emptyPolls_ < (uint64_t)cfg_.releasePolls) return true;
+    if (++emptyPolls_ < (uint64_t)(uw_.overtaken() ? cfg_.overtakenPolls : cfg_.releasePolls)) return true;
     emptyPolls_ = 0;
     auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
     return uw_.releaseHeld(release, landing(), &why) || failUnordered(why);
@@ -300,7 +301,7 @@ class Engine : public Core {
           bool counted = false;
           if (!mpi_.put(seg, from, n, 0, false, p.seq, &counted)) return false;
         } else {
-          shm_.land(p.dst + (off - p.dstOffset), from, n, p.bulk);
+          shm_.land(p.dst + (off - p.dstOffset), from, n, p.bulk, p.nbytes);
         }
         if (delivery_.tracing()) {
           const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSeg, 0, p.seq, (uint64_t)e.segment, e.copy, 0, 0};
@@ -372,8 +373,7 @@ class Engine : public Core {
     std::string why;
     auto hold = [this](const Pending& p, uint64_t until) { traceHeld(p, kTraceHold, until); };
     auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
-    auto stageIt = [this](Pending& p) { stage(p); };
-    return uw_.doorbell(uw_.link(d.peer, d.ctx), hold, release, stageIt, landing(), &why) || failUnordered(why);
+    return uw_.doorbell(uw_.link(d.peer, d.ctx), hold, release, landing(), &why) || failUnordered(why);
   }
 
   // ---- executing a descriptor ----

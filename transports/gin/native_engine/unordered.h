@@ -9,8 +9,9 @@
 // peer, ctx, d):
 //   1. each put posted since the previous doorbell is held with probability 1/4
 //      (kHoldOneIn), for 1..kHoldDoorbells later doorbells of the link (its bound); a
-//      held put lands nothing until released; its source is copied (staged) when it is
-//      held, and its counter bumped then (the kernel may reuse the source);
+//      held put lands nothing until released (its source is read when it lands, and its
+//      counter bumped then: GIN lets a kernel reuse a source only after its counter or a
+//      flush, and a flush copies the sources of what has not landed);
 //   2. a held put is released (forced) when its bound expires, or when a later put of
 //      the link that lands now needs it: a strong signal, or where the backend promises
 //      that local completion orders later writes, a put posted after a flush. A put that
@@ -27,6 +28,10 @@
 // so once the takers have found the queue empty releasePolls times in a row with puts
 // held (an event count: the waiting kernels' help calls and the engine thread's polls),
 // every held put is released, per link in sequence order, each in its pre-drawn order.
+// A held put that a later put with data has overtaken (its signal applied while the held
+// one waits: what a receiver can be fooled by, when that signal is weak) is held for
+// overtakenPolls empty polls instead, so that a receiver has time to act on the signal;
+// a held put nothing overtook only delays its own signal, and goes after releasePolls.
 // Links that ring no doorbells (raw device API use, host producers) are served at the
 // end of each pass over the queue, as one batch with no holds.
 //
@@ -78,7 +83,7 @@ struct Pending {
   std::vector<uint8_t> landed;  // per segment: copies placed
   uint64_t dataLeft = 0;        // segments whose original has not landed
   uint64_t heldUntil = 0;       // 0: not held; else the doorbell that releases it at the latest
-  bool inBatch = false;
+  bool inBatch = false, overtaken = false;
 
   uint64_t nseg(uint64_t sb) const { return nbytes ? (dstOffset + nbytes - 1) / sb - dstOffset / sb + 1 : 0; }
   // Segment k: [*off, *off + *n) of the destination.
@@ -126,6 +131,7 @@ class UnorderedWire {
   }
 
   uint64_t held() const { return held_; }
+  uint64_t overtaken() const { return overtaken_; }
   uint64_t pending() const { return pending_; }
   uint64_t segmentBytes() const { return sb_; }
 
@@ -162,14 +168,16 @@ class UnorderedWire {
   }
 
   // Doorbell d of (peer, ctx): holds, releases, lands (above). hold(p, until) and
-  // release(p, why) record; stage(p) copies a held put's source; land(Landing) carries
-  // one landing. False when a put could not land (an engine bug: the message says).
-  template <typename Hold, typename Release, typename Stage, typename Land>
-  bool doorbell(Link& l, Hold hold, Release release, Stage stage, Land land, std::string* why) {
+  // release(p, why) record; land(Landing) carries one landing. False when a put could
+  // not land (an engine bug: the message says).
+  template <typename Hold, typename Release, typename Land>
+  bool doorbell(Link& l, Hold hold, Release release, Land land, std::string* why) {
     const uint64_t d = ++l.doorbells;
     l.rung = true;
     Stream rng(cfg_.seed, (uint64_t)cfg_.rank, (uint64_t)l.peer, (uint64_t)l.ctx, (kStreamDoorbell << 48) | d);
-    std::vector<Pending*> batch, released;
+    std::vector<Pending*>&batch = batch_, &released = released_;
+    batch.clear();
+    released.clear();
     for (Pending& p : l.puts) {
       if (p.seq < l.batchStart) continue;
       if (rng.below(kHoldOneIn) == 0) { p.heldUntil = d + 1 + rng.below(kHoldDoorbells); }
@@ -202,19 +210,18 @@ class UnorderedWire {
     for (Pending* p : batch)
       if (p->heldUntil) {
         hold(*p, p->heldUntil);
-        stage(*p);
         held_++;
       }
     for (Pending& p : l.puts)
       if (p.seq < batch.front()->seq && p.inBatch) released.push_back(&p);
     for (Pending* p : released) {
       release(*p, p->heldUntil <= d ? kReleaseExpired : kReleaseForced);
-      p->heldUntil = 0;
+      unhold(*p);
       p->inBatch = false;
-      held_--;
       if (!landOne(l, p, land, why)) return false;
     }
-    std::vector<Pending*> now;
+    std::vector<Pending*>& now = now_;
+    now.clear();
     for (Pending* p : batch)
       if (!p->heldUntil) now.push_back(p);
     if (!landSet(l, now, rng, land, why)) return false;
@@ -230,8 +237,7 @@ class UnorderedWire {
       for (Pending& p : l.puts) {
         if (!p.heldUntil) continue;
         release(p, kReleaseIdle);
-        p.heldUntil = 0;
-        held_--;
+        unhold(p);
         if (!landOne(l, &p, land, why)) return false;
       }
       prune(l);
@@ -247,7 +253,8 @@ class UnorderedWire {
     for (auto& kv : links_) {
       Link& l = kv.second;
       if (l.rung || l.puts.empty()) continue;
-      std::vector<Pending*> now;
+      std::vector<Pending*>& now = now_;
+      now.clear();
       for (Pending& p : l.puts) now.push_back(&p);
       Stream rng(cfg_.seed, (uint64_t)cfg_.rank, (uint64_t)l.peer, (uint64_t)l.ctx, (kStreamUnrung << 48) | l.nextSeq);
       if (!landSet(l, now, rng, land, why)) return false;
@@ -259,6 +266,25 @@ class UnorderedWire {
   enum : uint32_t { kReleaseExpired = 0, kReleaseForced = 1, kReleaseIdle = 2 };
 
  private:
+  void unhold(Pending& p) {
+    p.heldUntil = 0;
+    held_--;
+    if (p.overtaken) overtaken_--;
+    p.overtaken = false;
+  }
+
+  // A signal of `p`, a put with data, was applied: every held put of its link before it is overtaken.
+  void overtake(Link& l, const Pending* p) {
+    if (!held_ || !p->nbytes) return;
+    for (Pending& q : l.puts) {
+      if (&q == p) return;
+      if (q.heldUntil && !q.overtaken) {
+        q.overtaken = true;
+        overtaken_++;
+      }
+    }
+  }
+
   bool forcing(const Pending& p) const {
     if (p.hasSignal && (p.strong || strongAlways_)) return true;
     return p.afterFlush;
@@ -267,8 +293,8 @@ class UnorderedWire {
   template <typename Land>
   bool landOne(Link& l, Pending* p, Land land, std::string* why) {
     Stream rng(cfg_.seed, (uint64_t)cfg_.rank, (uint64_t)l.peer, (uint64_t)l.ctx, (kStreamPut << 48) | p->seq);
-    std::vector<Pending*> one{p};
-    return landSet(l, one, rng, land, why);
+    one_.assign(1, p);
+    return landSet(l, one_, rng, land, why);
   }
 
   // Whether every put of `l` before `p` has its data landed (and, `strongToo`, its strong signal applied).
@@ -284,8 +310,11 @@ class UnorderedWire {
   // Lands every event of the puts `set` in an order drawn from `rng` among those enabled.
   template <typename Land>
   bool landSet(Link& l, std::vector<Pending*>& set, Stream& rng, Land land, std::string* why) {
-    std::vector<Landing> pool;  // data landings enabled now
-    std::vector<Pending*> blocked, signals;
+    std::vector<Landing>& pool = pool_;  // data landings enabled now
+    std::vector<Pending*>&blocked = blocked_, &signals = signals_;
+    pool.clear();
+    blocked.clear();
+    signals.clear();
     for (Pending* p : set) {
       if (p->afterFlush && !earlierLanded(l, p, false)) {
         blocked.push_back(p);
@@ -295,7 +324,7 @@ class UnorderedWire {
       }
       if (p->hasSignal && !p->signalDone) signals.push_back(p);
     }
-    std::vector<Pending*> ready;
+    std::vector<Pending*>& ready = ready_;
     for (;;) {
       for (size_t i = 0; i < blocked.size(); i++)
         if (earlierLanded(l, blocked[i], false)) {
@@ -329,6 +358,7 @@ class UnorderedWire {
         }
       } else {
         e.put->signalDone = true;
+        overtake(l, e.put);
       }
       if (!land(e)) return false;
       if (e.put->done()) pending_--;
@@ -350,10 +380,13 @@ class UnorderedWire {
   const CommrefGinEngineConfig& cfg_;
   const uint64_t sb_;
   const bool strongAlways_;
-  std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (taker only)
-  std::vector<int32_t> flushedCtx_;           // contexts flushed since their last put
-  uint64_t held_ = 0, pending_ = 0;           // puts held; puts not fully landed
-  bool unrung_ = false;                       // a put was posted on a link that rang no doorbell yet
+  std::unordered_map<uint64_t, Link> links_;         // (peer, ctx) -> its link (taker only)
+  std::vector<int32_t> flushedCtx_;                  // contexts flushed since their last put
+  uint64_t held_ = 0, pending_ = 0, overtaken_ = 0;  // puts held; not fully landed; held and overtaken
+  bool unrung_ = false;
+  // Scratch (taker only, reused so that a doorbell allocates nothing once warm).
+  std::vector<Pending*> batch_, released_, now_, one_, blocked_, signals_, ready_;
+  std::vector<Landing> pool_;  // a put was posted on a link that rang no doorbell yet
 };
 
 }  // namespace
