@@ -55,7 +55,7 @@ POLLING = {
     "yield_polls": 2000,
     "sleep_max_ns": 1_000_000,
     "release_polls": 4,
-    "overtaken_polls": 256,
+    "overtaken_polls": 64,
 }
 
 # Planted bugs (native_engine/core.h, kPlant*), for the tests that must catch them; 0 in

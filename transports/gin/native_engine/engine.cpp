@@ -157,9 +157,16 @@ class Engine : public Core {
         release();
       }
       if (took < 0 || moved < 0) break;
-      if (took > 0 || moved > 0 || waitingForWire() || held_.load(std::memory_order_relaxed)) {
+      if (took > 0 || moved > 0 || waitingForWire()) {
         idle = 0;
         sleepNs = 1000;
+        continue;
+      }
+      if (held_.load(std::memory_order_relaxed)) {  // unordered: each empty poll counts toward a release
+        if (overtaken_.load(std::memory_order_relaxed))
+          sched_yield();  // a receiver sharing this core gets to act on the signal that overtook
+        else
+          cpuPause();
         continue;
       }
       if (++idle <= spin) {
@@ -234,6 +241,7 @@ class Engine : public Core {
     if (cfg_.unordered) {
       pending_.store(uw_.pending(), std::memory_order_release);
       held_.store(uw_.held(), std::memory_order_relaxed);
+      overtaken_.store(uw_.overtaken(), std::memory_order_relaxed);
     }
     return took;
   }
@@ -491,6 +499,7 @@ class Engine : public Core {
   ShmNet shm_;
   MpiNet mpi_;
   UnorderedWire uw_;
+  std::atomic<uint64_t> overtaken_{0};  // unordered: held puts a later signal overtook (uw_'s, mirrored)
   uint64_t emptyPolls_ = 0;  // unordered: the takers found the queue empty this many times in a row, puts held
   GinDescriptor* ring_;
   uint64_t* consumed_;

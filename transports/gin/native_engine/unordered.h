@@ -28,10 +28,10 @@
 // so once the takers have found the queue empty releasePolls times in a row with puts
 // held (an event count: the waiting kernels' help calls and the engine thread's polls),
 // every held put is released, per link in sequence order, each in its pre-drawn order.
-// A held put that a later put with data has overtaken (its signal applied while the held
-// one waits: what a receiver can be fooled by, when that signal is weak) is held for
-// overtakenPolls empty polls instead, so that a receiver has time to act on the signal;
-// a held put nothing overtook only delays its own signal, and goes after releasePolls.
+// A held put that a later signal to its peer has overtaken (applied while the held one
+// waits, on any context: what a receiver can be fooled by) is held for overtakenPolls
+// empty polls instead, so that a receiver has time to act on that signal; a held put
+// nothing overtook only delays its own signal, and goes after releasePolls.
 // Links that ring no doorbells (raw device API use, host producers) are served at the
 // end of each pass over the queue, as one batch with no holds.
 //
@@ -273,15 +273,17 @@ class UnorderedWire {
     p.overtaken = false;
   }
 
-  // A signal of `p`, a put with data, was applied: every held put of its link before it is overtaken.
-  void overtake(Link& l, const Pending* p) {
-    if (!held_ || !p->nbytes) return;
-    for (Pending& q : l.puts) {
-      if (&q == p) return;
-      if (q.heldUntil && !q.overtaken) {
-        q.overtaken = true;
-        overtaken_++;
-      }
+  // A signal to `peer` was applied: every put held on a link to that peer (any context) is
+  // overtaken (a receiver may act on that signal while the held put is missing).
+  void overtake(int32_t peer) {
+    if (held_ == overtaken_) return;
+    for (auto& kv : links_) {
+      if (kv.second.peer != peer) continue;
+      for (Pending& q : kv.second.puts)
+        if (q.heldUntil && !q.overtaken) {
+          q.overtaken = true;
+          overtaken_++;
+        }
     }
   }
 
@@ -358,7 +360,7 @@ class UnorderedWire {
         }
       } else {
         e.put->signalDone = true;
-        overtake(l, e.put);
+        overtake(l.peer);
       }
       if (!land(e)) return false;
       if (e.put->done()) pending_--;
