@@ -1,9 +1,12 @@
-"""The native GIN engine's unordered wire (transports/gin/native_engine/unordered.h) and
-puts of more than 4 KiB on every engine.
+"""The native GIN engine's unordered wire (transports/gin/native_engine/unordered.h), its
+ordered wire with independent contexts (contexts.h), and puts of more than 4 KiB on
+every engine.
 
 - conformance: the collectives over the native unordered wire, every backend and
   protocol that runs it, ThreadWorld (network shm); each link's trace replayed against
   semantics.enabled(); the safe protocols exact, weak-last corrupting;
+- independent contexts: the collectives over 2 channels on every ordered backend and
+  protocol, each link's trace replayed (per-context FIFO), holds and cut puts seen;
 - the adversary: holds are a function of the seed and the posted sequence (the same in
   two runs), no held put lands before its release, and none is released after its bound;
 - planted bugs (native.PLANT): the strong flag stripped where the engine takes the
@@ -72,6 +75,41 @@ def test_collectives_over_native_unordered_wire_conform(nranks, backend, protoco
         assert wrong > 0, "weak-last never corrupted on the native unordered wire"
     else:
         assert wrong == 0, wrong
+
+
+# (backend, protocol) on the ordered wire with independent contexts (test_gin_conformance's INDEPENDENT)
+INDEPENDENT = [
+    ("proxy", "strong"),
+    ("rc", "strong"),
+    ("rc", "weak-last"),
+    ("gda", "signal-per-put"),
+    ("gda", "flush-signal"),
+]
+
+
+@pytest.mark.parametrize("backend, protocol", INDEPENDENT)
+def test_collectives_over_native_independent_contexts_conform(backend, protocol, native):
+    """2 channels, so that each peer is reached on 2 contexts: every link's trace replays
+    on the ordered wire (each (peer, context) FIFO), contexts were held (some puts cut,
+    some holds expired: other contexts overtook them), every hold released, and no
+    collective read a wrong element."""
+    more = {"independent_contexts": True, "max_channels": 2}
+    results = ThreadWorld.run(2, collectives_run, backend, "ordered", protocol, list(SEEDS), timeout=120, **more)
+    total, kinds, why = {}, {}, {}
+    for per_seed in results:
+        for trace, wrong, _ in per_seed:
+            assert wrong == 0, wrong
+            for key, n in replay_trace(trace, backend, "ordered").items():
+                total[key] = total.get(key, 0) + n
+            for key, n in _kinds(trace).items():
+                kinds[key] = kinds.get(key, 0) + n
+            for records in trace.values():
+                for r in records:
+                    if r[0] == "release":
+                        why[r[2]] = why.get(r[2], 0) + 1
+    assert total["hold"] > 20 and total["release"] == total["hold"], total
+    assert kinds.get("seg", 0) > 0 and kinds["data"] > 0, kinds  # cut puts land in segments
+    assert why.get("expired", 0) > 0, why
 
 
 def _holds(trace: dict) -> dict:

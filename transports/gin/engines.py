@@ -100,11 +100,9 @@ def start_engine(
     from commref.transports.gin import native
 
     engine = gin_engine() if engine is None else check_gin_engine(engine)
-    why_not = native.supports(plan.transport, plan.network, observer, o.segment_bytes)
+    why_not = native.supports(plan.transport, plan.network, observer, o.segment_bytes, o.independent_contexts)
     if why_not is None and o.fault.active:
         why_not = "a lossy wire (fault), which the Python proxy carries"
-    if why_not is None and o.independent_contexts:
-        why_not = "independent contexts (independent_contexts), which the Python proxy carries"
     if mpi_comm is not None:  # every rank's engine must speak one protocol
         refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
         if refusals and why_not is None:
@@ -126,6 +124,7 @@ def start_engine(
             mpi_tag=mpi_tag,
             wire_rate=o.wire_rate,
             wire_latency=o.wire_latency,
+            independent_contexts=o.independent_contexts,
         )
     else:
         from commref.transports.gin.proxy import GinProxy

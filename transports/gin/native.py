@@ -104,6 +104,7 @@ class EngineConfig(ctypes.Structure):
         ("flushOrdersLaterWrites", ctypes.c_int32),
         ("releasePolls", ctypes.c_int32),
         ("overtakenPolls", ctypes.c_int32),
+        ("independentContexts", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
         ("segmentBytes", ctypes.c_uint64),
         ("plant", ctypes.c_uint64),
@@ -287,13 +288,20 @@ def mpi_library() -> ctypes.CDLL | str:
     return lib
 
 
-def supports(transport: semantics.Transport, network: str, observer=None, segment_bytes: int = 4096) -> str | None:
+def supports(
+    transport: semantics.Transport,
+    network: str,
+    observer=None,
+    segment_bytes: int = 4096,
+    independent_contexts: bool = False,
+) -> str | None:
     """None when the native engine can carry this; else why not (one phrase)."""
     if network not in NETWORKS:
         return f"network {network!r} (the native engine carries networks {', '.join(NETWORKS)})"
     if transport.placement != "any":
         return f"placement {transport.placement!r} (the native engine places segments in any order)"
-    if not transport.ordered and network == "mpi" and segment_bytes > MPI_SEGMENT_MAX:
+    cuts = not transport.ordered or independent_contexts  # lands puts in segments
+    if cuts and network == "mpi" and segment_bytes > MPI_SEGMENT_MAX:
         return f"segments of {segment_bytes} bytes on network mpi (at most {MPI_SEGMENT_MAX}: one message each)"
     if observer is not None:
         return "an observer (the native engine has no observer hooks)"
@@ -323,9 +331,10 @@ class NativeProxy:
         wire_rate: float = 0.0,
         wire_latency: float = 0.0,
         stream_min_bytes: int | None = None,
+        independent_contexts: bool = False,
     ):
         world, window, layout, capacity, backend, transport, network = site
-        why = supports(transport, network, observer, segment_bytes or 4096)
+        why = supports(transport, network, observer, segment_bytes or 4096, independent_contexts)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
         self.world, self.rank, self.backend, self.transport, self.network = (
@@ -384,6 +393,7 @@ class NativeProxy:
             flushOrdersLaterWrites=int(transport.flush_orders_later_writes),
             releasePolls=int(poll["release_polls"]),
             overtakenPolls=int(poll["overtaken_polls"]),
+            independentContexts=int(independent_contexts and transport.ordered),
             seed=int(seed) & (2**64 - 1),
             segmentBytes=int(segment_bytes or 4096),
             plant=int(PLANT),

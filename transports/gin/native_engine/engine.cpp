@@ -54,6 +54,7 @@
 
 #include <thread>
 
+#include "contexts.h"
 #include "core.h"
 #include "mpi_net.h"
 #include "shm_net.h"
@@ -70,7 +71,8 @@ class Engine : public Core {
         wire_(cfg_, reinterpret_cast<const GinDescriptor*>(c.queueBase)),
         shm_(c),
         mpi_(*this, delivery_),
-        uw_(cfg_) {
+        uw_(cfg_),
+        ch_(cfg_) {
     ring_ = reinterpret_cast<GinDescriptor*>(c.queueBase);
     const uint64_t header = c.queueBase + c.capacity * sizeof(GinDescriptor);  // gin.h: the words after the ring
     consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
@@ -227,7 +229,7 @@ class Engine : public Core {
     while (took < budget) {
       const uint64_t slot = next_;
       if (!published(slot)) {
-        if (cfg_.unordered && !idleUnordered(took)) return -1;
+        if ((cfg_.unordered || cfg_.independentContexts) && !idleUnordered(took)) return -1;
         break;
       }
       if (wire_.modeled && !wire_.due(slot, next_, [this](uint64_t s) { return published(s); })) break;
@@ -238,10 +240,10 @@ class Engine : public Core {
       ops_.fetch_add(1, std::memory_order_release);
       took++;
     }
-    if (cfg_.unordered) {
-      pending_.store(uw_.pending(), std::memory_order_release);
-      held_.store(uw_.held(), std::memory_order_relaxed);
-      overtaken_.store(uw_.overtaken(), std::memory_order_relaxed);
+    if (cfg_.unordered || cfg_.independentContexts) {
+      pending_.store(uw_.pending() + ch_.pending(), std::memory_order_release);
+      held_.store(uw_.held() + ch_.held(), std::memory_order_relaxed);
+      overtaken_.store(uw_.overtaken() + ch_.held(), std::memory_order_relaxed);  // a held context: overtaken
     }
     return took;
   }
@@ -252,20 +254,99 @@ class Engine : public Core {
   auto landing() {
     return [this](const Landing& e) { return carry(e); };
   }
+  // The landing callbacks of contexts.h: what is left of an op, one segment of it.
+  template <typename E>
+  struct Whole {
+    E* e;
+    bool operator()(Pending& p) const { return e->landWhole(p); }
+  };
+  template <typename E>
+  struct Seg {
+    E* e;
+    bool operator()(Pending& p, uint64_t k) const { return e->landSegment(p, k); }
+  };
+  Whole<Engine> wholeFn() { return {this}; }
+  Seg<Engine> segFn() { return {this}; }
+
   // The queue was found empty after taking `took`: links without doorbells land; held
   // puts are released once the takers found it empty releasePolls times in a row (overtakenPolls
   // while a held put was overtaken: unordered.h, "Liveness"). False on error.
   bool idleUnordered(int took) {
     std::string why;
     if (!uw_.serveUnrung(landing(), &why)) return failUnordered(why);
-    if (took > 0 || !uw_.held()) {
+    if (took > 0 || !(uw_.held() + ch_.held())) {
       emptyPolls_ = 0;
       return true;
     }
-    if (++emptyPolls_ < (uint64_t)(uw_.overtaken() ? cfg_.overtakenPolls : cfg_.releasePolls)) return true;
+    if (++emptyPolls_ < (uint64_t)(uw_.overtaken() || ch_.held() ? cfg_.overtakenPolls : cfg_.releasePolls))
+      return true;
     emptyPolls_ = 0;
     auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
+    if (cfg_.independentContexts) return ch_.releaseIdle(wholeFn(), segFn(), release);
     return uw_.releaseHeld(release, landing(), &why) || failUnordered(why);
+  }
+
+  // ---- independent contexts on the ordered wire (contexts.h) ----
+
+  bool landSegment(Pending& p, uint64_t k) {
+    p.landed[k]++;
+    p.dataLeft--;
+    return carry(Landing{&p, (int64_t)k, 0});
+  }
+
+  // What is left of op `p`, in order: its data in one piece when none of it has landed
+  // (else it has: the segments of a cut op), then its signal.
+  bool landWhole(Pending& p) {
+    const bool wasDone = p.done();
+    if (p.dataLeft && p.dataLeft == p.landed.size()) {
+      if (mpi()) {
+        if (p.stagedSrc) {  // staged: segment by segment, each inline (a staged copy may not outlive its send)
+          for (uint64_t k = 0; k < p.landed.size(); k++) {
+            p.landed[k]++;
+            p.dataLeft--;
+            if (!carry(Landing{&p, (int64_t)k, 0})) return false;
+          }
+        } else {
+          GinDescriptor put{};
+          put.peer = p.peer;
+          put.ctx = p.ctx;
+          put.dstOffset = p.dstOffset;
+          put.counter = p.counterId;
+          put.windows = ginWindows(0, p.dstWin);
+          bool counted = false;
+          if (!mpi_.put(put, p.src, p.nbytes, 0, p.counter && !p.counted, p.seq, &counted)) return false;
+          p.counted = p.counter;  // bumped here, or when its sends complete
+          if (counted) traceHeld(p, kTraceCounter, p.counterId);
+        }
+      } else {
+        shm_.land(p.dst, p.src, p.nbytes, p.bulk);
+        count(p);
+      }
+      std::fill(p.landed.begin(), p.landed.end(), 1);
+      p.dataLeft = 0;
+      if (delivery_.tracing() && !(mpi() && p.stagedSrc)) {
+        const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceData, 0, p.seq, 0, 0, 0, 0};
+        delivery_.record(&r, 1);
+      }
+    }
+    if (p.hasSignal && !p.signalDone) {
+      p.signalDone = true;
+      if (!signalOf(p)) return false;
+    }
+    if (p.nbytes == 0) count(p);
+    if (!wasDone) events_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  bool postIndependent(const GinDescriptor& d, const char* src, char* dst, uint64_t nbytes, uint64_t value) {
+    Pending p = pendingOf(d, src, dst, nbytes, value);
+    p.seq = delivery_.link(d.peer, d.ctx).seq++;
+    p.landed.assign(p.nseg(uw_.segmentBytes()), 0);
+    p.dataLeft = p.landed.size();
+    if (delivery_.tracing()) delivery_.tracePost(d, p.seq, nbytes, value, cfg_.strongAlways);
+    auto hold = [this](const Pending& q, uint64_t ops) { traceHeld(q, kTraceHold, ops); };
+    auto release = [this](const Pending& q, uint32_t why) { traceHeld(q, kTraceRelease, why); };
+    return ch_.post(std::move(p), wholeFn(), segFn(), hold, release);
   }
 
   bool failUnordered(const std::string& why) { return failed() ? false : fail(who() + "unordered GIN wire: " + why); }
@@ -346,6 +427,18 @@ class Engine : public Core {
 
   // A put (putValue, signal) taken onto the unordered wire: posted, landing at its doorbell.
   bool postUnordered(const GinDescriptor& d, const char* src, char* dst, uint64_t nbytes, uint64_t value) {
+    Pending& q = uw_.post(pendingOf(d, src, dst, nbytes, value));
+    if (delivery_.tracing()) delivery_.tracePost(d, q.seq, nbytes, value, cfg_.strongAlways);
+    if ((cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && q.hasSignal) {
+      q.signalDone = true;  // planted: the signal before any of its data
+      if (!signalOf(q)) return false;
+    }
+    if (q.nbytes == 0 && !q.hasSignal) count(q);
+    return true;
+  }
+
+  // A put (putValue, signal) as the wires hold it (seq, segments and flush marks: theirs).
+  Pending pendingOf(const GinDescriptor& d, const char* src, char* dst, uint64_t nbytes, uint64_t value) {
     Pending p;
     p.peer = d.peer;
     p.ctx = d.ctx;
@@ -367,14 +460,7 @@ class Engine : public Core {
       p.src = p.staged.data();
       p.stagedSrc = true;
     }
-    Pending& q = uw_.post(std::move(p));
-    if (delivery_.tracing()) delivery_.tracePost(d, q.seq, nbytes, value, cfg_.strongAlways);
-    if ((cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && q.hasSignal) {
-      q.signalDone = true;  // planted: the signal before any of its data
-      if (!signalOf(q)) return false;
-    }
-    if (q.nbytes == 0 && !q.hasSignal) count(q);
-    return true;
+    return p;
   }
 
   bool doorbellUnordered(const GinDescriptor& d) {
@@ -401,6 +487,7 @@ class Engine : public Core {
         };
         uw_.flush(d.ctx, stageIt, traced);
       }
+      if (cfg_.independentContexts) ch_.flush(d.ctx, [this](Pending& p) { stage(p); });
       if (mpi() && !mpi_.completeSends(d.ctx)) return false;
       if (!cfg_.unordered && delivery_.tracing()) delivery_.traceFlush(d.ctx);
       return true;
@@ -428,6 +515,8 @@ class Engine : public Core {
     if (!mpi() && peer == nullptr) return refuse({kGinRefusePeerUnmapped, 0, d.op, d.peer, 0, 0, 0, 0, 0});
     const uint32_t srcWin = ginSrcWindow(d.windows), dstWin = ginDstWindow(d.windows);
     if (d.op == kGinGet) {
+      auto release = [this](const Pending& q, uint32_t why) { traceHeld(q, kTraceRelease, why); };
+      if (cfg_.independentContexts && !ch_.forced(d.peer, d.ctx, wholeFn(), segFn(), release)) return false;
       char* dst = at(dstWin, cfg_.rank, d.dstOffset, d.bytes, kGinAccessGetDestination, d.op, d.peer);
       if (dst == nullptr) return false;
       if (mpi()) {
@@ -475,6 +564,7 @@ class Engine : public Core {
         return false;
     }
     if (cfg_.unordered) return postUnordered(d, src, dst, nbytes, value);
+    if (cfg_.independentContexts) return postIndependent(d, src, dst, nbytes, value);
     const bool counter = d.op == kGinPut && (d.flags & kGinHasCounter);
     const uint64_t seq = delivery_.link(d.peer, d.ctx).seq++;
     bool counted = counter;  // the counter bumped before this returns (else when the sends complete)
@@ -499,6 +589,7 @@ class Engine : public Core {
   ShmNet shm_;
   MpiNet mpi_;
   UnorderedWire uw_;
+  IndependentContexts ch_;
   std::atomic<uint64_t> overtaken_{0};  // unordered: held puts a later signal overtook (uw_'s, mirrored)
   uint64_t emptyPolls_ = 0;  // unordered: the takers found the queue empty this many times in a row, puts held
   GinDescriptor* ring_;
