@@ -65,10 +65,10 @@ def start_engine(
     device_id: int = 0,
 ):
     """Starts this rank's GIN engine for `plan` (a plan.GinPlan) over `window` (None when
-    the plan puts no peer over GIN): the native engine (native.NativeProxy) for the
-    ordered wire without an observer, a lossy link (fault) or independent contexts (on
-    network mpi where native.mpi_library() builds on every rank), the Python proxy
-    (proxy.GinProxy) otherwise. `engine` (default: the
+    the plan puts no peer over GIN): the native engine (native.NativeProxy) for both
+    wires without an observer or a lossy link (fault) (on network mpi where
+    native.mpi_library() builds on every rank), the Python proxy (proxy.GinProxy)
+    otherwise. `engine` (default: the
     COMMREF_GIN_ENGINE environment variable, see gin_engine()) forces one. On a GPU
     (`device` "cuda") the copy-engine proxy (gpu_proxy.GpuProxy) over `region`, the
     rank's queue.QueueRegion. On network mpi the engines get a communicator of their own

@@ -1,13 +1,15 @@
 """The native GIN progress engine (native_engine/) behind engine.GinEngine.
 
-It carries the ORDERED wire natively, without an observer: on the SHM network (every
-GIN peer's window mapped in this process, window.peer_addresses) and on the MPI network
-(messages to the peer's engine on the proxies' own communicator; the engine is then
-built against the MPI that mpi4py loaded, see mpi_library()). engines.start_engine
-picks NativeProxy there and proxy.GinProxy everywhere else (unordered wire, an observer
-given, a lossy wire, independent contexts on the ordered wire, an MPI the engine cannot
-be built for, or COMMREF_GIN_ENGINE=python). Its ordered wire is FIFO across the
-contexts of a peer too (one taker, slot order): a legal refinement of per-context FIFO.
+It carries the ordered wire (independent contexts too: native_engine/contexts.h) and
+the unordered wire (native_engine/unordered.h) natively, without an observer: on the SHM
+network (every GIN peer's window mapped in this process, window.peer_addresses) and on
+the MPI network (messages to the peer's engine on the proxies' own communicator; the
+engine is then built against the MPI that mpi4py loaded, see mpi_library()).
+engines.start_engine picks NativeProxy there and proxy.GinProxy everywhere else (an
+observer given, a lossy wire, an MPI the engine cannot be built for, or
+COMMREF_GIN_ENGINE=python). Its ordered wire without independent contexts is FIFO
+across the contexts of a peer too (one taker, slot order): a legal refinement of
+per-context FIFO.
 
 One C++ std::thread per rank takes the descriptors in slot order exactly as
 queue.QueueReader does, executes each (data, counter, signal, get) and stores
@@ -15,8 +17,7 @@ consumed = slot + 1 with release; see native_engine/engine.cpp for the parts, th
 orders and the polling policy, and docs/gin.md ("The native engine"). A descriptor it
 refuses comes back as a code and its numbers (abi.GIN_REFUSAL), formatted by
 engine.refusal, so its message is the Python proxy's. With `trace` set it records, in
-a bounded buffer, the Python scheduler's ordered-wire events per (peer, ctx)
-(decode_trace), which tests/test_gin_native_conformance.py replays against semantics.enabled().
+a bounded buffer, the Python scheduler's events per (peer, ctx) (decode_trace), which tests/test_gin_native_conformance.py replays against semantics.enabled().
 
 The library is built like host_atomics.cpp (cpu_loader.build_library, cached by the hash
 of engine.cpp, of every header under native_engine/ and include/commref/, and the

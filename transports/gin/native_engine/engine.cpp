@@ -1,14 +1,17 @@
-// The native GIN progress engine: one std::thread per rank that carries the ORDERED wire
-// at native speed, on the SHM network (every GIN peer's window mapped in this process)
-// and, built with COMMREF_GIN_MPI (native.py's mpi_library()), on the MPI network.
-// transports/gin/native.py (NativeProxy) drives it through the small extern "C" API at
-// the bottom; transports/gin/proxy.py (GinProxy) stays the engine of the unordered wire
-// and of runs with an observer. Both implement transports/gin/engine.py's GinEngine.
+// The native GIN progress engine: one std::thread per rank that carries the ordered and
+// the unordered wire at native speed, on the SHM network (every GIN peer's window mapped
+// in this process) and, built with COMMREF_GIN_MPI (native.py's mpi_library()), on the
+// MPI network. transports/gin/native.py (NativeProxy) drives it through the small
+// extern "C" API at the bottom; transports/gin/proxy.py (GinProxy) stays the engine of
+// the lossy wire and of runs with an observer. Both implement transports/gin/engine.py's
+// GinEngine.
 //
 // One translation unit (native.py builds it) of the parts, one concept each:
 //   core.h    configuration, windows and the checks of every access, counters,
 //             statistics, failure and refusals
 //   wire.h    ordered delivery per (peer, ctx) link, the trace, the wire model
+//   unordered.h the unordered wire: held puts, doorbells, seeded landing orders
+//   contexts.h  independent contexts on the ordered wire
 //   shm_net.h the SHM network: landing in mapped peer windows
 //   mpi_net.h the MPI network: messages to the peer's engine
 //   this file the engine: reading the queue, executing descriptors, the progress loop

@@ -5,10 +5,9 @@
 // ctx) link is FIFO and a put's data, counter and signal happen in that order before
 // the next descriptor; Links numbers what is posted on each link as the Python
 // scheduler does (its link()), for the trace. Every context of a peer lands in slot
-// order too, a legal refinement of per-context FIFO. (The unordered wire, the lossy
-// wire and the ordered wire's independent contexts, where one context's traffic is held
-// back while another's overtakes it, are the Python proxy's: proxy.py, scheduler.py,
-// faults.py.)
+// order too, a legal refinement of per-context FIFO, unless independent contexts are on
+// (contexts.h). The unordered wire is unordered.h's; the lossy wire is the Python
+// proxy's (faults.py).
 //
 // Trace (when on): per descriptor, the events it made happen, appended in the order they
 // happen to one bounded buffer (CommrefGinTraceRecord, decoded by native.py into the
