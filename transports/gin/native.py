@@ -17,7 +17,9 @@ consumed = slot + 1 with release; see native_engine/engine.cpp for the parts, th
 orders and the polling policy, and docs/gin.md ("The native engine"). A descriptor it
 refuses comes back as a code and its numbers (abi.GIN_REFUSAL), formatted by
 engine.refusal, so its message is the Python proxy's. With `trace` set it records, in
-a bounded buffer, the Python scheduler's events per (peer, ctx) (decode_trace), which tests/test_gin_native_conformance.py replays against semantics.enabled().
+a bounded buffer, the Python scheduler's events per (peer, ctx) (decode_trace), which
+tests/test_gin_native_conformance.py and tests/test_gin_native_unordered.py replay
+against semantics.enabled().
 
 The library is built like host_atomics.cpp (cpu_loader.build_library, cached by the hash
 of engine.cpp, of every header under native_engine/ and include/commref/, and the
@@ -157,9 +159,10 @@ TRACE_CAPACITY = 1 << 22  # records the engine holds between two reads of `trace
 
 def decode_trace(records: np.ndarray, into: dict) -> dict:
     """Appends TRACE_DTYPE records to `into` per (peer, ctx) as the Python scheduler's
-    ordered-wire tuples (scheduler.py's module docstring): ("post", seq, offset, nbytes,
+    tuples (scheduler.py's module docstring): ("post", seq, offset, nbytes,
     semantics.Signal or None), ("data", seq), ("signal", seq), ("counter", seq, index),
-    ("flush",), ("doorbell", d), ("get", src, dst, nbytes)."""
+    ("flush",), ("doorbell", d), ("get", src, dst, nbytes), ("seg", seq, segment, copy),
+    ("hold", seq, until or ops), ("release", seq, "expired"|"forced"|"idle")."""
     for peer, ctx, kind, flags, seq, a, b, c, d in records.tolist():
         if kind == POST:
             sig = None
