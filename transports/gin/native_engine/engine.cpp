@@ -152,7 +152,8 @@ class Engine : public Core {
 
   void run() {
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: short sleeps stay short
-    uint64_t idle = 0, sleepNs = 1000;
+    uint64_t idle = 0, sleepNs = 1000, heldPolls = 0;
+    constexpr uint64_t kYieldEvery = 8;
     const uint64_t spin = (uint64_t)cfg_.spinPolls, yields = spin + (uint64_t)cfg_.yieldPolls;
     while (!stop_.load(std::memory_order_acquire) && !failed_.load(std::memory_order_acquire)) {
       int took = 0, moved = 0;  // descriptors taken; messages received and sends completed (MPI)
@@ -168,12 +169,15 @@ class Engine : public Core {
         continue;
       }
       if (held_.load(std::memory_order_relaxed)) {  // unordered: each empty poll counts toward a release
-        if (overtaken_.load(std::memory_order_relaxed))
-          sched_yield();  // a receiver sharing this core gets to act on the signal that overtook
+        // Every kYieldEvery-th poll while an overtaken put is held yields: a receiver
+        // sharing this core gets to act on the signal that overtook it.
+        if (overtaken_.load(std::memory_order_relaxed) && heldPolls++ % kYieldEvery == 0)
+          sched_yield();
         else
           cpuPause();
         continue;
       }
+      heldPolls = 0;
       if (++idle <= spin) {
         cpuPause();
       } else if (idle <= yields || inFlight_.load(std::memory_order_relaxed)) {  // MPI needs polls to move data
