@@ -134,7 +134,7 @@ def _stale_reads(case, monkeypatch, mode, fence, fenced, ctx, rounds=ROUNDS):
     (mine, *_), (stale, backend, proxy, seconds) = ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
     assert mine == 0  # rank 0 reads nothing
     assert backend == options["backend"]
-    assert proxy == ("GinProxy" if engine == "python" or options["wire"] == "unordered" else "NativeProxy")
+    assert proxy == ("GinProxy" if engine == "python" else "NativeProxy")
     print(f"{case} mode {mode} fence {fence} contexts {fenced} context {ctx}: {stale}/{rounds} stale, {seconds:.1f} s")
     return stale
 

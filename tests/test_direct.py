@@ -332,9 +332,10 @@ def test_lsa_and_gin_peers_push_together(monkeypatch):
         assert [wrong for *_, wrong in out] == [0] * len(out)
 
 
-def test_engines_without_windows_keep_the_ring():
-    """The unordered wire's engine (the Python proxy) carries no windows: no direct
-    kernel over GIN, and asking for one names the engine."""
+def test_engines_without_windows_keep_the_ring(monkeypatch):
+    """The Python proxy (COMMREF_GIN_ENGINE=python here; a lossy wire's engine) carries
+    no windows: no direct kernel over GIN, and asking for one names the engine."""
+    monkeypatch.setenv("COMMREF_GIN_ENGINE", "python")
 
     def body(world):
         comm = _comm(world, path="gin", wire="unordered")

@@ -46,7 +46,7 @@ def _assert_clean(proc, cases: int) -> None:
 # alltoall x 2 dtypes x 5 counts out of place (no in-place form), and one case on denormal
 # inputs per reducing (collective, algorithm) x op x dtype x count
 REDUCED_CASES = (4 * 3 + 2) * 2 * 5 * 2 + 2 * 5 + 4 * 3 * 2 * 5
-# Where the direct kernels push over GIN (the native engine: the ordered wire), their
+# Where the direct kernels push over GIN (the native engine: both wires), their
 # cases too: allreduce x 3 ops x 2 dtypes x 4 counts (the 5 rounded down to multiples of
 # 2, 3 or 5 ranks: 4 distinct each) out of place, and as many on denormal inputs;
 # allgather x 2 dtypes x 5 counts x 2; alltoall x 2 dtypes x 5 counts.
@@ -60,7 +60,7 @@ def test_check_over_gin(nranks, network, wire, shm_leak_check):
     args = [*CHECK_MODULE, *KERNEL_NAMES, "--path", "gin", *REDUCED, "--network", network, "--wire", wire]
     args += ["--seed", str(nranks * 7 + len(network))]
     proc = run_mpi(nranks, args, timeout=90, module=True)
-    _assert_clean(proc, REDUCED_CASES + (PUSHED_CASES if wire == "ordered" else 0))
+    _assert_clean(proc, REDUCED_CASES + PUSHED_CASES)
     assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
 
 

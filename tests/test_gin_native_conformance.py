@@ -37,14 +37,16 @@ ORDERED = [
     ("gda", "flush-signal"),
 ]
 CONFORMANCE_SEEDS = (1, 2)
+# (backend, protocol) on the unordered wire in the mpiexec job (ThreadWorld's rows:
+# tests/test_gin_native_unordered.py)
+UNORDERED = [("proxy", "strong"), ("gda", "flush-signal")]
 
 
-def _native_conformance(world, backend, protocol, seeds, network="shm"):
+def _native_conformance(world, backend, protocol, seeds, network="shm", wire="ordered"):
     """collectives_run on the native engine (COMMREF_GIN_ENGINE=native: a communicator it
     cannot carry fails); per seed (trace, wrong)."""
     return [
-        (trace, wrong)
-        for trace, wrong, _ in collectives_run(world, backend, "ordered", protocol, seeds, network=network)
+        (trace, wrong) for trace, wrong, _ in collectives_run(world, backend, wire, protocol, seeds, network=network)
     ]
 
 
@@ -166,8 +168,8 @@ def test_an_overflowed_native_trace_is_refused():
 
 @pytest.mark.mpi
 def test_collectives_over_native_engine_conform_under_mpiexec(shm_leak_check):
-    """2 MPI processes, networks shm and mpi, the ordered backends, 1 seed each: this file
-    is the job's script; each rank replays its own trace."""
+    """2 MPI processes, networks shm and mpi, the ordered backends and two unordered rows,
+    1 seed each: this file is the job's script; each rank replays its own trace."""
     proc = run_mpi(
         2,
         [os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__))), "1"],
@@ -179,13 +181,14 @@ def test_collectives_over_native_engine_conform_under_mpiexec(shm_leak_check):
     assert "DISALLOWED" not in proc.stdout, proc.stdout[-4000:]
     lines = set(
         re.findall(
-            r"rank (\d) (\S+) ordered (\S+) network (\S+) seed (\d+): conforms [^\n]*? "
+            r"rank (\d) (\S+) ((?:un)?ordered) (\S+) network (\S+) seed (\d+): conforms [^\n]*? "
             r"wrong 0 engine (native|auto|python)",
             proc.stdout,
         )
     )
-    assert len(lines) == 2 * len(ORDERED) * 2, out[-4000:]
-    assert {m[5] for m in lines} == {"native"} and {m[3] for m in lines} == {"shm", "mpi"}, lines
+    assert len(lines) == 2 * (len(ORDERED) + len(UNORDERED)) * 2, out[-4000:]
+    assert sum(m[2] == "unordered" for m in lines) == 2 * len(UNORDERED) * 2, lines
+    assert {m[6] for m in lines} == {"native"} and {m[4] for m in lines} == {"shm", "mpi"}, lines
 
 
 def _mpi_main(seeds: list[int]) -> None:
@@ -195,11 +198,12 @@ def _mpi_main(seeds: list[int]) -> None:
 
     world = MPIWorld()
     engine = os.environ.get("COMMREF_GIN_ENGINE", "auto")
-    for (backend, protocol), network in ((o, n) for o in ORDERED for n in ("shm", "mpi")):
-        for seed, (trace, wrong) in zip(seeds, _native_conformance(world, backend, protocol, seeds, network)):
-            where = f"rank {world.rank} {backend} ordered {protocol} network {network} seed {seed}"
+    rows = [(o, "ordered") for o in ORDERED] + [(u, "unordered") for u in UNORDERED]
+    for ((backend, protocol), wire), network in ((r, n) for r in rows for n in ("shm", "mpi")):
+        for seed, (trace, wrong) in zip(seeds, _native_conformance(world, backend, protocol, seeds, network, wire)):
+            where = f"rank {world.rank} {backend} {wire} {protocol} network {network} seed {seed}"
             try:
-                counts = replay_trace(trace, backend, "ordered")
+                counts = replay_trace(trace, backend, wire)
                 line = (
                     f"{where}: conforms {counts['post']} posts {counts['seg']} segments {counts['signal']} "
                     f"signals wrong {wrong} engine {engine}"

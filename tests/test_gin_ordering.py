@@ -212,7 +212,7 @@ def test_unordered_wire_order_is_reproducible_per_seed():
 
 def test_independent_contexts_option_is_checked():
     """GinOptions.independent_contexts: off by default; a flag (bool, 0/1, on/off words);
-    an ordered wire's option; not with the wire model (which runs in the native engine)."""
+    an ordered wire's option; beside the wire model (both run in the native engine)."""
     from commref.collectives.options import CommOptions
     from commref.transports.gin.options import GinOptions
     from commref.transports.option_types import OptionError
@@ -220,37 +220,39 @@ def test_independent_contexts_option_is_checked():
     assert GinOptions().independent_contexts is False
     assert GinOptions(independent_contexts="on").independent_contexts is True
     assert CommOptions.from_kwargs(independent_contexts=1).gin.independent_contexts is True
+    assert GinOptions(independent_contexts=True, wire_latency="5us").wire_modeled
     for bad, message in (
         ({"independent_contexts": "maybe"}, r"^independent_contexts must be true or false .*not 'maybe'$"),
         ({"independent_contexts": True, "wire": "unordered"}, r"^independent_contexts is an option of the ordered"),
-        ({"independent_contexts": True, "wire_latency": "5us"}, r"runs in the native GIN engine and independent"),
     ):
         with pytest.raises(OptionError, match=message):
             GinOptions(**bad)
 
 
+# A tree allreduce through 256-byte slots over 2 channels: each peer is
+# reached on 2 contexts
+INDEPENDENT_CASE = check.Case("allreduce", "tree", "float32", "sum", 1001, False, 0, 12345)
+
+
 def _independent_allreduce(world):
     """An exact ring allreduce over 2 channels with independent contexts; the engine's
-    class name and whether its scheduler runs the cross-context adversary."""
-    comm = gin_comm(world, path="gin", max_channels=2, slot_bytes=1024, independent_contexts=True, seed=3)
+    class name and the holds its trace records."""
+    comm = gin_comm(world, path="gin", max_channels=2, slot_bytes=256, independent_contexts=True, seed=3)
     try:
-        wrong = check.run_case(comm, ORDERING_CASE)
-        return type(comm.proxy).__name__, comm.proxy.scheduler.independent, wrong
+        comm.proxy.trace = {}
+        wrong = check.run_case(comm, INDEPENDENT_CASE)
+        world.barrier(what="independent allreduce done")
+        proxy = comm.proxy
     finally:
         close_after_barrier(world, comm)
+    holds = sum(1 for records in proxy.trace.values() for r in records if r[0] == "hold")
+    return type(proxy).__name__, holds, wrong
 
 
-def test_independent_contexts_run_in_the_python_proxy(monkeypatch):
-    """The native engine (the ordered wire's default) does not carry independent contexts:
-    engines.start_engine gives the communicator the Python proxy, whose scheduler holds
-    contexts back; COMMREF_GIN_ENGINE=native refuses it with one line."""
-    monkeypatch.setenv("COMMREF_GIN_ENGINE", "auto")
-    for name, independent, wrong in ThreadWorld.run(2, _independent_allreduce, timeout=WORLD_TIMEOUT):
-        assert (name, independent, wrong) == ("GinProxy", True, 0)
-
-    def refused(world):
-        with pytest.raises(CapabilityError, match=r"native GIN engine cannot carry independent contexts"):
-            gin_comm(world, path="gin", independent_contexts=True)
-
-    monkeypatch.setenv("COMMREF_GIN_ENGINE", "native")
-    ThreadWorld.run(2, refused, timeout=WORLD_TIMEOUT)
+def test_independent_contexts_run_in_either_engine(monkeypatch):
+    """The native engine (the default) and the Python proxy both carry independent
+    contexts: each holds contexts back (its trace records holds), the allreduce exact."""
+    for engine, name in (("auto", "NativeProxy"), ("python", "GinProxy")):
+        monkeypatch.setenv("COMMREF_GIN_ENGINE", engine)
+        for got, holds, wrong in ThreadWorld.run(2, _independent_allreduce, timeout=WORLD_TIMEOUT):
+            assert (got, wrong) == (name, 0) and holds > 0, (engine, got, holds, wrong)

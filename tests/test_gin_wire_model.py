@@ -2,11 +2,12 @@
 each rank's wire sends its descriptors in queue order at wire_rate bytes/s, and each
 takes effect wire_latency after it is sent.
 
-- options: numbers and words ("12.5G", "5us"), bad values and the unordered wire refused
-  in one line, before any rank starts on the CLI;
+- options: numbers and words ("12.5G", "5us"), bad values refused in one line, before
+  any rank starts on the CLI;
 - the model's lower bounds, which no schedule can beat: a collective over a rate-limited
   wire takes at least the bytes this rank sends over the rate, and one whose steps
-  depend on each other's landings at least that many latencies; results stay exact;
+  depend on each other's landings at least that many latencies, on both wires (and with
+  independent contexts); results stay exact;
 - refusals where the native engine does not carry the run (COMMREF_GIN_ENGINE=python);
 - `commref check --np 2 --path gin --wire-rate ... --wire-latency ...` exact under mpiexec.
 """
@@ -44,14 +45,14 @@ def test_wire_model_options_read_numbers_and_units():
             GinOptions(wire_rate=bad)
     with pytest.raises(OptionError, match=r"^wire_latency must be a number >= 0 in seconds"):
         GinOptions(wire_latency="1G")
-    with pytest.raises(OptionError, match="carries the ordered wire, not the unordered one"):
-        GinOptions(wire="unordered", wire_latency="5us")
+    assert GinOptions(wire="unordered", wire_latency="5us").wire_modeled
+    assert GinOptions(independent_contexts=True, wire_rate="1G").wire_modeled
 
 
-def _timed_allreduce(world, nbytes: int, model: dict):
-    """One AllReduce of `nbytes` float32 over GIN (shm, ordered) after a warm-up call:
+def _timed_allreduce(world, nbytes: int, model: dict, wire: str = "ordered", **more):
+    """One AllReduce of `nbytes` float32 over GIN (shm, `wire`) after a warm-up call:
     (seconds, exact)."""
-    with Communicator(world, "cpu", path="gin", wire="ordered", network="shm", **model) as comm:
+    with Communicator(world, "cpu", path="gin", wire=wire, network="shm", **model, **more) as comm:
         x = np.arange(nbytes // 4, dtype=np.float32) % 251 * (world.rank + 1)
         y = np.empty_like(x)
         comm.allreduce(x, y)
@@ -63,20 +64,26 @@ def _timed_allreduce(world, nbytes: int, model: dict):
         return seconds, bool((y == expected).all())
 
 
-def test_a_rate_limited_wire_takes_at_least_the_bytes_over_the_rate():
+WIRES = [("ordered", {}), ("unordered", {}), ("ordered", {"independent_contexts": True, "max_channels": 2})]
+WIRE_IDS = ["ordered", "unordered", "independent-contexts"]
+
+
+@pytest.mark.parametrize("wire, more", WIRES, ids=WIRE_IDS)
+def test_a_rate_limited_wire_takes_at_least_the_bytes_over_the_rate(wire, more):
     """2 ranks, 1 MiB: a ring AllReduce sends 2(n-1)/n of the buffer from each rank (plus
     slot headers), so at 50 MB/s no call can end before ~21 ms."""
     rate, nbytes = 50e6, 1 << 20
-    for seconds, exact in ThreadWorld.run(2, _timed_allreduce, nbytes, {"wire_rate": rate}, timeout=60):
+    for seconds, exact in ThreadWorld.run(2, _timed_allreduce, nbytes, {"wire_rate": rate}, wire, timeout=60, **more):
         assert exact
         assert seconds >= nbytes / rate, seconds
 
 
-def test_wire_latency_delays_every_dependent_landing():
+@pytest.mark.parametrize("wire, more", WIRES, ids=WIRE_IDS)
+def test_wire_latency_delays_every_dependent_landing(wire, more):
     """2 ranks, 8 bytes: the ring's all-gather step waits for the reduce-scatter step's
     landing, so a call takes at least two latencies."""
     latency = 5e-3
-    for seconds, exact in ThreadWorld.run(2, _timed_allreduce, 8, {"wire_latency": latency}, timeout=60):
+    for seconds, exact in ThreadWorld.run(2, _timed_allreduce, 8, {"wire_latency": latency}, wire, timeout=60, **more):
         assert exact
         assert seconds >= 2 * latency, seconds
 
@@ -104,9 +111,21 @@ def test_check_with_the_wire_model_under_mpiexec(shm_leak_check):
     "argv, message",
     [
         (
-            ["check", "--np", "2", "--path", "gin", "--wire", "unordered", "--wire-latency", "5us"],
-            "commref check: error: the wire model (wire_rate, wire_latency) runs in the native GIN engine, "
-            "which carries the ordered wire, not the unordered one",
+            [
+                "check",
+                "--np",
+                "2",
+                "--path",
+                "gin",
+                "--wire",
+                "unordered",
+                "--wire-latency",
+                "5us",
+                "--fault",
+                "drop=0.1",
+            ],
+            "commref check: error: the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults "
+            "in the Python proxy: choose one",
         ),
         (
             ["bench", "all_reduce", "--np", "2", "--path", "gin", "--wire-rate", "fast"],

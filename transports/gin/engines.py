@@ -65,10 +65,10 @@ def start_engine(
     device_id: int = 0,
 ):
     """Starts this rank's GIN engine for `plan` (a plan.GinPlan) over `window` (None when
-    the plan puts no peer over GIN): the native engine (native.NativeProxy) for the
-    ordered wire without an observer, a lossy link (fault) or independent contexts (on
-    network mpi where native.mpi_library() builds on every rank), the Python proxy
-    (proxy.GinProxy) otherwise. `engine` (default: the
+    the plan puts no peer over GIN): the native engine (native.NativeProxy) for both
+    wires without an observer or a lossy link (fault) (on network mpi where
+    native.mpi_library() builds on every rank), the Python proxy (proxy.GinProxy)
+    otherwise. `engine` (default: the
     COMMREF_GIN_ENGINE environment variable, see gin_engine()) forces one. On a GPU
     (`device` "cuda") the copy-engine proxy (gpu_proxy.GpuProxy) over `region`, the
     rank's queue.QueueRegion. On network mpi the engines get a communicator of their own
@@ -100,11 +100,9 @@ def start_engine(
     from commref.transports.gin import native
 
     engine = gin_engine() if engine is None else check_gin_engine(engine)
-    why_not = native.supports(plan.transport, plan.network, observer)
+    why_not = native.supports(plan.transport, plan.network, observer, o.segment_bytes, o.independent_contexts)
     if why_not is None and o.fault.active:
         why_not = "a lossy wire (fault), which the Python proxy carries"
-    if why_not is None and o.independent_contexts:
-        why_not = "independent contexts (independent_contexts), which the Python proxy carries"
     if mpi_comm is not None:  # every rank's engine must speak one protocol
         refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
         if refusals and why_not is None:
@@ -119,7 +117,14 @@ def start_engine(
     site = EngineSite(world, window, layout, o.queue, plan.backend, plan.transport, plan.network)
     if engine != "python" and why_not is None:
         proxy = native.NativeProxy(
-            site, mpi_comm=mpi_comm, mpi_tag=mpi_tag, wire_rate=o.wire_rate, wire_latency=o.wire_latency
+            site,
+            o.seed,
+            o.segment_bytes,
+            mpi_comm=mpi_comm,
+            mpi_tag=mpi_tag,
+            wire_rate=o.wire_rate,
+            wire_latency=o.wire_latency,
+            independent_contexts=o.independent_contexts,
         )
     else:
         from commref.transports.gin.proxy import GinProxy

@@ -1,13 +1,15 @@
 """The native GIN progress engine (native_engine/) behind engine.GinEngine.
 
-It carries the ORDERED wire natively, without an observer: on the SHM network (every
-GIN peer's window mapped in this process, window.peer_addresses) and on the MPI network
-(messages to the peer's engine on the proxies' own communicator; the engine is then
-built against the MPI that mpi4py loaded, see mpi_library()). engines.start_engine
-picks NativeProxy there and proxy.GinProxy everywhere else (unordered wire, an observer
-given, a lossy wire, independent contexts on the ordered wire, an MPI the engine cannot
-be built for, or COMMREF_GIN_ENGINE=python). Its ordered wire is FIFO across the
-contexts of a peer too (one taker, slot order): a legal refinement of per-context FIFO.
+It carries the ordered wire (independent contexts too: native_engine/contexts.h) and
+the unordered wire (native_engine/unordered.h) natively, without an observer: on the SHM
+network (every GIN peer's window mapped in this process, window.peer_addresses) and on
+the MPI network (messages to the peer's engine on the proxies' own communicator; the
+engine is then built against the MPI that mpi4py loaded, see mpi_library()).
+engines.start_engine picks NativeProxy there and proxy.GinProxy everywhere else (an
+observer given, a lossy wire, an MPI the engine cannot be built for, or
+COMMREF_GIN_ENGINE=python). Its ordered wire without independent contexts is FIFO
+across the contexts of a peer too (one taker, slot order): a legal refinement of
+per-context FIFO.
 
 One C++ std::thread per rank takes the descriptors in slot order exactly as
 queue.QueueReader does, executes each (data, counter, signal, get) and stores
@@ -15,8 +17,9 @@ consumed = slot + 1 with release; see native_engine/engine.cpp for the parts, th
 orders and the polling policy, and docs/gin.md ("The native engine"). A descriptor it
 refuses comes back as a code and its numbers (abi.GIN_REFUSAL), formatted by
 engine.refusal, so its message is the Python proxy's. With `trace` set it records, in
-a bounded buffer, the Python scheduler's ordered-wire events per (peer, ctx)
-(decode_trace), which tests/test_gin_native_conformance.py replays against semantics.enabled().
+a bounded buffer, the Python scheduler's events per (peer, ctx) (decode_trace), which
+tests/test_gin_native_conformance.py and tests/test_gin_native_unordered.py replay
+against semantics.enabled().
 
 The library is built like host_atomics.cpp (cpu_loader.build_library, cached by the hash
 of engine.cpp, of every header under native_engine/ and include/commref/, and the
@@ -47,7 +50,25 @@ SOURCE = ENGINE_DIR / "engine.cpp"  # the translation unit; it includes the head
 # The idle policy (engine.cpp's run()): polls with a pause instruction, then polls
 # with sched_yield, then sleeps doubling from 1 us to sleep_max_ns. Measured at 2 ranks
 # on 2 cores (docs/gin.md, "The native engine").
-POLLING = {"spin_polls": 256, "yield_polls": 2000, "sleep_max_ns": 1_000_000}
+# On the unordered wire held puts are released once the takers found the queue empty
+# release_polls times in a row, overtaken_polls times while a later put with data has had
+# its signal applied past a held one (native_engine/unordered.h, "Liveness").
+POLLING = {
+    "spin_polls": 256,
+    "yield_polls": 2000,
+    "sleep_max_ns": 1_000_000,
+    "release_polls": 4,
+    "overtaken_polls": 64,
+}
+
+# Planted bugs (native_engine/core.h, kPlant*), for the tests that must catch them; 0 in
+# every real run. NativeProxy reads PLANT when it is made (tests set it with monkeypatch).
+PLANT_STRIP_STRONG, PLANT_SIGNAL_FIRST = 1, 2
+PLANT = 0
+
+# Network mpi on the unordered wire sends each segment as one message with its bytes
+# inline (mpi_net.h's kMpiInlineBytes): segments up to this size.
+MPI_SEGMENT_MAX = 16 << 10
 
 
 class EngineConfig(ctypes.Structure):
@@ -81,6 +102,15 @@ class EngineConfig(ctypes.Structure):
         ("wireBytesPerS", ctypes.c_double),
         ("wireLatencyNs", ctypes.c_uint64),
         ("streamMinBytes", ctypes.c_uint64),
+        ("unordered", ctypes.c_int32),
+        ("duplicates", ctypes.c_int32),
+        ("flushOrdersLaterWrites", ctypes.c_int32),
+        ("releasePolls", ctypes.c_int32),
+        ("overtakenPolls", ctypes.c_int32),
+        ("independentContexts", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+        ("segmentBytes", ctypes.c_uint64),
+        ("plant", ctypes.c_uint64),
         ("backend", ctypes.c_char * 32),
     ]
 
@@ -121,16 +151,18 @@ TRACE_DTYPE = np.dtype(
         ("d", "<u8"),
     ]
 )
-POST, FLUSH, DOORBELL, DATA, SIGNAL, COUNTER, GET = range(1, 8)
+POST, FLUSH, DOORBELL, DATA, SIGNAL, COUNTER, GET, SEG, HOLD, RELEASE = range(1, 11)
+RELEASES = ("expired", "forced", "idle")  # unordered.h's kRelease*
 HAS_SIGNAL, STRONG, VA = 1, 2, 4  # a post's flags
 TRACE_CAPACITY = 1 << 22  # records the engine holds between two reads of `trace` (64 B each)
 
 
 def decode_trace(records: np.ndarray, into: dict) -> dict:
     """Appends TRACE_DTYPE records to `into` per (peer, ctx) as the Python scheduler's
-    ordered-wire tuples (scheduler.py's module docstring): ("post", seq, offset, nbytes,
+    tuples (scheduler.py's module docstring): ("post", seq, offset, nbytes,
     semantics.Signal or None), ("data", seq), ("signal", seq), ("counter", seq, index),
-    ("flush",), ("doorbell", d), ("get", src, dst, nbytes)."""
+    ("flush",), ("doorbell", d), ("get", src, dst, nbytes), ("seg", seq, segment, copy),
+    ("hold", seq, until or ops), ("release", seq, "expired"|"forced"|"idle")."""
     for peer, ctx, kind, flags, seq, a, b, c, d in records.tolist():
         if kind == POST:
             sig = None
@@ -149,6 +181,12 @@ def decode_trace(records: np.ndarray, into: dict) -> dict:
             rec = ("doorbell", seq)
         elif kind == GET:
             rec = ("get", a, b, c)
+        elif kind == SEG:
+            rec = ("seg", seq, a, b)
+        elif kind == HOLD:
+            rec = ("hold", seq, a)
+        elif kind == RELEASE:
+            rec = ("release", seq, RELEASES[a])
         else:
             raise ProxyError(f"native GIN trace: unknown record kind {kind}")
         into.setdefault((peer, ctx), []).append(rec)
@@ -254,12 +292,21 @@ def mpi_library() -> ctypes.CDLL | str:
     return lib
 
 
-def supports(transport: semantics.Transport, network: str, observer=None) -> str | None:
+def supports(
+    transport: semantics.Transport,
+    network: str,
+    observer=None,
+    segment_bytes: int = 4096,
+    independent_contexts: bool = False,
+) -> str | None:
     """None when the native engine can carry this; else why not (one phrase)."""
     if network not in NETWORKS:
         return f"network {network!r} (the native engine carries networks {', '.join(NETWORKS)})"
-    if not transport.ordered:
-        return f"the {transport.name} wire (the native engine carries the ordered wire only)"
+    if transport.placement != "any":
+        return f"placement {transport.placement!r} (the native engine places segments in any order)"
+    cuts = not transport.ordered or independent_contexts  # lands puts in segments
+    if cuts and network == "mpi" and segment_bytes > MPI_SEGMENT_MAX:
+        return f"segments of {segment_bytes} bytes on network mpi (at most {MPI_SEGMENT_MAX}: one message each)"
     if observer is not None:
         return "an observer (the native engine has no observer hooks)"
     if network == "mpi":
@@ -288,9 +335,10 @@ class NativeProxy:
         wire_rate: float = 0.0,
         wire_latency: float = 0.0,
         stream_min_bytes: int | None = None,
+        independent_contexts: bool = False,
     ):
         world, window, layout, capacity, backend, transport, network = site
-        why = supports(transport, network, observer)
+        why = supports(transport, network, observer, segment_bytes or 4096, independent_contexts)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
         self.world, self.rank, self.backend, self.transport, self.network = (
@@ -344,6 +392,15 @@ class NativeProxy:
             wireBytesPerS=float(wire_rate),
             wireLatencyNs=round(wire_latency * 1e9),
             streamMinBytes=STREAM_MIN_BYTES if stream_min_bytes is None else int(stream_min_bytes),
+            unordered=int(not transport.ordered),
+            duplicates=int(transport.duplicates),
+            flushOrdersLaterWrites=int(transport.flush_orders_later_writes),
+            releasePolls=int(poll["release_polls"]),
+            overtakenPolls=int(poll["overtaken_polls"]),
+            independentContexts=int(independent_contexts and transport.ordered),
+            seed=int(seed) & (2**64 - 1),
+            segmentBytes=int(segment_bytes or 4096),
+            plant=int(PLANT),
             backend=backend.name.encode()[:31],
         )
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
@@ -355,18 +412,18 @@ class NativeProxy:
         self._trace: dict | None = None
         self._trace_lost = 0
         self.trace_capacity = int(trace_capacity)
-        self._words = (ctypes.c_uint64 * 8)()
+        self._words = (ctypes.c_uint64 * 9)()
         self._recs = np.zeros(4096, TRACE_DTYPE)
         self._lost = ctypes.c_uint64(0)
 
     # ---- state ----
 
     def _poll(self) -> tuple[int, int, int, bool, bool, int, int, int]:
-        """ops, events, claimed, running, failed, doorbells, sends in flight, ops taken by
-        kernels (from the engine)."""
+        """ops, events, claimed, running, failed, doorbells, sends in flight plus puts
+        not fully landed (unordered wire), ops taken by kernels (from the engine)."""
         self._lib.commref_gin_engine_stats(self._h, self._words)
         w = self._words
-        return int(w[0]), int(w[1]), int(w[2]), bool(w[3]), bool(w[4]), int(w[5]), int(w[6]), int(w[7])
+        return int(w[0]), int(w[1]), int(w[2]), bool(w[3]), bool(w[4]), int(w[5]), int(w[6]) + int(w[8]), int(w[7])
 
     @property
     def stats(self) -> dict:
@@ -456,8 +513,13 @@ class NativeProxy:
             self._lib.commref_gin_engine_remove_window(self._h, int(window_id))
 
     def pending(self, peer: int | None = None) -> bool:
-        """Always False: on this wire an operation lands before the engine marks it taken."""
-        return False
+        """Whether some put taken has not fully landed (the unordered wire holds puts
+        until their doorbells and past them; on the ordered wire an operation lands before
+        the engine marks it taken). `peer` is not told apart: any peer's."""
+        if self.transport.ordered or not self._h:
+            return False
+        self._lib.commref_gin_engine_stats(self._h, self._words)
+        return bool(self._words[8])
 
     # ---- lifecycle ----
 

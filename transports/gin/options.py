@@ -129,20 +129,10 @@ class GinOptions:
                 f"independent_contexts is an option of the ordered wire; on the {self.wire.value} wire "
                 f"contexts are independent already"
             )
-        if self.independent_contexts and self.wire_modeled:
-            raise OptionError(
-                "the wire model (wire_rate, wire_latency) runs in the native GIN engine and "
-                "independent_contexts in the Python proxy: choose one"
-            )
         if self.wire_modeled and self.fault.active:
             raise OptionError(
                 "the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults in "
                 "the Python proxy: choose one"
-            )
-        if self.wire_modeled and self.wire != Wire.ORDERED:
-            raise OptionError(
-                f"the wire model (wire_rate, wire_latency) runs in the native GIN engine, which "
-                f"carries the ordered wire, not the {self.wire.value} one"
             )
 
     @property

@@ -55,10 +55,25 @@ struct CommrefGinEngineConfig {
   double wireBytesPerS;     // the wire model (wire.h): this rank's wire sends this many bytes/s; 0: unlimited
   uint64_t wireLatencyNs;   // ... and an operation takes effect this long after it is sent
   uint64_t streamMinBytes;  // network shm: bulk puts (kGinBulk) from this size land with non-temporal stores; 0: never
-  char backend[32];         // the backend's name (the host names it in messages)
+  int32_t unordered;        // the unordered wire (unordered.h), else the ordered one
+  int32_t duplicates;       // unordered: every segment is placed a second time after its original
+  int32_t flushOrdersLaterWrites;  // the backend promises that local completion orders later writes (gda)
+  int32_t releasePolls;            // unordered: held puts are released once the queue was found empty this many times
+  int32_t overtakenPolls;          // ... this many times instead while a held put was overtaken by a later put's signal
+  int32_t independentContexts;     // ordered: contexts as separate ordering domains (contexts.h)
+  uint64_t seed;                   // the unordered wire's streams
+  uint64_t segmentBytes;           // the unordered wire's unit of placement
+  uint64_t plant;                  // tests only: planted bugs (kPlant*), 0 in every real run
+  char backend[32];                // the backend's name (the host names it in messages)
 };
 
 enum : int32_t { kNetworkShm = 0, kNetworkMpi = 1 };
+
+// Planted bugs, for the tests that must catch them (native.py's PLANT_*): the strong flag
+// cleared from every descriptor as it is taken; a put of more than kPlantBytes whose
+// signal is applied before its data is copied.
+enum : uint64_t { kPlantStripStrong = 1, kPlantSignalFirst = 2 };
+constexpr uint64_t kPlantBytes = 4096;
 
 namespace {
 
@@ -186,8 +201,9 @@ class Core {
   char* here_;                   // this rank's connection window
   char* counters_;
   // Statistics (native.py's stats): descriptors taken, puts and signals landed (network
-  // mpi: sent), doorbells, MPI sends and landings in flight, descriptors kernels took.
-  std::atomic<uint64_t> ops_{0}, events_{0}, doorbells_{0}, inFlight_{0}, byKernels_{0};
+  // mpi: sent), doorbells, MPI sends and landings in flight, descriptors kernels took,
+  // puts taken and not fully landed (unordered wire), of them held.
+  std::atomic<uint64_t> ops_{0}, events_{0}, doorbells_{0}, inFlight_{0}, byKernels_{0}, pending_{0}, held_{0};
   std::atomic<int> failed_{0};
 
  private:

@@ -1,14 +1,17 @@
-// The native GIN progress engine: one std::thread per rank that carries the ORDERED wire
-// at native speed, on the SHM network (every GIN peer's window mapped in this process)
-// and, built with COMMREF_GIN_MPI (native.py's mpi_library()), on the MPI network.
-// transports/gin/native.py (NativeProxy) drives it through the small extern "C" API at
-// the bottom; transports/gin/proxy.py (GinProxy) stays the engine of the unordered wire
-// and of runs with an observer. Both implement transports/gin/engine.py's GinEngine.
+// The native GIN progress engine: one std::thread per rank that carries the ordered and
+// the unordered wire at native speed, on the SHM network (every GIN peer's window mapped
+// in this process) and, built with COMMREF_GIN_MPI (native.py's mpi_library()), on the
+// MPI network. transports/gin/native.py (NativeProxy) drives it through the small
+// extern "C" API at the bottom; transports/gin/proxy.py (GinProxy) stays the engine of
+// the lossy wire and of runs with an observer. Both implement transports/gin/engine.py's
+// GinEngine.
 //
 // One translation unit (native.py builds it) of the parts, one concept each:
 //   core.h    configuration, windows and the checks of every access, counters,
 //             statistics, failure and refusals
 //   wire.h    ordered delivery per (peer, ctx) link, the trace, the wire model
+//   unordered.h the unordered wire: held puts, doorbells, seeded landing orders
+//   contexts.h  independent contexts on the ordered wire
 //   shm_net.h the SHM network: landing in mapped peer windows
 //   mpi_net.h the MPI network: messages to the peer's engine
 //   this file the engine: reading the queue, executing descriptors, the progress loop
@@ -54,9 +57,11 @@
 
 #include <thread>
 
+#include "contexts.h"
 #include "core.h"
 #include "mpi_net.h"
 #include "shm_net.h"
+#include "unordered.h"
 #include "wire.h"
 
 namespace {
@@ -68,7 +73,9 @@ class Engine : public Core {
         delivery_(c),
         wire_(cfg_, reinterpret_cast<const GinDescriptor*>(c.queueBase)),
         shm_(c),
-        mpi_(*this, delivery_) {
+        mpi_(*this, delivery_),
+        uw_(cfg_),
+        ch_(cfg_) {
     ring_ = reinterpret_cast<GinDescriptor*>(c.queueBase);
     const uint64_t header = c.queueBase + c.capacity * sizeof(GinDescriptor);  // gin.h: the words after the ring
     consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
@@ -94,7 +101,8 @@ class Engine : public Core {
   static int helpHook(void* engine) { return static_cast<Engine*>(engine)->help(); }
   int help() {
     if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
-    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) return 0;  // nothing to take: no RMW
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !held_.load(std::memory_order_relaxed))
+      return 0;  // nothing to take, nothing held: no RMW
     if (!tryTake()) return 0;
     const int took = drain(64);  // a failure sets failed_: the engine thread ends
     release();
@@ -130,6 +138,7 @@ class Engine : public Core {
     out[5] = doorbells_.load(std::memory_order_relaxed);
     out[6] = inFlight_.load(std::memory_order_acquire);
     out[7] = byKernels_.load(std::memory_order_relaxed);
+    out[8] = pending_.load(std::memory_order_acquire);
   }
 
   uint64_t running() const { return thread_.joinable() && !exited_.load(std::memory_order_acquire); }
@@ -143,7 +152,8 @@ class Engine : public Core {
 
   void run() {
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: short sleeps stay short
-    uint64_t idle = 0, sleepNs = 1000;
+    uint64_t idle = 0, sleepNs = 1000, heldPolls = 0;
+    constexpr uint64_t kYieldEvery = 8;
     const uint64_t spin = (uint64_t)cfg_.spinPolls, yields = spin + (uint64_t)cfg_.yieldPolls;
     while (!stop_.load(std::memory_order_acquire) && !failed_.load(std::memory_order_acquire)) {
       int took = 0, moved = 0;  // descriptors taken; messages received and sends completed (MPI)
@@ -158,6 +168,16 @@ class Engine : public Core {
         sleepNs = 1000;
         continue;
       }
+      if (held_.load(std::memory_order_relaxed)) {  // unordered: each empty poll counts toward a release
+        // Every kYieldEvery-th poll while an overtaken put is held yields: a receiver
+        // sharing this core gets to act on the signal that overtook it.
+        if (overtaken_.load(std::memory_order_relaxed) && heldPolls++ % kYieldEvery == 0)
+          sched_yield();
+        else
+          cpuPause();
+        continue;
+      }
+      heldPolls = 0;
       if (++idle <= spin) {
         cpuPause();
       } else if (idle <= yields || inFlight_.load(std::memory_order_relaxed)) {  // MPI needs polls to move data
@@ -195,7 +215,8 @@ class Engine : public Core {
   void sleep(uint64_t ns) {
     __atomic_store_n(idle_, 1u, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst)) {
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst) &&
+        !held_.load(std::memory_order_relaxed)) {
       const struct timespec ts = timespecOf(ns);
       syscall(SYS_futex, idle_, FUTEX_WAIT_PRIVATE, 1u, &ts, nullptr, 0);
     }
@@ -214,7 +235,10 @@ class Engine : public Core {
     int took = 0;
     while (took < budget) {
       const uint64_t slot = next_;
-      if (!published(slot)) break;
+      if (!published(slot)) {
+        if ((cfg_.unordered || cfg_.independentContexts) && !idleUnordered(took)) return -1;
+        break;
+      }
       if (wire_.modeled && !wire_.due(slot, next_, [this](uint64_t s) { return published(s); })) break;
       const GinDescriptor c = ring_[slot % cfg_.capacity];
       if (!execute(c)) return -1;
@@ -223,18 +247,266 @@ class Engine : public Core {
       ops_.fetch_add(1, std::memory_order_release);
       took++;
     }
+    if (cfg_.unordered || cfg_.independentContexts) {
+      pending_.store(uw_.pending() + ch_.pending(), std::memory_order_release);
+      held_.store(uw_.held() + ch_.held(), std::memory_order_relaxed);
+      overtaken_.store(uw_.overtaken() + ch_.held(), std::memory_order_relaxed);  // a held context: overtaken
+    }
     return took;
+  }
+
+  // ---- the unordered wire (unordered.h) ----
+
+  // The landing callback: carries one of the wire's landings on this engine's network.
+  auto landing() {
+    return [this](const Landing& e) { return carry(e); };
+  }
+  // The landing callbacks of contexts.h: what is left of an op, one segment of it.
+  template <typename E>
+  struct Whole {
+    E* e;
+    bool operator()(Pending& p) const { return e->landWhole(p); }
+  };
+  template <typename E>
+  struct Seg {
+    E* e;
+    bool operator()(Pending& p, uint64_t k) const { return e->landSegment(p, k); }
+  };
+  Whole<Engine> wholeFn() { return {this}; }
+  Seg<Engine> segFn() { return {this}; }
+
+  // The queue was found empty after taking `took`: links without doorbells land; held
+  // puts are released once the takers found it empty releasePolls times in a row (overtakenPolls
+  // while a held put was overtaken: unordered.h, "Liveness"). False on error.
+  bool idleUnordered(int took) {
+    std::string why;
+    if (!uw_.serveUnrung(landing(), &why)) return failUnordered(why);
+    if (took > 0 || !(uw_.held() + ch_.held())) {
+      emptyPolls_ = 0;
+      return true;
+    }
+    if (++emptyPolls_ < (uint64_t)(uw_.overtaken() || ch_.held() ? cfg_.overtakenPolls : cfg_.releasePolls))
+      return true;
+    emptyPolls_ = 0;
+    auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
+    if (cfg_.independentContexts) return ch_.releaseIdle(wholeFn(), segFn(), release);
+    return uw_.releaseHeld(release, landing(), &why) || failUnordered(why);
+  }
+
+  // ---- independent contexts on the ordered wire (contexts.h) ----
+
+  bool landSegment(Pending& p, uint64_t k) {
+    p.landed[k]++;
+    p.dataLeft--;
+    return carry(Landing{&p, (int64_t)k, 0});
+  }
+
+  // What is left of op `p`, in order: its data in one piece when none of it has landed
+  // (else it has: the segments of a cut op), then its signal.
+  bool landWhole(Pending& p) {
+    const bool wasDone = p.done();
+    if (p.dataLeft && p.dataLeft == p.landed.size()) {
+      if (mpi()) {
+        if (p.stagedSrc) {  // staged: segment by segment, each inline (a staged copy may not outlive its send)
+          for (uint64_t k = 0; k < p.landed.size(); k++) {
+            p.landed[k]++;
+            p.dataLeft--;
+            if (!carry(Landing{&p, (int64_t)k, 0})) return false;
+          }
+        } else {
+          GinDescriptor put{};
+          put.peer = p.peer;
+          put.ctx = p.ctx;
+          put.dstOffset = p.dstOffset;
+          put.counter = p.counterId;
+          put.windows = ginWindows(0, p.dstWin);
+          bool counted = false;
+          if (!mpi_.put(put, p.src, p.nbytes, 0, p.counter && !p.counted, p.seq, &counted)) return false;
+          p.counted = p.counter;  // bumped here, or when its sends complete
+          if (counted) traceHeld(p, kTraceCounter, p.counterId);
+        }
+      } else {
+        shm_.land(p.dst, p.src, p.nbytes, p.bulk);
+        count(p);
+      }
+      std::fill(p.landed.begin(), p.landed.end(), 1);
+      p.dataLeft = 0;
+      if (delivery_.tracing() && !(mpi() && p.stagedSrc)) {
+        const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceData, 0, p.seq, 0, 0, 0, 0};
+        delivery_.record(&r, 1);
+      }
+    }
+    if (p.hasSignal && !p.signalDone) {
+      p.signalDone = true;
+      if (!signalOf(p)) return false;
+    }
+    if (p.nbytes == 0) count(p);
+    if (!wasDone) events_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  bool postIndependent(const GinDescriptor& d, const char* src, char* dst, uint64_t nbytes, uint64_t value) {
+    Pending p = pendingOf(d, src, dst, nbytes, value);
+    p.seq = delivery_.link(d.peer, d.ctx).seq++;
+    p.landed.assign(p.nseg(uw_.segmentBytes()), 0);
+    p.dataLeft = p.landed.size();
+    if (delivery_.tracing()) delivery_.tracePost(d, p.seq, nbytes, value, cfg_.strongAlways);
+    auto hold = [this](const Pending& q, uint64_t ops) { traceHeld(q, kTraceHold, ops); };
+    auto release = [this](const Pending& q, uint32_t why) { traceHeld(q, kTraceRelease, why); };
+    return ch_.post(std::move(p), wholeFn(), segFn(), hold, release);
+  }
+
+  bool failUnordered(const std::string& why) { return failed() ? false : fail(who() + "unordered GIN wire: " + why); }
+
+  void traceHeld(const Pending& p, uint32_t kind, uint64_t a) {
+    if (!delivery_.tracing()) return;
+    const CommrefGinTraceRecord r{p.peer, p.ctx, kind, 0, p.seq, a, 0, 0, 0};
+    delivery_.record(&r, 1);
+  }
+
+  // A put's source copied into the put (it is reusable from here on) and its counter bumped.
+  void stage(Pending& p) {
+    if (!p.stagedSrc && p.nbytes) {
+      p.staged.assign(p.src, p.src + p.nbytes);
+      p.src = p.staged.data();
+      p.stagedSrc = true;
+    }
+    count(p);
+  }
+
+  void count(Pending& p) {
+    if (!p.counter || p.counted) return;
+    bumpCounter(p.counterId);
+    p.counted = true;
+    traceHeld(p, kTraceCounter, p.counterId);
+  }
+
+  bool carry(const Landing& e) {
+    {
+      Pending& p = *e.put;
+      if (e.segment >= 0) {
+        uint64_t off = 0, n = 0;
+        p.segment(uw_.segmentBytes(), (uint64_t)e.segment, &off, &n);
+        const char* from = p.src + (off - p.dstOffset);
+        if (mpi()) {
+          GinDescriptor seg{};
+          seg.peer = p.peer;
+          seg.ctx = p.ctx;
+          seg.dstOffset = off;
+          seg.windows = ginWindows(0, p.dstWin);
+          bool counted = false;
+          if (!mpi_.put(seg, from, n, 0, false, p.seq, &counted)) return false;
+        } else {
+          shm_.land(p.dst + (off - p.dstOffset), from, n, p.bulk, p.nbytes);
+        }
+        if (delivery_.tracing()) {
+          const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSeg, 0, p.seq, (uint64_t)e.segment, e.copy, 0, 0};
+          delivery_.record(&r, 1);
+        }
+        if (p.dataLeft == 0) count(p);
+      } else if (!signalOf(p)) {
+        return false;
+      }
+      if (p.done()) events_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+
+  bool signalOf(const Pending& p) {
+    if (mpi()) {
+      GinDescriptor sig{};
+      sig.op = kGinSignal;
+      sig.peer = p.peer;
+      sig.ctx = p.ctx;
+      sig.flags = kGinHasSignal | (p.va ? kGinVaSignal : 0);
+      sig.signal = p.signal;
+      bool counted = false;
+      if (!mpi_.put(sig, nullptr, 0, p.value, false, p.seq, &counted)) return false;
+    } else {
+      shm_.signal(reinterpret_cast<char*>(peers_[p.peer]), p.va, p.signal, p.value);
+    }
+    if (delivery_.tracing()) {
+      const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSignal, 0, p.seq, 0, 0, 0, 0};
+      delivery_.record(&r, 1);
+    }
+    return true;
+  }
+
+  // A put (putValue, signal) taken onto the unordered wire: posted, landing at its doorbell.
+  bool postUnordered(const GinDescriptor& d, const char* src, char* dst, uint64_t nbytes, uint64_t value) {
+    Pending& q = uw_.post(pendingOf(d, src, dst, nbytes, value));
+    if (delivery_.tracing()) delivery_.tracePost(d, q.seq, nbytes, value, cfg_.strongAlways);
+    if ((cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && q.hasSignal) {
+      q.signalDone = true;  // planted: the signal before any of its data
+      if (!signalOf(q)) return false;
+    }
+    if (q.nbytes == 0 && !q.hasSignal) count(q);
+    return true;
+  }
+
+  // A put (putValue, signal) as the wires hold it (seq, segments and flush marks: theirs).
+  Pending pendingOf(const GinDescriptor& d, const char* src, char* dst, uint64_t nbytes, uint64_t value) {
+    Pending p;
+    p.peer = d.peer;
+    p.ctx = d.ctx;
+    p.hasSignal = d.flags & kGinHasSignal;
+    p.va = d.flags & kGinVaSignal;
+    p.strong = p.hasSignal && ((d.flags & kGinStrongSignal) || cfg_.strongAlways);
+    p.counter = d.op == kGinPut && (d.flags & kGinHasCounter);
+    p.counterId = d.counter;
+    p.dstWin = ginDstWindow(d.windows);
+    p.signal = d.signal;
+    p.value = value;
+    p.dstOffset = d.dstOffset;
+    p.nbytes = nbytes;
+    p.bulk = d.flags & kGinBulk;
+    p.src = src;
+    p.dst = dst;
+    if (d.op == kGinPutValue) {  // its value lives in the descriptor
+      p.staged.assign(src, src + 8);
+      p.src = p.staged.data();
+      p.stagedSrc = true;
+    }
+    return p;
+  }
+
+  bool doorbellUnordered(const GinDescriptor& d) {
+    std::string why;
+    auto hold = [this](const Pending& p, uint64_t until) { traceHeld(p, kTraceHold, until); };
+    auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
+    return uw_.doorbell(uw_.link(d.peer, d.ctx), hold, release, landing(), &why) || failUnordered(why);
   }
 
   // ---- executing a descriptor ----
 
   // Carries one descriptor; false when it was refused or failed (the engine ends). The
   // checks run in abi.GIN_REFUSALS' order, as the Python proxy's do.
-  bool execute(const GinDescriptor& d) {
+  bool execute(const GinDescriptor& taken) {
+    GinDescriptor d = taken;
+    if (cfg_.plant & kPlantStripStrong) d.flags &= ~(uint32_t)kGinStrongSignal;  // planted
     if (d.op == kGinFlush) {  // shm: everything landed when taken; mpi: every send completes first
+      if (cfg_.unordered) {   // the sources of what is not landed yet are copied: reusable
+        auto stageIt = [this](Pending& p) { stage(p); };
+        auto traced = [this](int32_t peer, int32_t ctx) {
+          if (!delivery_.tracing()) return;
+          const CommrefGinTraceRecord r{peer, ctx, kTraceFlush, 0, 0, 0, 0, 0, 0};
+          delivery_.record(&r, 1);
+        };
+        uw_.flush(d.ctx, stageIt, traced);
+      }
+      if (cfg_.independentContexts) ch_.flush(d.ctx, [this](Pending& p) { stage(p); });
       if (mpi() && !mpi_.completeSends(d.ctx)) return false;
-      if (delivery_.tracing()) delivery_.traceFlush(d.ctx);
+      if (!cfg_.unordered && delivery_.tracing()) delivery_.traceFlush(d.ctx);
       return true;
+    }
+    if (d.op == kGinDoorbell && cfg_.unordered) {
+      doorbells_.fetch_add(1, std::memory_order_relaxed);
+      if (delivery_.tracing()) {
+        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceDoorbell, 0, uw_.link(d.peer, d.ctx).doorbells + 1, 0, 0,
+                                      0,      0};
+        delivery_.record(&r, 1);
+      }
+      return doorbellUnordered(d);
     }
     if (d.op == kGinDoorbell) {
       const uint64_t n = ++delivery_.link(d.peer, d.ctx).doorbells;
@@ -250,6 +522,8 @@ class Engine : public Core {
     if (!mpi() && peer == nullptr) return refuse({kGinRefusePeerUnmapped, 0, d.op, d.peer, 0, 0, 0, 0, 0});
     const uint32_t srcWin = ginSrcWindow(d.windows), dstWin = ginDstWindow(d.windows);
     if (d.op == kGinGet) {
+      auto release = [this](const Pending& q, uint32_t why) { traceHeld(q, kTraceRelease, why); };
+      if (cfg_.independentContexts && !ch_.forced(d.peer, d.ctx, wholeFn(), segFn(), release)) return false;
       char* dst = at(dstWin, cfg_.rank, d.dstOffset, d.bytes, kGinAccessGetDestination, d.op, d.peer);
       if (dst == nullptr) return false;
       if (mpi()) {
@@ -296,18 +570,24 @@ class Engine : public Core {
                 : (dst = at(dstWin, d.peer, d.dstOffset, nbytes, kGinAccessPutDestination, d.op, d.peer)) == nullptr)
         return false;
     }
+    if (cfg_.unordered) return postUnordered(d, src, dst, nbytes, value);
+    if (cfg_.independentContexts) return postIndependent(d, src, dst, nbytes, value);
     const bool counter = d.op == kGinPut && (d.flags & kGinHasCounter);
     const uint64_t seq = delivery_.link(d.peer, d.ctx).seq++;
     bool counted = counter;  // the counter bumped before this returns (else when the sends complete)
     if (mpi()) {
       if (!mpi_.put(d, src, nbytes, value, counter, seq, &counted)) return false;
     } else {
+      const bool early = (cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && hasSignal;
+      if (early) shm_.signal(peer, va, d.signal, value);  // planted: before the data
       if (nbytes) shm_.land(dst, src, nbytes, d.flags & kGinBulk);
       if (counter) bumpCounter(d.counter);
-      if (hasSignal) shm_.signal(peer, va, d.signal, value);  // after the data
+      if (hasSignal && !early) shm_.signal(peer, va, d.signal, value);  // after the data
     }
     events_.fetch_add(1, std::memory_order_relaxed);
-    if (delivery_.tracing()) delivery_.tracePut(d, seq, nbytes, value, counted, cfg_.strongAlways);
+    if (delivery_.tracing())
+      delivery_.tracePut(d, seq, nbytes, value, counted, cfg_.strongAlways,
+                         (cfg_.plant & kPlantSignalFirst) && nbytes > kPlantBytes && hasSignal && !mpi());
     return true;
   }
 
@@ -315,6 +595,10 @@ class Engine : public Core {
   WireModel wire_;
   ShmNet shm_;
   MpiNet mpi_;
+  UnorderedWire uw_;
+  IndependentContexts ch_;
+  std::atomic<uint64_t> overtaken_{0};  // unordered: held puts a later signal overtook (uw_'s, mirrored)
+  uint64_t emptyPolls_ = 0;  // unordered: the takers found the queue empty this many times in a row, puts held
   GinDescriptor* ring_;
   uint64_t* consumed_;
   const uint64_t* claimed_;

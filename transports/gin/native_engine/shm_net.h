@@ -19,14 +19,17 @@ class ShmNet {
   // each line from this one (on a host whose cores do not share a cache that is several
   // times faster: docs/performance.md, "Two placements"). Anything else line by line
   // (commref/land.h: in order, for kernels that poll LL lines there).
-  void land(char* dst, const char* src, uint64_t nbytes, bool bulk) const {
+  // `whole`: the bytes of the put these are a segment of (the unordered wire lands a put
+  // in segments; a bulk put streams by its size, not its segments').
+  void land(char* dst, const char* src, uint64_t nbytes, bool bulk, uint64_t whole = 0) const {
 #ifdef COMMREF_HAVE_STREAM
-    if (bulk && streamMinBytes_ && nbytes >= streamMinBytes_) {
+    if (bulk && streamMinBytes_ && (whole > nbytes ? whole : nbytes) >= streamMinBytes_) {
       streamBytes(dst, src, nbytes);
       return;
     }
 #endif
     (void)bulk;
+    (void)whole;
     landLines(dst, src, nbytes);
   }
 

@@ -5,10 +5,9 @@
 // ctx) link is FIFO and a put's data, counter and signal happen in that order before
 // the next descriptor; Links numbers what is posted on each link as the Python
 // scheduler does (its link()), for the trace. Every context of a peer lands in slot
-// order too, a legal refinement of per-context FIFO. (The unordered wire, the lossy
-// wire and the ordered wire's independent contexts, where one context's traffic is held
-// back while another's overtakes it, are the Python proxy's: proxy.py, scheduler.py,
-// faults.py.)
+// order too, a legal refinement of per-context FIFO, unless independent contexts are on
+// (contexts.h). The unordered wire is unordered.h's; the lossy wire is the Python
+// proxy's (faults.py).
 //
 // Trace (when on): per descriptor, the events it made happen, appended in the order they
 // happen to one bounded buffer (CommrefGinTraceRecord, decoded by native.py into the
@@ -35,14 +34,25 @@
 #include "core.h"
 
 // One event on link (peer, ctx); native.py's TRACE_DTYPE mirrors it.
-enum : uint32_t { kTracePost = 1, kTraceFlush, kTraceDoorbell, kTraceData, kTraceSignal, kTraceCounter, kTraceGet };
+enum : uint32_t {
+  kTracePost = 1,
+  kTraceFlush,
+  kTraceDoorbell,
+  kTraceData,
+  kTraceSignal,
+  kTraceCounter,
+  kTraceGet,
+  kTraceSeg,      // unordered: a = segment, b = copy
+  kTraceHold,     // unordered: a = the doorbell that releases it at the latest
+  kTraceRelease,  // unordered: a = why (UnorderedWire::kRelease*)
+};
 enum : uint32_t { kTraceHasSignal = 1, kTraceStrong = 2, kTraceVa = 4 };  // a post's flags
 struct CommrefGinTraceRecord {
   int32_t peer, ctx;
   uint32_t kind, flags;
   uint64_t seq;  // post, data, signal, counter: the put's seq on its link (from 0); doorbell: its number (from 1)
   uint64_t a, b, c, d;  // post: offset, nbytes, signal id or VA offset, signal value; counter: a = index;
-                        // get: a = src, b = dst, c = bytes
+                        // get: a = src, b = dst, c = bytes; seg, hold, release: above
 };
 
 namespace {
@@ -92,20 +102,34 @@ class Delivery {
 
   // What a put (putValue, signal) made happen, in its order: posted, its data, its
   // counter (when bumped before the descriptor was done), its signal.
-  void tracePut(const GinDescriptor& d, uint64_t seq, uint64_t nbytes, uint64_t value, bool counted,
-                bool strongAlways) {
-    const bool hasSignal = d.flags & kGinHasSignal, va = d.flags & kGinVaSignal;
+  // `early`: the signal was applied before the data (a planted bug, core.h's kPlantSignalFirst).
+  void tracePut(const GinDescriptor& d, uint64_t seq, uint64_t nbytes, uint64_t value, bool counted, bool strongAlways,
+                bool early = false) {
+    const bool hasSignal = d.flags & kGinHasSignal;
     CommrefGinTraceRecord r[4];
     size_t n = 0;
+    r[n++] = postRecord(d, seq, nbytes, value, strongAlways);
+    if (hasSignal && early) r[n++] = {d.peer, d.ctx, kTraceSignal, 0, seq, 0, 0, 0, 0};
+    if (nbytes) r[n++] = {d.peer, d.ctx, kTraceData, 0, seq, 0, 0, 0, 0};
+    if (counted) r[n++] = {d.peer, d.ctx, kTraceCounter, 0, seq, d.counter, 0, 0, 0};
+    if (hasSignal && !early) r[n++] = {d.peer, d.ctx, kTraceSignal, 0, seq, 0, 0, 0, 0};
+    record(r, n);
+  }
+
+  // A put posted and not landed yet (the unordered wire records its landings as they happen).
+  void tracePost(const GinDescriptor& d, uint64_t seq, uint64_t nbytes, uint64_t value, bool strongAlways) {
+    const CommrefGinTraceRecord r = postRecord(d, seq, nbytes, value, strongAlways);
+    record(&r, 1);
+  }
+
+  static CommrefGinTraceRecord postRecord(const GinDescriptor& d, uint64_t seq, uint64_t nbytes, uint64_t value,
+                                          bool strongAlways) {
+    const bool hasSignal = d.flags & kGinHasSignal, va = d.flags & kGinVaSignal;
     uint32_t flags = 0;
     if (hasSignal) {
       flags = kTraceHasSignal | (va ? kTraceVa : 0) | ((d.flags & kGinStrongSignal) || strongAlways ? kTraceStrong : 0);
     }
-    r[n++] = {d.peer, d.ctx, kTracePost, flags, seq, d.dstOffset, nbytes, hasSignal ? d.signal : 0, value};
-    if (nbytes) r[n++] = {d.peer, d.ctx, kTraceData, 0, seq, 0, 0, 0, 0};
-    if (counted) r[n++] = {d.peer, d.ctx, kTraceCounter, 0, seq, d.counter, 0, 0, 0};
-    if (hasSignal) r[n++] = {d.peer, d.ctx, kTraceSignal, 0, seq, 0, 0, 0, 0};
-    record(r, n);
+    return {d.peer, d.ctx, kTracePost, flags, seq, d.dstOffset, nbytes, hasSignal ? d.signal : 0, value};
   }
 
   void setTrace(bool on) {
