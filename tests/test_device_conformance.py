@@ -39,7 +39,7 @@ from commref.transports.gin.study.cells import counted_writes_refusal, study_saf
 HERE = Path(__file__).resolve().parent
 KERNEL = Kernel((HERE / "kernels" / "litmus.cu").read_text(), "litmus", filename="litmus.cu")
 # the seeds of the wires where one decides landing orders (the others: one run, more rounds)
-SEEDS = {w: (1, 2, 3) for w in ("ordered-indep", "ordered-indep-gda", "unordered", "unordered-gda")}
+SEEDS = {w: (1, 2, 3) for w in ("ordered-indep", "ordered-indep-gda", "unordered", "unordered-python", "unordered-gda")}
 LAUNCHES, ROUNDS, UNSEEDED_ROUNDS = 2, 100, 400  # of every litmus, per seed
 CONTEXT_ROUNDS = 300
 OUTCOMES = {"A": 0, "B": 1}
@@ -129,11 +129,8 @@ def observed_on(name: str) -> tuple[np.ndarray, int]:
 
 
 def _default_engine(wire: cf.Wire) -> str | None:
-    """The engine a wire gets unasked: native for the plain ordered wire, else python."""
-    if wire.options["path"] == "lsa":
-        return None
-    plain = wire.options["wire"] == "ordered" and not wire.options.get("independent_contexts")
-    return "native" if plain else "python"
+    """The engine a wire gets unasked: the native engine for every GIN wire here."""
+    return None if wire.options["path"] == "lsa" else "native"
 
 
 CELLS = [(t.name, o, w) for t in cf.LITMUS for o in sorted(t.outcomes) for w in cf.WIRES if t.cls(o, w) != cf.REFUSED]
@@ -221,7 +218,7 @@ def test_the_study_agrees_with_the_table():
                 continue
             assert study_safe(row, column, strength) == (cls == cf.FORBIDDEN), (t.name, name, row, column, cls)
             checked += 1
-    assert checked == 47  # 7 litmus with a study cell x 8 GIN wires, less the 9 refused
+    assert checked == 54  # 7 litmus with a study cell x 9 GIN wires, less the 9 refused
 
 
 def test_the_runtime_refusals_agree_with_the_table_and_the_study():
@@ -257,10 +254,11 @@ def test_a_strong_signal_carried_weak_is_caught(monkeypatch):
         original(self, d)
 
     monkeypatch.setattr(GinProxy, "_execute", weak)
+    monkeypatch.setenv(ENGINE_ENV, "python")  # the proxy decodes there; the native engine has PLANT
     strong = [cf.BY_NAME["strong-covers-earlier"], cf.BY_NAME["strong-signal-alone"]]
 
     def body(world):
-        with DeviceComm(world, **_options(cf.WIRES["unordered"], 1)) as dc:
+        with DeviceComm(world, **_options(cf.WIRES["unordered-python"], 1)) as dc:
             counts = np.zeros(2 * cf.CODES + 1, np.uint64)
             KERNEL.launch(dc, 1, args=(sum(1 << t.code for t in strong), ROUNDS, counts))
             return counts
@@ -273,7 +271,7 @@ def test_a_strong_signal_carried_weak_is_caught(monkeypatch):
 
 # Over MPI (network="mpi", 2 processes; this file is the job's script): the wires whose
 # links the MPI network carries, with their seeds, their cells as in the table.
-MPI_WIRES = {"ordered": (1,), "unordered": (1, 2), "unordered-gda": (1, 2)}
+MPI_WIRES = {"ordered": (1,), "unordered-python": (1, 2), "unordered-gda": (1, 2)}
 
 
 def _mpi_main() -> None:
@@ -282,6 +280,9 @@ def _mpi_main() -> None:
     world = MPIWorld()
     for name, seeds in MPI_WIRES.items():
         counts = np.zeros(2 * cf.CODES + 1, np.uint64)
+        os.environ.pop(ENGINE_ENV, None)
+        if cf.WIRES[name].engine:
+            os.environ[ENGINE_ENV] = cf.WIRES[name].engine
         for seed in seeds:
             more, props = litmus_run(world, name, seed, network="mpi", timeout=WORLD_TIMEOUT)
             counts += more

@@ -34,12 +34,26 @@ def _refused(reqs, error, match, ranked=True, **options):
         ("barriers", 2, r"2 world barriers \(barrier\(\)\) required; the device API offers 1 "),
         ("lsa_barriers", 3, r"3 LSA barriers \(lsaBarrier\(\)\) required; the device API offers 1 "),
         ("rail_barriers", 1, r"1 rail barriers required; the device API offers 0 "),
-        ("multimem", True, r"multimem \(NVLS\) required; the device communicator offers none"),
         ("va_signals", True, r"VA signals required; device.h gives users' kernels indexed signals only"),
     ],
 )
 def test_what_the_device_api_does_not_offer_is_refused(field, value, match):
     _refused(DeviceRequirements(**{field: value}), CapabilityError, match, path="gin")
+
+
+@pytest.mark.parametrize("path", ["lsa", "gin"])
+def test_what_the_device_api_offers_is_accepted(path):
+    """Requirements within what device.h offers (a multimem handle, one barrier of each
+    offered kind) make a communicator on every rank."""
+    reqs = DeviceRequirements(multimem=True, barriers=1, lsa_barriers=1)
+
+    def body(world):
+        dc = DeviceComm(world, requirements=reqs, path=path, **BASE)
+        ok = dc.properties().multimem
+        dc.close()
+        return ok
+
+    assert ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT) == [True, True]
 
 
 def test_a_queue_deeper_than_the_gin_queue_asked_for_is_refused():
@@ -129,7 +143,7 @@ def test_properties_of_an_lsa_communicator():
     assert (p.gin_backend, p.gin_engine, p.wire, p.queue_depth) == (None, None, None, 0)
     assert (p.lsa_rank, p.lsa_size, p.lsa_teams, p.nranks, p.device) == (1, 2, 1, 2, "cpu")
     assert (p.signals, p.counters, p.contexts) == (3, 2, 2)
-    assert p.strong_signals and p.counted_writes and not p.multimem and not p.va_signals
+    assert p.strong_signals and p.counted_writes and p.multimem and not p.va_signals
     assert (p.barriers, p.lsa_barriers, p.rail_barriers) == (1, 1, 0)
 
 
@@ -137,7 +151,7 @@ def test_properties_of_an_lsa_communicator():
     "options, backend, engine, strong, ordering",
     [
         (dict(wire="ordered", backend="proxy"), "proxy", "native", True, False),
-        (dict(wire="unordered", backend="gda"), "gda", "python", False, True),
+        (dict(wire="unordered", backend="gda"), "gda", "native", False, True),
     ],
 )
 def test_properties_of_a_gin_communicator(options, backend, engine, strong, ordering):
@@ -145,7 +159,7 @@ def test_properties_of_a_gin_communicator(options, backend, engine, strong, orde
     p = _properties(2, reqs, path="gin", **options)[0]
     assert (p.gin_backend, p.gin_engine, p.wire) == (backend, engine, options["wire"])
     assert p.strong_signals == strong and p.local_completion_orders_later_writes == ordering
-    assert p.counters_supported and p.get_supported and not p.multimem
+    assert p.counters_supported and p.get_supported and p.multimem
     assert p.queue_depth == 1000 and p.contexts == 3
     assert (p.lsa_size, p.lsa_teams) == (1, 2)  # path gin: every peer over GIN, a team of one each
 
