@@ -209,7 +209,10 @@ LITMUS: tuple[Litmus, ...] = (
         "a counter is local completion only; gda's declaration is modelled for flush (semantics.py), "
         "not for a counter, so a flag after a counter may overtake on gda too; the native engine "
         "counts a put once it has landed, so there the flag cannot overtake (refined)",
-        {"A": _row(FORBIDDEN, **{**_UNORDERED_SHOWN, "unordered": REFINED, "unordered_python": SHOWN}), "B": _row(FORBIDDEN)},
+        {
+            "A": _row(FORBIDDEN, **{**_UNORDERED_SHOWN, "unordered": REFINED, "unordered_python": SHOWN}),
+            "B": _row(FORBIDDEN),
+        },
     ),
     Litmus(
         "get-after-flush",
