@@ -36,7 +36,8 @@ def test_hosts_share_no_memory_and_reach_each_other_over_tcp():
         "open(f'/dev/shm/commref-netns-{c.rank}', 'w').close(); c.Barrier(); "
         "seen = sorted(f for f in os.listdir('/dev/shm') if f.startswith('commref-netns-')); "
         "a = np.full(1 << 16, c.rank + 1.0); b = np.zeros_like(a); c.Allreduce(a, b); "
-        "print(c.rank, socket.gethostname(), seen, bool((b == 3.0).all()), flush=True)"
+        "rows = c.gather(f'{c.rank} {socket.gethostname()} {seen} {bool((b == 3.0).all())}'); "
+        "c.rank or print(*rows, sep='\\n', flush=True)"
     )
     with netns_hosts.NetnsHosts(2, 1) as hosts:
         proc = run_cmd([mpiexec(), "-n", "2", sys.executable, "-c", script], timeout=120, env=hosts.env(clean_env()))
