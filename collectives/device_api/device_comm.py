@@ -64,9 +64,11 @@ class DeviceComm(_EndsOwned):
     (True: GIN links must offer strong signals; False: weak ones suffice, so the gda
     backend qualifies, and the connections publish with weak signals, gin_protocol
     "signal-per-put", unless told otherwise), `counted_writes` (device.h countedPut over
-    GIN: refused where the ordering study finds counted writes unsafe on the wire).
-    Other keywords are Communicator options (path, backend, wire, network, device_id: by
-    default this rank's GPU, world.local_rank % the visible GPUs, communicator.use_rank_gpu)."""
+    GIN: refused where the ordering study finds counted writes unsafe on the wire),
+    `strict_ordering` (NCCL_WIN_STRICT_ORDERING: VA signals in kernels; the GIN backend
+    must offer VA signals, so gda is skipped). Other keywords are Communicator options
+    (path, backend, wire, network, device_id: by default this rank's GPU,
+    world.local_rank % the visible GPUs, communicator.use_rank_gpu)."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class DeviceComm(_EndsOwned):
         contexts: int = 1,
         strong_signals: bool = True,
         counted_writes: bool = False,
+        strict_ordering: bool = False,
         device: str = "auto",
         **options,
     ):
@@ -86,6 +89,10 @@ class DeviceComm(_EndsOwned):
         if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= abi.DEVCOMM_MAX_CONTEXTS:
             raise ValueError(f"contexts must be an integer from 1 to {abi.DEVCOMM_MAX_CONTEXTS}, not {contexts!r}")
         self.contexts = contexts
+        if not isinstance(strict_ordering, bool):
+            raise ValueError(f"strict_ordering must be True or False, not {strict_ordering!r}")
+        if strict_ordering:
+            options["gin_va_signals"] = True
         if not strong_signals:
             options.setdefault("gin_protocol", "signal-per-put")
         elif options.get("gin_protocol", "strong") != "strong":
@@ -104,6 +111,13 @@ class DeviceComm(_EndsOwned):
         )
         try:
             self._setup(window_bytes, signals, counters, strong_signals, counted_writes)
+            self.strict_ordering = strict_ordering
+            self.strided_teams = self._strided_teams(world)
+            flags = (abi.DEVCOMM_STRICT_ORDERING if strict_ordering else 0) | (
+                abi.DEVCOMM_STRIDED_TEAMS if self.strided_teams else 0
+            )
+            self.args[0]["comm"]["flags"] |= flags
+            self.record_bytes = self.args.tobytes()
         except BaseException:
             self.comm.close()
             raise
@@ -142,6 +156,15 @@ class DeviceComm(_EndsOwned):
         self.record_bytes = self.args.tobytes()  # each launch copies it and writes its own fields (Kernel.launch)
         self.launches = 0
         self._lock = threading.Lock()
+
+    def _strided_teams(self, world) -> bool:
+        """Collective: whether every node holds lsaSize consecutive ranks, the same number on
+        each, so that the LSA and rail teams are strided teams (device.h, team.h)."""
+        lsa = self.lsa_ranks
+        mine = (lsa == list(range(lsa[0], lsa[0] + len(lsa))), lsa[0], len(lsa))
+        every = world.allgather(mine, "device communicator teams")
+        size = mine[2]
+        return all(ok and first % size == 0 and n == size for ok, first, n in every)
 
     @property
     def backend(self) -> str | None:
