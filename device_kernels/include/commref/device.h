@@ -16,7 +16,8 @@
 // symbol is its name wherever it is written.
 //
 // Contract:
-//   - Every operation below is block-collective: all threads of the block call it with
+//   - Every operation below is block-collective unless given a cooperative scope first
+//     (the section above DeviceGin; coop.h): all threads of the block call it with
 //     the same arguments, and it returns in all of them (a __syncthreads inside; a wait
 //     returns the same value in all of them). Over
 //     LSA the block's threads copy together; over GIN thread 0 posts. Kernels where
