@@ -35,6 +35,24 @@ _INT32 = struct.Struct("<i")
 _INT32S = struct.Struct(f"<{len(_INT32_FIELDS)}i")  # CallPlan.fields32
 
 
+# What a refused device-API argument with a reason of its own (abi.BAD_ARGUMENT_REASONS,
+# the record's peer field) was refused for (device.h).
+_BAD_ARGUMENT_REASONS = {
+    abi.BAD_ARGUMENT_REASONS["va_signal"]: "a VA signal needs a device communicator created with "
+    "strict_ordering=True (NCCL_WIN_STRICT_ORDERING); the limit is that flag, the value the communicator's flags",
+    abi.BAD_ARGUMENT_REASONS["va_offset"]: "a VA signal's word must be 8 aligned bytes inside the device window "
+    "(the limit: its bytes; the value: the offset)",
+    abi.BAD_ARGUMENT_REASONS["team_rank"]: "a team rank outside its team (the limit: the team's ranks)",
+    abi.BAD_ARGUMENT_REASONS["team_shape"]: "the team is not a strided team here (the LSA and rail teams need every "
+    "node to hold lsaSize consecutive ranks; a factor must divide its parent's ranks; members within the world)",
+    abi.BAD_ARGUMENT_REASONS["sym_ptr"]: "a symmetric pointer used outside the device window (the limit: its bytes; "
+    "the value: the element's end) or not aligned to its type",
+    abi.BAD_ARGUMENT_REASONS["bits"]: "a rolling compare's width must be 1 to 64 bits",
+    abi.BAD_ARGUMENT_REASONS["request_context"]: "a flush request waited on the handle of another context "
+    "(the limit: the handle's context; the value: the request's)",
+}
+
+
 @dataclass(frozen=True)
 class CallPlan:
     """What a call's signature decides: its kernel, channels, (dtype, op)
@@ -325,6 +343,11 @@ class HostWords:
                 what=what,
                 expected=expected,
                 seen=seen,
+            )
+        if code == abi.ERR_MISMATCH and what_code == abi.BAD_ARGUMENT and peer in _BAD_ARGUMENT_REASONS:
+            return ValueError(
+                f"rank {rank}: a device-API call in block {channel} was given {seen} where the limit is "
+                f"{expected}: {_BAD_ARGUMENT_REASONS[peer]}"
             )
         if code == abi.ERR_MISMATCH and what_code == abi.BAD_ARGUMENT:
             return ValueError(

@@ -182,6 +182,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "wire_latency": ("gin", "wire_latency"),
     "fault": ("gin", "fault"),
     "independent_contexts": ("gin", "independent_contexts"),
+    "gin_va_signals": ("gin", "va_signals"),
 }
 
 

@@ -74,6 +74,7 @@ WAIT_WHAT = {
 CPU_ATOMIC_16, CPU_STORE_ORDER = 1, 2
 
 # What a CPU launch returns (commref_cpu_launch in cpu/engine.cpp).
+LAUNCH_STUCK = 3  # CPU: a block's threads wait at barriers that can never complete (coop.h)
 LAUNCH_OK, LAUNCH_FAILED, LAUNCH_REFUSED = 0, 1, 2  # failed: the ErrorRecord says why; refused: bad grid
 
 # DataType and RedOp (reduce.h): NCCL's ncclDataType_t and ncclRedOp_t codes, and each
@@ -379,6 +380,17 @@ LAUNCH_DESC = np.dtype([("kernel", "<u8"), ("args", "<u8"), ("grid", "<u4"), ("b
 KERNEL_MAX_ARGS = 16
 DEVCOMM_MAX_CONTEXTS = 4  # GIN contexts a device communicator offers at most (device.h)
 DEVCOMM_STRONG_SIGNALS, DEVCOMM_COUNTED_WRITES = 1, 2  # DevCommFlags
+DEVCOMM_STRICT_ORDERING, DEVCOMM_STRIDED_TEAMS = 4, 8  # DevCommFlags
+# BadArgumentReason (args.h): ErrorRecord.peer of a kBadArgument failure with a message of its own
+BAD_ARGUMENT_REASONS = {
+    "va_signal": 1,
+    "va_offset": 2,
+    "team_rank": 3,
+    "team_shape": 4,
+    "sym_ptr": 5,
+    "bits": 6,
+    "request_context": 7,
+}
 DEV_COMM = np.dtype(
     [
         ("coll", COLL_ARGS),

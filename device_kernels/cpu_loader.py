@@ -200,6 +200,11 @@ class CpuKernels:
         status = self._launch(self.entry(name), address or args.ctypes.data, grid, block)
         if status == abi.LAUNCH_REFUSED:
             raise KernelError(f"the CPU engine could not run {name} with grid={grid} block={block}")
+        if status == abi.LAUNCH_STUCK:
+            raise KernelError(
+                f"{name}: the threads of a block wait for each other at barriers that can never complete "
+                f"(a warp scope whose other lanes wait at __syncthreads, or the reverse; coop.h)"
+            )
         return status
 
     def prepared(self, name: str, grid: int, block: int, address: int) -> PreparedLaunch:

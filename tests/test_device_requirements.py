@@ -34,7 +34,6 @@ def _refused(reqs, error, match, ranked=True, **options):
         ("barriers", 2, r"2 world barriers \(barrier\(\)\) required; the device API offers 1 "),
         ("lsa_barriers", 3, r"3 LSA barriers \(lsaBarrier\(\)\) required; the device API offers 1 "),
         ("rail_barriers", 1, r"1 rail barriers required; the device API offers 0 "),
-        ("va_signals", True, r"VA signals required; device.h gives users' kernels indexed signals only"),
     ],
 )
 def test_what_the_device_api_does_not_offer_is_refused(field, value, match):
@@ -88,12 +87,13 @@ def test_more_signals_and_counters_than_the_backend_holds_are_refused():
     )
 
 
-def test_va_signals_on_a_backend_without_them_are_refused(monkeypatch):
-    """Where device.h offers VA signals (USER_VA_SIGNALS), a backend without them (gda)
-    is refused after selection, and one with them (proxy) is not."""
-    monkeypatch.setattr(requirements, "USER_VA_SIGNALS", True)
+def test_va_signals_on_a_backend_without_them_are_refused():
+    """VA signals (strict ordering, which they imply): a backend without them (gda) is
+    refused at backend selection, and one with them (proxy) is not."""
+    assert requirements.USER_VA_SIGNALS
     reqs = DeviceRequirements(va_signals=True, strong_signals=False)
-    _refused(reqs, CapabilityError, r"VA signals required; the gda backend has none", path="gin", backend="gda")
+    refusal = r"no GIN backend meets the requirements: gda lacks VA signals"
+    _refused(reqs, CapabilityError, refusal, False, path="gin", backend="gda")
 
     def body(world):
         with DeviceComm(world, requirements=reqs, path="gin", backend="proxy", **BASE) as dc:

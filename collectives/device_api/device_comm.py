@@ -67,13 +67,15 @@ class DeviceComm(_EndsOwned):
     (True: GIN links must offer strong signals; False: weak ones suffice, so the gda
     backend qualifies, and the connections publish with weak signals, gin_protocol
     "signal-per-put", unless told otherwise), `counted_writes` (device.h countedPut over
-    GIN: refused where the ordering study finds counted writes unsafe on the wire).
-    Other keywords are Communicator options (path, backend, wire, network, device_id: by
-    default this rank's GPU, world.local_rank % the visible GPUs, communicator.use_rank_gpu).
+    GIN: refused where the ordering study finds counted writes unsafe on the wire),
+    `strict_ordering` (NCCL_WIN_STRICT_ORDERING: VA signals in kernels; the GIN backend
+    must offer VA signals, so gda is skipped). Other keywords are Communicator options
+    (path, backend, wire, network, device_id: by default this rank's GPU,
+    world.local_rank % the visible GPUs, communicator.use_rank_gpu).
     `requirements` (requirements.DeviceRequirements) states them as one object instead,
-    with barrier counts, VA signals, multimem and queue depth besides (the keywords above
-    are then left out); what cannot be met is refused at creation. properties() says
-    what the communicator has."""
+    with barrier counts, VA signals (strict ordering), multimem and queue depth besides
+    (the keywords above are then left out); what cannot be met is refused at creation.
+    properties() says what the communicator has."""
 
     def __init__(
         self,
@@ -85,6 +87,7 @@ class DeviceComm(_EndsOwned):
         contexts: int = 1,
         strong_signals: bool = True,
         counted_writes: bool = False,
+        strict_ordering: bool = False,
         device: str = "auto",
         requirements: req.DeviceRequirements | None = None,
         **options,
@@ -100,6 +103,7 @@ class DeviceComm(_EndsOwned):
                 raise TypeError(f"requirements must be a DeviceRequirements, not {type(requirements).__name__}")
             signals, counters, contexts = requirements.signals, requirements.counters, requirements.contexts
             strong_signals, counted_writes = requirements.strong_signals, requirements.counted_writes
+            strict_ordering = strict_ordering or requirements.va_signals
             req.refuse(world.rank, requirements.refusal_before(options))
             if requirements.queue_depth:
                 options.setdefault("gin_queue", max(requirements.queue_depth, GinOptions.queue))
@@ -108,6 +112,10 @@ class DeviceComm(_EndsOwned):
         if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= abi.DEVCOMM_MAX_CONTEXTS:
             raise ValueError(f"contexts must be an integer from 1 to {abi.DEVCOMM_MAX_CONTEXTS}, not {contexts!r}")
         self.contexts = contexts
+        if not isinstance(strict_ordering, bool):
+            raise ValueError(f"strict_ordering must be True or False, not {strict_ordering!r}")
+        if strict_ordering:
+            options["gin_va_signals"] = True
         if not strong_signals:
             options.setdefault("gin_protocol", "signal-per-put")
         elif options.get("gin_protocol", "strong") != "strong":
@@ -130,6 +138,13 @@ class DeviceComm(_EndsOwned):
                 req.refuse(self.rank, requirements.refusal_after(self.comm.backend))
             # collective, as creation is: every rank's LSA team, for properties()
             self._lsa_teams = len(set(world.allgather(tuple(self.lsa_ranks), "device communicator LSA teams")))
+            self.strict_ordering = strict_ordering
+            self.strided_teams = self._strided_teams(world)
+            flags = (abi.DEVCOMM_STRICT_ORDERING if strict_ordering else 0) | (
+                abi.DEVCOMM_STRIDED_TEAMS if self.strided_teams else 0
+            )
+            self.args[0]["comm"]["flags"] |= flags
+            self.record_bytes = self.args.tobytes()
         except BaseException:
             self.comm.close()
             raise
@@ -169,6 +184,15 @@ class DeviceComm(_EndsOwned):
         self.launches = 0
         self._lock = threading.Lock()
 
+    def _strided_teams(self, world) -> bool:
+        """Collective: whether every node holds lsaSize consecutive ranks, the same number on
+        each, so that the LSA and rail teams are strided teams (device.h, team.h)."""
+        lsa = self.lsa_ranks
+        mine = (lsa == list(range(lsa[0], lsa[0] + len(lsa))), lsa[0], len(lsa))
+        every = world.allgather(mine, "device communicator teams")
+        size = mine[2]
+        return all(ok and first % size == 0 and n == size for ok, first, n in every)
+
     @property
     def backend(self) -> str | None:
         """The GIN backend's name, None when every peer is over LSA."""
@@ -189,7 +213,7 @@ class DeviceComm(_EndsOwned):
             gin_engine=("native" if isinstance(comm.proxy, NativeProxy) else "python") if used else None,
             wire=comm.gin.options.wire.value if used else None,
             strong_signals=self.strong_signals,
-            va_signals=req.USER_VA_SIGNALS and (caps is None or caps.va_signals),
+            va_signals=self.strict_ordering and (caps is None or caps.va_signals),
             counters_supported=caps is None or caps.counters,
             get_supported=caps is None or caps.get,
             local_completion_orders_later_writes=caps is not None and caps.local_completion_orders_later_writes,

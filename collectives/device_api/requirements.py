@@ -22,10 +22,10 @@ from commref.transports.errors import CapabilityError
 # What device.h offers users' kernels in this version: one GIN barrier over the world
 # (barrier(fence, ctx): hybrid, LSA peers by stores and GIN peers by signals) and one
 # LSA barrier (lsaBarrier()), each taken part in by one block of every rank; no rail
-# barrier; indexed signals only; a multimem handle over the LSA team (multimem.h: LSA loads
+# barrier; indexed signals, VA signals with strict ordering; a multimem handle over the LSA team (multimem.h: LSA loads
 # and stores in rank order, no NVLink multicast object bound in this version).
 WORLD_BARRIERS, LSA_BARRIERS, RAIL_BARRIERS = 1, 1, 0
-USER_VA_SIGNALS = False
+USER_VA_SIGNALS = True
 MULTIMEM = True
 
 

@@ -151,7 +151,8 @@ struct Table {
   C(P2P_SEND_REJECTED, kP2pSendRejected) C(KERNEL_MAX_ARGS, COMMREF_KERNEL_MAX_ARGS)                                    \
   C(DEVCOMM_STRONG_SIGNALS, kDevCommStrongSignals) C(DEVCOMM_MAX_CONTEXTS, COMMREF_DEVCOMM_MAX_CONTEXTS)                                                            \
   C(DEVCOMM_COUNTED_WRITES, kDevCommCountedWrites)                                                             \
-  C(LAUNCH_OK, kLaunchOk) C(LAUNCH_FAILED, kLaunchFailed) C(LAUNCH_REFUSED, kLaunchRefused)                    \
+  C(DEVCOMM_STRICT_ORDERING, kDevCommStrictOrdering) C(DEVCOMM_STRIDED_TEAMS, kDevCommStridedTeams) \
+  C(LAUNCH_OK, kLaunchOk) C(LAUNCH_FAILED, kLaunchFailed) C(LAUNCH_REFUSED, kLaunchRefused) C(LAUNCH_STUCK, kLaunchStuck)                    \
   C(GIN_PUT, kGinPut) C(GIN_PUT_VALUE, kGinPutValue) C(GIN_SIGNAL, kGinSignal) C(GIN_GET, kGinGet)             \
   C(GIN_FLUSH, kGinFlush) C(GIN_DOORBELL, kGinDoorbell)                                                        \
   C(GIN_HAS_SIGNAL, kGinHasSignal) C(GIN_STRONG, kGinStrongSignal) C(GIN_VA, kGinVaSignal)                     \
@@ -166,6 +167,10 @@ struct Table {
 // Code tables: (Python dict, enumerator, Python key). DTYPE_CODES and OP_CODES come
 // from reduce.h's lists below.
 #define COMMREF_ABI_CODES(C)                                                                                   \
+  C(BAD_ARGUMENT_REASONS, kBadArgVaSignal, "va_signal") C(BAD_ARGUMENT_REASONS, kBadArgVaOffset, "va_offset") \
+  C(BAD_ARGUMENT_REASONS, kBadArgTeamRank, "team_rank") C(BAD_ARGUMENT_REASONS, kBadArgTeamShape, "team_shape") \
+  C(BAD_ARGUMENT_REASONS, kBadArgSymPtr, "sym_ptr") C(BAD_ARGUMENT_REASONS, kBadArgBits, "bits")            \
+  C(BAD_ARGUMENT_REASONS, kBadArgRequestContext, "request_context")                                          \
   C(COLLECTIVE_CODES, kAllReduce, "allreduce") C(COLLECTIVE_CODES, kAllGather, "allgather")                    \
   C(COLLECTIVE_CODES, kReduceScatter, "reduce_scatter") C(COLLECTIVE_CODES, kBroadcast, "broadcast")           \
   C(COLLECTIVE_CODES, kReduce, "reduce") C(COLLECTIVE_CODES, kAlltoAll, "alltoall")                            \

@@ -9,6 +9,11 @@
 //     thread runs directly on the OS thread's stack;
 //   - __shared__ is thread_local, so per block; blocks on one OS thread never overlap;
 //   - __syncthreads_or(p) is __syncthreads() that also ORs p over the block's threads;
+//   - warp_sync(mask, v, mode) (coop.h) is a barrier of the lanes `mask` of the caller's
+//     warp (threads [32 w, 32 w + 32)) that returns the OR of their values or the lowest
+//     lane's; lanes past the block's end or whose fibers returned do not take part. A
+//     warp barrier that can never complete (its other lanes wait at __syncthreads, or
+//     every fiber waits) ends the launch with kLaunchStuck (a GPU would hang there);
 //   - commref_block_exit() (port.h: called by every thread of a block together once
 //     a wait failed, see wait.h) ends the whole launch: the first fiber to call it
 //     unwinds, the block's other fibers are abandoned, the other blocks stop at their
@@ -69,7 +74,7 @@ struct Launch {
   std::atomic<unsigned> departed{0};   // workers done touching this Launch (it lives on the launcher's stack)
 };
 
-enum FiberState { kRunnable, kAtBarrier, kDone };
+enum FiberState { kRunnable, kAtBarrier, kAtWarp, kDone };
 
 // One block in execution on the current OS thread.
 struct Block {
@@ -84,6 +89,9 @@ struct Block {
   int barrierOr = 0;      // __syncthreads_or: the OR of the barrier being formed
   int barrierOrDone = 0;  // ... and of the one last released (stable until this thread's next barrier)
   bool aborted = false;
+  // warp_sync: per thread, the mask and value it arrived with and the result it leaves with
+  std::vector<uint32_t> warpMask;
+  std::vector<uint64_t> warpValue, warpResult;
 #ifdef COMMREF_TSAN
   void* homeFiber = nullptr;
   std::vector<void*> tsanFiber;
@@ -141,6 +149,38 @@ void releaseBarrierIfComplete(Block* b) {
   }
 }
 
+// Releases the warp barrier of `mask` in warp `w` once every lane of it that still runs
+// has arrived there with that mask.
+void releaseWarpIfComplete(Block* b, unsigned w, uint32_t mask) {
+  uint32_t present = 0;
+  for (unsigned lane = 0; lane < 32; lane++) {
+    const unsigned t = w * 32 + lane;
+    if (!((mask >> lane) & 1) || t >= b->nthreads || b->state[t] == kDone) continue;
+    if (b->state[t] != kAtWarp || b->warpMask[t] != mask) return;  // not there yet
+    present |= 1u << lane;
+  }
+  if (!present) return;
+  uint64_t orValue = 0, lowest = b->warpValue[w * 32 + __builtin_ctz(present)];
+  for (unsigned lane = 0; lane < 32; lane++)
+    if ((present >> lane) & 1) orValue |= b->warpValue[w * 32 + lane];
+  for (unsigned lane = 0; lane < 32; lane++) {
+    if (!((present >> lane) & 1)) continue;
+    const unsigned t = w * 32 + lane;
+    b->state[t] = kRunnable;
+    b->warpResult[t] = orValue;
+    b->warpValue[t] = lowest;  // read back by mode 1
+  }
+}
+
+// After fiber `me` returned: the warp barriers its lanes wait at may be complete now.
+void releaseWarpOf(Block* b, unsigned me) {
+  const unsigned w = me / 32;
+  for (unsigned lane = 0; lane < 32; lane++) {
+    const unsigned t = w * 32 + lane;
+    if (t < b->nthreads && b->state[t] == kAtWarp) releaseWarpIfComplete(b, w, b->warpMask[t]);
+  }
+}
+
 void fiberEntry(unsigned lo, unsigned hi) {
   Block* b = (Block*)(((uintptr_t)hi << 32) | (uintptr_t)lo);
   const unsigned me = b->cur;
@@ -148,12 +188,14 @@ void fiberEntry(unsigned lo, unsigned hi) {
     b->launch->kernel(b->launch->args);
   } catch (const KernelAbort&) {
     b->aborted = true;
-    b->launch->failed.store(kLaunchFailed);
+    int ok = kLaunchOk;  // kLaunchStuck stays
+    b->launch->failed.compare_exchange_strong(ok, kLaunchFailed);
     switchHome(b, me);  // never resumed
   }
   b->state[me] = kDone;
   b->nlive--;
   releaseBarrierIfComplete(b);
+  releaseWarpOf(b, me);
   int next = nextRunnable(b, me);
   if (next >= 0) switchTo(b, me, (unsigned)next);  // never resumed: done fibers are not runnable
   switchHome(b, me);
@@ -171,7 +213,10 @@ void runBlock(Launch* L, unsigned blockId) {
     tl_thread = &only;
     try {
       L->kernel(L->args);
-    } catch (const KernelAbort&) { L->failed.store(kLaunchFailed); }
+    } catch (const KernelAbort&) {
+      int ok = kLaunchOk;
+      L->failed.compare_exchange_strong(ok, kLaunchFailed);
+    }
   } else {
     b.threads.resize(b.nthreads);
     for (unsigned t = 0; t < b.nthreads; t++) {
@@ -182,6 +227,9 @@ void runBlock(Launch* L, unsigned blockId) {
     }
     b.ctx.resize(b.nthreads);
     b.state.assign(b.nthreads, kRunnable);
+    b.warpMask.assign(b.nthreads, 0);
+    b.warpValue.assign(b.nthreads, 0);
+    b.warpResult.assign(b.nthreads, 0);
     b.nlive = b.nthreads;
 #ifdef COMMREF_TSAN
     b.homeFiber = __tsan_get_current_fiber();
@@ -296,7 +344,10 @@ void syncthreads() {
   releaseBarrierIfComplete(b);
   while (b->state[me] != kRunnable) {
     int next = nextRunnable(b, me);
-    if (next < 0) break;  // cannot happen: the barrier would have been released
+    if (next < 0) {  // the others wait at a warp barrier that needs this thread: never released
+      b->launch->failed.store(kLaunchStuck);
+      throw KernelAbort();
+    }
     switchTo(b, me, (unsigned)next);
     if (b->aborted || b->launch->failed.load(std::memory_order_relaxed)) throw KernelAbort();
   }
@@ -311,6 +362,26 @@ int syncthreads_or(int predicate) {
   b->barrierOr |= predicate;
   syncthreads();
   return b->barrierOrDone;
+}
+
+uint64_t warp_sync(uint32_t mask, uint64_t value, int mode) {
+  Block* b = tl_block;
+  if (b->nthreads == 1) return value;
+  const unsigned me = b->cur;
+  b->warpMask[me] = mask;
+  b->warpValue[me] = value;
+  b->state[me] = kAtWarp;
+  releaseWarpIfComplete(b, me / 32, mask);
+  while (b->state[me] != kRunnable) {
+    int next = nextRunnable(b, me);
+    if (next < 0) {  // nobody can run: the warp barrier never completes
+      b->launch->failed.store(kLaunchStuck);
+      throw KernelAbort();
+    }
+    switchTo(b, me, (unsigned)next);
+    if (b->aborted || b->launch->failed.load(std::memory_order_relaxed)) throw KernelAbort();
+  }
+  return mode == 1 ? b->warpValue[me] : b->warpResult[me];
 }
 
 void spin_pause(uint32_t spins) {

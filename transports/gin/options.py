@@ -107,6 +107,9 @@ class GinOptions:
     # (scheduler.py, "Independent contexts"). Off: every context of a peer lands in the
     # order the proxy takes it (a legal refinement, and the fast path: the native engine).
     independent_contexts: bool = False
+    # The backend must offer VA signals (a device communicator created with strict
+    # ordering, whose kernels signal 64-bit words at window offsets).
+    va_signals: bool = False
 
     def __post_init__(self) -> None:
         fix = object.__setattr__
@@ -124,6 +127,7 @@ class GinOptions:
         fix(self, "wire_latency", quantity(self.wire_latency, "wire_latency", TIME_UNITS, "seconds, e.g. 5us"))
         fix(self, "fault", FaultSpec.parse(self.fault))
         fix(self, "independent_contexts", flag(self.independent_contexts, "independent_contexts"))
+        fix(self, "va_signals", flag(self.va_signals, "gin_va_signals"))
         if self.independent_contexts and self.wire != Wire.ORDERED:
             raise OptionError(
                 f"independent_contexts is an option of the ordered wire; on the {self.wire.value} wire "

@@ -146,6 +146,7 @@ def requirements(options: GinOptions, signals_counters: int = 0) -> Requirements
     starts)."""
     return Requirements(
         strong_signals_required=options.protocol == GinProtocol.STRONG,
+        va_signals_required=options.va_signals,
         wire=options.wire.value,
         flush_orders_later_writes=options.protocol == GinProtocol.FLUSH_SIGNAL,
         signals_counters=signals_counters,

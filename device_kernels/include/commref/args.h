@@ -213,8 +213,21 @@ struct CollArgs {
 #define COMMREF_KERNEL_MAX_ARGS 16
 #define COMMREF_DEVCOMM_MAX_CONTEXTS 4  // GIN contexts of a device communicator, at most
 enum DevCommFlags : uint32_t {
-  kDevCommStrongSignals = 1u << 0,  // GIN links offer strong signals (else weak only: flush, then signal)
-  kDevCommCountedWrites = 1u << 1   // counted writes are safe on every GIN link (the ordering study)
+  kDevCommStrongSignals = 1u << 0,   // GIN links offer strong signals (else weak only: flush, then signal)
+  kDevCommCountedWrites = 1u << 1,   // counted writes are safe on every GIN link (the ordering study)
+  kDevCommStrictOrdering = 1u << 2,  // created with strict ordering (NCCL_WIN_STRICT_ORDERING): VA signals allowed
+  kDevCommStridedTeams = 1u << 3     // every node holds lsaSize consecutive ranks: LSA and rail teams are strided
+};
+// Why a device-API argument was refused (kBadArgument), where the reason has a message
+// of its own: ErrorRecord.peer holds it (-1: a limit of the argument's range).
+enum BadArgumentReason : int32_t {
+  kBadArgVaSignal = 1,       // a VA signal on a device communicator without strict ordering
+  kBadArgVaOffset = 2,       // a VA signal's word not 8 aligned bytes inside the window
+  kBadArgTeamRank = 3,       // a team rank outside the team
+  kBadArgTeamShape = 4,      // a team that is not strided here, or a factor that does not divide
+  kBadArgSymPtr = 5,         // a symmetric pointer used outside the window
+  kBadArgBits = 6,           // a compare width outside 1 .. 64
+  kBadArgRequestContext = 7  // a flush request waited on a handle of another context
 };
 struct DevComm {
   CollArgs coll;
@@ -295,8 +308,9 @@ enum CpuProtocolSupport : uint32_t {
 // What running a kernel on the CPU engine returns (commref_cpu_launch, cpu/engine.cpp).
 enum LaunchStatus : int32_t {
   kLaunchOk = 0,
-  kLaunchFailed = 1,  // the kernel aborted: its ErrorRecord says why
-  kLaunchRefused = 2  // the engine could not run it: bad grid or block, no thread or stack
+  kLaunchFailed = 1,   // the kernel aborted: its ErrorRecord says why
+  kLaunchRefused = 2,  // the engine could not run it: bad grid or block, no thread or stack
+  kLaunchStuck = 3     // CPU: a block's threads wait at barriers that can never complete (coop.h)
 };
 
 }  // namespace commref

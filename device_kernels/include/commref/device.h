@@ -16,7 +16,8 @@
 // symbol is its name wherever it is written.
 //
 // Contract:
-//   - Every operation below is block-collective: all threads of the block call it with
+//   - Every operation below is block-collective unless given a cooperative scope first
+//     (the section above DeviceGin; coop.h): all threads of the block call it with
 //     the same arguments, and it returns in all of them (a __syncthreads inside; a wait
 //     returns the same value in all of them). Over
 //     LSA the block's threads copy together; over GIN thread 0 posts. Kernels where
@@ -38,7 +39,8 @@
 //         rank to that peer on the context is visible (needs DevComm flag
 //         kDevCommStrongSignals);
 //       weak (WeakSignalInc/WeakSignalAdd): only the put it is attached to is visible;
-//       NoSignal(): data only. VaSignal is not offered here (user signals are indexed).
+//       NoSignal(): data only. VaSignal(action) names, instead of a signal id, the 64-bit
+//       word at that device-window offset of the peer (VA signals, below).
 //     Over LSA every signal is strong (the block's stores, then a release add).
 //   - get lands after flush() of its context; a counter (local completion: the source
 //     may be reused) increments once per put that names it, over LSA at once.
@@ -62,8 +64,10 @@
 //     channel c (c < the communicator's max_channels); connectSend / connectRecv give
 //     them a connection per peer instead (below).
 #pragma once
-#include "flow.h"  // Prims, connectRing (over connection.h, gin.h, lsa.h, move.h)
-#include "multimem.h"
+#include "flow.h"      // Prims, connectRing (over connection.h, gin.h, lsa.h, move.h)
+#include "coop.h"      // CoopThread, CoopWarp, CoopTile<N>, CoopCta
+#include "multimem.h"  // Multimem: one address for the LSA team's copies
+#include "team.h"      // Team and its conversions
 
 namespace commref {
 
@@ -85,6 +89,84 @@ enum class GinFenceLevel : uint32_t {
 };
 // The barrier's context set that names every context of the communicator (ncclGinAllContexts).
 static constexpr int GinAllContexts = -1;
+
+// ==== teams, symmetric pointers, cooperative scopes, requests, rolling compares, VA signals ====
+//
+// Teams (team.h): comm.worldTeam(), lsaTeam(), railTeam() are Team values; comm's
+//   teamRankToWorld / teamRankToTeam / innerFactor / outerFactor are team.h's functions
+//   with their arguments checked: a team rank outside its team, a team that is not
+//   strided here (lsaTeam / railTeam where nodes do not each hold lsaSize consecutive
+//   ranks) and a factor that does not divide its parent fail the launch (ValueError).
+//
+// SymPtr<T> (NCCL's ncclSymPtr): a typed pointer into the device window, a byte offset
+//   that is the same on every rank. ptr + n, ptr - n, ptr += n move it by n elements;
+//   ptr - other is the distance in elements. Arithmetic is unchecked; the views are:
+//   localPtr() this rank's T*, lsaPtr(i) LSA-team rank i's, peerPtr(peer) world rank
+//   peer's (nullptr for a GIN peer, which no load or store reaches), peerPtr(team, i)
+//   team rank i's. A view of an element that is not whole inside the window (offset +
+//   sizeof(T) past windowBytes, or offset not a multiple of alignof(T)) returns nullptr
+//   and fails the launch (ValueError naming the window's bytes and the offset): the
+//   caller must not dereference it, and the block leaves at its next device-API call.
+//   comm.put(peer, dst, src, count, action, counter) with SymPtrs moves count elements.
+//
+// Cooperative scopes (coop.h): put, signal, flush, flushAsync, wait,
+//   waitSignal, waitCounter and waitVaSignal take a scope as their first argument
+//   (CoopThread, CoopWarp, CoopTile<N>, CoopCta); without one they are block-collective
+//   (CoopCta), as every other call. Every thread of the scope calls with the same
+//   arguments; over LSA the scope's threads copy together, over GIN its leader posts; a
+//   wait returns the leader's value to every thread of the scope. Scopes of one block
+//   may act at the same time (each its own signals and data). A scope's GIN posts are
+//   rung on an unordered wire at its own waits and flushes, at every block-wide wait,
+//   flush and barrier, and at the end of the kernel. A failure inside a scope other than
+//   CoopCta marks every thread of the scope failed: they post and copy nothing more,
+//   their waits return at once, the launch fails (the host raises as for any failure)
+//   and the block leaves at its next block-wide call; other scopes stop at their next
+//   wait. Scopes narrower than the block do not exit the kernel on their own.
+//
+// Requests: gin.flushAsync(scope) posts a flush and returns at once with a GinRequest;
+//   gin.wait(scope, request) waits (the communicator's deadline) until that flush is
+//   complete: the sources of every put posted before it are reusable and every get
+//   posted before it has landed. A request is waited on the handle of its context.
+//   Over LSA a request is complete when made.
+//
+// Rolling compares: waitSignal / waitCounter / waitVaSignal(…, least, …, bits) are done
+//   once (value - least) mod 2^bits < 2^(bits - 1) (signalReached), bits in 1 .. 64
+//   (default 64: the signed difference of the 64-bit words); readSignal(id, bits) and
+//   readCounter(id, bits) return the low `bits` bits. A width outside 1 .. 64 fails the
+//   launch (ValueError). Counters have what signals have: read, wait (any scope, any
+//   width), reset.
+//
+// VA signals: VaSignal(StrongSignalInc(off)) (or any action) adds to the 64-bit word at
+//   device-window offset `off` of the peer, with the action's strong or weak promise, on
+//   a device communicator created with strict_ordering=True (NCCL's
+//   NCCL_WIN_STRICT_ORDERING; its backend must offer VA signals, so gda is skipped).
+//   Elsewhere a VA signal fails the launch (ValueError: strict ordering). `off` must be
+//   a multiple of 8 with off + 8 <= windowBytes. readVaSignal, waitVaSignal and
+//   resetVaSignal read, wait on (rolling compare) and zero this rank's word, with the
+//   same refusals.
+struct GinRequest {
+  uint64_t slot;  // the queue's completed-operations count that completes it; 0: complete
+  int32_t ctx;    // the context it was posted on
+};
+// Whether `value` has reached `least` compared at `bits` bits with wrap-around: (value -
+// least) mod 2^bits < 2^(bits - 1); bits in 1 .. 64.
+__device__ bool signalReached(uint64_t value, uint64_t least, int bits = 64);
+
+template <typename T>
+struct SymPtr {
+  DeviceComm* comm;
+  uint64_t offset;  // bytes from the device window's start
+
+  __device__ SymPtr operator+(int64_t n) const { return SymPtr{comm, offset + (uint64_t)(n * (int64_t)sizeof(T))}; }
+  __device__ SymPtr operator-(int64_t n) const { return SymPtr{comm, offset - (uint64_t)(n * (int64_t)sizeof(T))}; }
+  __device__ SymPtr& operator+=(int64_t n) { return *this = *this + n; }
+  __device__ SymPtr& operator-=(int64_t n) { return *this = *this - n; }
+  __device__ int64_t operator-(SymPtr o) const { return ((int64_t)offset - (int64_t)o.offset) / (int64_t)sizeof(T); }
+  __device__ T* localPtr() const;
+  __device__ T* lsaPtr(int lsaRank) const;
+  __device__ T* peerPtr(int peer) const;
+  __device__ T* peerPtr(Team team, int teamRank) const;
+};
 
 // A device communicator's GIN handle, bound to context `ctx` when made (comm.gin(ctx)).
 // The operations of DeviceComm's contract (block-collective; peer first); DeviceComm's
@@ -113,6 +195,25 @@ struct DeviceGin {
   // Earlier puts' sources are reusable and earlier gets have landed (gin.h: nothing
   // about remote visibility).
   __device__ void flush() const;
+
+  // ---- scopes, requests, symmetric pointers (the section above DeviceGin) ----
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void put(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r = NoSignal(),
+                      int counter = -1) const;
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void signal(Coop c, int peer, RemoteAction r) const;
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void flush(Coop c) const;
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ GinRequest flushAsync(Coop c) const;
+  __device__ GinRequest flushAsync() const;  // block-collective
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void wait(Coop c, GinRequest request) const;
+  __device__ void wait(GinRequest request) const;  // block-collective
+  // `count` elements from this rank's `src` to the peer's `dst`.
+  template <typename T>
+  __device__ void put(int peer, SymPtr<T> dst, SymPtr<T> src, uint64_t count, RemoteAction r = NoSignal(),
+                      int counter = -1) const;
 };
 
 struct DeviceComm {
@@ -197,11 +298,51 @@ struct DeviceComm {
   template <typename T, typename Op>
   __device__ void connectRecv(Prims<T, Op>& p, int peer);
 
+  // ---- teams (the section above DeviceGin; team.h) ----
+  __device__ Team worldTeam() const;
+  __device__ Team lsaTeam();
+  __device__ Team railTeam();
+  __device__ int teamRankToWorld(Team t, int i);
+  __device__ int teamRankToTeam(Team a, Team b, int i);  // -1: not a member of a
+  __device__ Team innerFactor(Team parent, int inner);
+  __device__ Team outerFactor(Team parent, int inner);
+
+  // ---- symmetric pointers ----
+  template <typename T>
+  __device__ SymPtr<T> symPtr(uint64_t off);  // the element at byte `off` of the window
+
+  // ---- scopes (coop.h) on context 0, rolling compares, counters as signals ----
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void put(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r = NoSignal(),
+                      int counter = -1);
+  template <typename T>
+  __device__ void put(int peer, SymPtr<T> dst, SymPtr<T> src, uint64_t count, RemoteAction r = NoSignal(),
+                      int counter = -1);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void signal(Coop c, int peer, RemoteAction r);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void flush(Coop c);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ uint64_t waitSignal(Coop c, uint32_t id, uint64_t least, int peer = -1, int bits = 64);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ uint64_t waitCounter(Coop c, uint32_t id, uint64_t least, int bits = 64);
+  __device__ uint64_t readSignal(uint32_t id, int bits);
+  __device__ uint64_t readCounter(uint32_t id, int bits);
+
+  // ---- VA signals (strict ordering only) ----
+  __device__ uint64_t readVaSignal(uint64_t off, int bits = 64);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ uint64_t waitVaSignal(Coop c, uint64_t off, uint64_t least, int peer = -1, int bits = 64);
+  __device__ uint64_t waitVaSignal(uint64_t off, uint64_t least, int peer = -1, int bits = 64);  // block-collective
+  __device__ void resetVaSignal(uint64_t off);  // block-collective; only when no peer can still be signalling it
+
   // Fails the launch with kBadArgument unless `ok`; returns ok.
   __device__ bool argumentOk(bool ok, uint64_t limit, uint64_t value);
 
  private:
   friend struct DeviceGin;
+  template <typename T>
+  friend struct SymPtr;
   const KernelArgs& args;
   const DevComm& dc;
   const CollArgs& a;
@@ -227,8 +368,19 @@ struct DeviceComm {
   __device__ uint64_t* barrierWord(int r, int set, int from) const;
   __device__ uint64_t* epochWord(int set) const;
   __device__ void barrierOver(bool lsaOnly, GinFenceLevel fence, int ctx);
+  // The section above DeviceGin.
+  __device__ bool refuse(bool ok, int32_t reason, uint64_t limit, uint64_t value);  // argumentOk with a reason
+  __device__ bool bitsOk(int bits);
+  __device__ bool vaOk(uint64_t off);
+  __device__ uint64_t* actionWord(int peer, RemoteAction r) const;  // the word r adds to over LSA
+  __device__ void ringBlock();  // every thread rings what it posted, before a block-wide wait
+  template <typename Coop>
+  __device__ void settle(const Coop& c);  // the scope's threads learn whether any failed
+  template <typename Coop>
+  __device__ uint64_t waitWord(const Coop& c, const uint64_t* word, uint64_t least, int bits, uint32_t what, int peer);
 };
 
 }  // namespace commref
 
 #include "impl/device__funcs.h"
+#include "impl/device_ext__funcs.h"

@@ -12,7 +12,7 @@ __device__ inline void DeviceGin::put(int peer, uint64_t dst, uint64_t src, uint
       copyOwnShare<uint8_t>(comm.lsaPtr<uint8_t>(peer, dst), comm.local<uint8_t>(src), bytes);
       __syncthreads();
       if (threadIdx.x == 0) {
-        if (r.flags) fetch_add_release(comm.signalWord(peer, (uint32_t)r.signal), r.value);
+        if (r.flags) fetch_add_release(comm.actionWord(peer, r), r.value);
         if (counter >= 0) fetch_add_release(comm.counterWord(counter), 1);
       }
     } else if (threadIdx.x == 0) {
@@ -31,7 +31,7 @@ __device__ inline void DeviceGin::putValue(int peer, uint64_t dst, uint64_t valu
   if (threadIdx.x == 0 && comm.checkPut(peer, dst, 0, 8, r, -1, ctx) && comm.argumentOk(dst % 8 == 0, 8, dst)) {
     if (comm.isLsaPeer(peer)) {
       store_relaxed(comm.lsaPtr<uint64_t>(peer, dst), value);
-      if (r.flags) fetch_add_release(comm.signalWord(peer, (uint32_t)r.signal), r.value);
+      if (r.flags) fetch_add_release(comm.actionWord(peer, r), r.value);
     } else {
       comm.ginOn(ctx).putValue(peer, comm.dc.windowOff + dst, value, comm.ginAction(r));
       comm.pending[ctx] |= 1ull << peer;
@@ -43,7 +43,7 @@ __device__ inline void DeviceGin::signal(int peer, RemoteAction r) const {
   __syncthreads();
   if (threadIdx.x == 0 && comm.checkPut(peer, 0, 0, 0, r, -1, ctx)) {
     if (comm.isLsaPeer(peer))
-      fetch_add_release(comm.signalWord(peer, (uint32_t)r.signal), r.value);
+      fetch_add_release(comm.actionWord(peer, r), r.value);
     else {
       comm.ginOn(ctx).signal(peer, comm.ginAction(r));
       comm.pending[ctx] |= 1ull << peer;
@@ -63,6 +63,7 @@ __device__ inline void DeviceGin::get(int peer, uint64_t dst, uint64_t src, uint
   comm.sync();
 }
 __device__ inline void DeviceGin::flush() const {
+  comm.ringBlock();
   if (threadIdx.x == 0 && comm.contextOk(ctx) && comm.a.gin.capacity) {
     comm.ringDoorbells();
     comm.ginOn(ctx).flush();
@@ -75,9 +76,8 @@ __device__ inline DeviceComm::DeviceComm(const KernelArgs& k)
     : args(k), dc(k.comm), a(k.comm.coll), env(kernelEnv(k.comm.coll)) {
   for (int c = 0; c < COMMREF_DEVCOMM_MAX_CONTEXTS; c++) pending[c] = 0;
 }
-__device__ inline DeviceComm::~DeviceComm() {
-  if (threadIdx.x == 0) ringDoorbells();
-}
+// Every thread: a scope's leader (coop.h) may have posted.
+__device__ inline DeviceComm::~DeviceComm() { ringDoorbells(); }
 
 __device__ __forceinline__ int DeviceComm::rank() const { return a.rank; }
 __device__ __forceinline__ int DeviceComm::nranks() const { return a.nranks; }
@@ -135,6 +135,7 @@ __device__ inline uint64_t DeviceComm::readSignal(uint32_t id) {
 }
 __device__ inline uint64_t DeviceComm::waitSignal(uint32_t id, uint64_t least, int peer) {
   __shared__ uint64_t seen;
+  ringBlock();
   if (threadIdx.x == 0 && signalOk(id)) {
     ringDoorbells();
     if (a.gin.capacity) ginOn(0).wakeEngine();
@@ -151,6 +152,7 @@ __device__ inline uint64_t DeviceComm::readCounter(uint32_t id) {
 }
 __device__ inline uint64_t DeviceComm::waitCounter(uint32_t id, uint64_t least) {
   __shared__ uint64_t seen;
+  ringBlock();
   if (threadIdx.x == 0 && counterOk(id)) {
     ringDoorbells();
     if (a.gin.capacity) ginOn(0).wakeEngine();
@@ -203,6 +205,7 @@ __device__ inline uint64_t* DeviceComm::signalWord(int r, uint32_t id) const {
 }
 __device__ inline uint64_t* DeviceComm::counterWord(uint32_t id) const { return (uint64_t*)dc.counters + id; }
 __device__ inline RemoteAction DeviceComm::ginAction(RemoteAction r) const {
+  if (r.flags & kGinVaSignal) return RemoteAction{r.flags, dc.windowOff + r.signal, r.value};  // window 0's offset
   return RemoteAction{r.flags, r.flags ? dc.signalBase + r.signal : 0, r.value};
 }
 __device__ inline int DeviceComm::distance(int from, int to) const {
@@ -221,15 +224,15 @@ __device__ inline bool DeviceComm::contextOk(int ctx) {
                     (uint64_t)ctx);
 }
 // A user signal id is checked against the communicator's signals before it is used; a
-// VA signal has no user meaning here and is refused as a bad flag.
+// VA signal's word (a window offset) against the window, on strict ordering only.
 __device__ inline bool DeviceComm::checkPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r,
                                             int counter, int ctx) {
   const uint64_t w = dc.windowBytes;
   return argumentOk(peer >= 0 && peer < a.nranks, a.nranks, (uint64_t)peer) &&
          argumentOk(dst <= w && bytes <= w - dst, w, dst + bytes) &&
          argumentOk(src <= w && bytes <= w - src, w, src + bytes) &&
-         argumentOk(!(r.flags & kGinVaSignal), kGinVaSignal, r.flags) &&
-         (!r.flags || argumentOk(r.signal < dc.nsignals, dc.nsignals, r.signal)) &&
+         ((r.flags & kGinVaSignal) ? vaOk(r.signal)
+                                   : (!r.flags || argumentOk(r.signal < dc.nsignals, dc.nsignals, r.signal))) &&
          (counter < 0 || counterOk(counter)) && contextOk(ctx) &&
          argumentOk(!(r.flags & kGinStrongSignal) || isLsaPeer(peer) || (dc.flags & kDevCommStrongSignals),
                     kDevCommStrongSignals, dc.flags);
@@ -266,6 +269,7 @@ __device__ inline uint64_t* DeviceComm::epochWord(int set) const {
   return signalWord(a.rank, dc.nsignals + (dc.ncontexts + 2) * a.nranks + set);
 }
 __device__ inline void DeviceComm::barrierOver(bool lsaOnly, GinFenceLevel fence, int ctx) {
+  ringBlock();
   __syncthreads();
   if (threadIdx.x == 0 && fenceOk(fence, ctx)) {
     const bool fenced = !lsaOnly && fence != GinFenceLevel::None;
