@@ -241,6 +241,42 @@ def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network
     ]
 
 
+# The planted-bug runs (a strong flag stripped, a signal before its data): slots large
+# enough that the strong protocol splits each into several puts, the strong signal on
+# the last; at least half the seeds must catch a plant.
+PLANTED_SEEDS = range(4)
+PLANTED_SLOT_BYTES = 16384  # a slot of 64 + 16384 bytes goes as 4 puts of about 4 KiB under strong
+PLANTED_SEGMENT_BYTES = 4096
+PLANTED_COUNT = 16384  # float32: 64 KiB per rank, 4 full slots
+
+
+def planted_run(world, seed, timeout, wire="unordered"):
+    """The collectives over GIN (proxy backend, `wire`, strong protocol) through the
+    planted runs' slots; returns (this rank's proxy trace, wrong elements here)."""
+    trace, wrong, _ = traced_sweep(
+        world,
+        seed,
+        timeout,
+        count=PLANTED_COUNT,
+        slot_bytes=PLANTED_SLOT_BYTES,
+        segment_bytes=PLANTED_SEGMENT_BYTES,
+        backend="proxy",
+        network="shm",
+        gin_protocol="strong",
+        wire=wire,
+    )
+    return trace, wrong
+
+
+def trace_kinds(trace: dict) -> dict:
+    """How many records of each kind (its first field) a trace holds, over its links."""
+    out: dict = {}
+    for records in trace.values():
+        for r in records:
+            out[r[0]] = out.get(r[0], 0) + 1
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # buffers, geometries, leftovers
 # ---------------------------------------------------------------------------------------

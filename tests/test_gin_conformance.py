@@ -29,7 +29,7 @@ import re
 import sys
 
 import numpy as np
-from helpers import collectives_run, traced_sweep
+from helpers import PLANTED_SEEDS, PLANTED_SEGMENT_BYTES, collectives_run, planted_run
 
 from commref.transports.gin import semantics
 from commref.transports.gin.replay import MODEL_ENABLED, Disallowed, replay, replay_trace
@@ -395,33 +395,8 @@ def test_a_batched_link_lands_nothing_before_its_doorbell_whenever_deliver_runs(
     assert early > 0 and unbatched != quiet  # the first batch landed before its doorbell
 
 
-PLANTED_SEEDS = range(4)
-PLANTED_SLOT_BYTES = 16384  # a slot of 64 + 16384 bytes goes as 4 puts of about 4 KiB under strong
-PLANTED_SEGMENT_BYTES = 4096
-PLANTED_COUNT = 16384  # float32: 64 KiB per rank, 4 full slots
-
-
-def _planted_run(world, seed, timeout):
-    """The collectives over GIN (proxy, unordered wire, strong) through slots large enough
-    that the strong protocol splits each into several puts with the strong signal on the
-    last; returns (this rank's proxy trace, wrong elements here)."""
-    trace, wrong, _ = traced_sweep(
-        world,
-        seed,
-        timeout,
-        count=PLANTED_COUNT,
-        slot_bytes=PLANTED_SLOT_BYTES,
-        segment_bytes=PLANTED_SEGMENT_BYTES,
-        backend="proxy",
-        wire="unordered",
-        network="shm",
-        gin_protocol="strong",
-    )
-    return trace, wrong
-
-
 def _planted_seed(seed, strip_strong, timeout):
-    """One run of _planted_run on 2 ThreadWorld ranks, the strong flag stripped at the
+    """One run of planted_run on 2 ThreadWorld ranks, the strong flag stripped at the
     proxy's decode or not (watch_flags). Returns (per-rank results or None, the failure
     kind or None, {"strong": data puts with a strong signal, "bare": data puts without a
     signal} as the kernels posted them, both ranks together)."""
@@ -442,7 +417,7 @@ def _planted_seed(seed, strip_strong, timeout):
 
     cls._execute = count
     try:
-        results = ThreadWorld.run(2, _planted_run, seed, timeout, timeout=30)
+        results = ThreadWorld.run(2, planted_run, seed, timeout, timeout=30)
     except CommrefError as e:  # the root cause; the other rank then times out or aborts
         return None, type(e).__name__, posted
     finally:

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import clean_env, run_mpi
-from helpers import WORLD_TIMEOUT, collectives_run, mixed_posts, posted
+from helpers import WORLD_TIMEOUT, collectives_run, mixed_posts, posted, trace_kinds
 
 from commref.transports.gin.replay import Disallowed, replay_trace
 from commref.transports.thread_world import ThreadWorld
@@ -50,14 +50,6 @@ def _native_conformance(world, backend, protocol, seeds, network="shm", wire="or
     ]
 
 
-def _kinds(trace: dict) -> dict:
-    out: dict = {}
-    for records in trace.values():
-        for r in records:
-            out[r[0]] = out.get(r[0], 0) + 1
-    return out
-
-
 @pytest.mark.parametrize(
     "nranks, backend, protocol", [(2, *o) for o in ORDERED] + [(3, "proxy", "strong"), (3, "gda", "flush-signal")]
 )
@@ -73,7 +65,7 @@ def test_collectives_over_native_engine_conform(nranks, backend, protocol, nativ
             assert protocol == "weak-last" or wrong == 0, (rank, seed, wrong)
             for key, n in replay_trace(trace, backend, "ordered").items():
                 total[key] = total.get(key, 0) + n
-            for key, n in _kinds(trace).items():
+            for key, n in trace_kinds(trace).items():
                 kinds[key] = kinds.get(key, 0) + n
     assert total["seg"] > 100 and total["signal"] > 20, total
     assert total["post"] == kinds["post"] and total["signal"] == kinds["signal"], (total, kinds)

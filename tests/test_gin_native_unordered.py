@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import collectives_run, traced_sweep
+from helpers import PLANTED_SEEDS, PLANTED_SEGMENT_BYTES, collectives_run, planted_run, trace_kinds, traced_sweep
 
 from commref import Communicator
 from commref.transports.errors import CommrefError
@@ -43,14 +43,6 @@ UNORDERED = [
 SEEDS = (1, 2)
 
 
-def _kinds(trace: dict) -> dict:
-    out: dict = {}
-    for records in trace.values():
-        for r in records:
-            out[r[0]] = out.get(r[0], 0) + 1
-    return out
-
-
 @pytest.mark.parametrize("nranks, backend, protocol", [(2, *u) for u in UNORDERED] + [(3, "proxy", "strong")])
 def test_collectives_over_native_unordered_wire_conform(nranks, backend, protocol, native):
     """Each rank's native trace on the unordered wire, link by link, against
@@ -65,7 +57,7 @@ def test_collectives_over_native_unordered_wire_conform(nranks, backend, protoco
             wrong += w
             for key, n in replay_trace(trace, backend, "unordered").items():
                 total[key] = total.get(key, 0) + n
-            for key, n in _kinds(trace).items():
+            for key, n in trace_kinds(trace).items():
                 kinds[key] = kinds.get(key, 0) + n
     assert total["seg"] > 100 and total["signal"] > 20, total
     assert total["hold"] > 10 and total["release"] == total["hold"], total
@@ -101,7 +93,7 @@ def test_collectives_over_native_independent_contexts_conform(backend, protocol,
             assert wrong == 0, wrong
             for key, n in replay_trace(trace, backend, "ordered").items():
                 total[key] = total.get(key, 0) + n
-            for key, n in _kinds(trace).items():
+            for key, n in trace_kinds(trace).items():
                 kinds[key] = kinds.get(key, 0) + n
             for records in trace.values():
                 for r in records:
@@ -150,28 +142,6 @@ def test_native_unordered_holds_are_reproducible_and_bounded(native):
         assert _holds(ta) == _holds(tb)
 
 
-PLANTED_SEEDS = range(4)
-PLANTED_SLOT_BYTES = 16384  # a slot of 64 + 16384 bytes goes as 4 puts of about 4 KiB under strong
-PLANTED_SEGMENT_BYTES = 4096
-PLANTED_COUNT = 16384  # float32: 64 KiB per rank, 4 full slots
-
-
-def _planted_run(world, seed, timeout, wire):
-    trace, wrong, _ = traced_sweep(
-        world,
-        seed,
-        timeout,
-        count=PLANTED_COUNT,
-        slot_bytes=PLANTED_SLOT_BYTES,
-        segment_bytes=PLANTED_SEGMENT_BYTES,
-        backend="proxy",
-        network="shm",
-        gin_protocol="strong",
-        wire=wire,
-    )
-    return trace, wrong
-
-
 def _outcome(run, seed, timeout, wire):
     """run(world, seed, timeout, wire) on 2 ThreadWorld ranks: (per-rank results or
     None, the failure: an error's type name, 'wrong elements', 'disallowed' (a trace the
@@ -201,7 +171,7 @@ def test_planted_bugs_fail_on_the_native_unordered_wire(plant, native, monkeypat
     failed = {}
     for seed in PLANTED_SEEDS:
         monkeypatch.setattr(nat, "PLANT", 0)
-        results, kind = _outcome(_planted_run, seed, 30.0, "unordered")
+        results, kind = _outcome(planted_run, seed, 30.0, "unordered")
         assert kind is None, (seed, kind)
         strong = sum(
             1
@@ -212,7 +182,7 @@ def test_planted_bugs_fail_on_the_native_unordered_wire(plant, native, monkeypat
         )
         assert strong > 0, seed
         monkeypatch.setattr(nat, "PLANT", nat.PLANT_STRIP_STRONG if plant == "strip-strong" else nat.PLANT_SIGNAL_FIRST)
-        _, kind = _outcome(_planted_run, seed, 0.5, "unordered")
+        _, kind = _outcome(planted_run, seed, 0.5, "unordered")
         if kind is not None:
             failed[seed] = kind
     assert len(failed) >= len(PLANTED_SEEDS) // 2, f"{plant} broke only seeds {failed} of {list(PLANTED_SEEDS)}"
