@@ -259,7 +259,7 @@ class Communicator:
             again = repeat = None
         if again is not None and not self.broken and again.matches(sendbuf, recvbuf):
             if groups.state.depth:  # a member of this thread's group
-                groups.submit_kept(self._scheduler, again)
+                groups.record_kept(self._scheduler, again)
             else:
                 self._scheduler.run_cpu(again)
             return

@@ -38,7 +38,7 @@ class _GroupState(threading.local):
     schedulers: list = []
 
 
-# This thread's group; Communicator's kept-call path reads state.depth before submit_kept.
+# This thread's group; Communicator's kept-call path reads state.depth to choose record_kept.
 state = _GroupState()
 
 
@@ -103,14 +103,12 @@ def submit(scheduler, call) -> None:
         scheduler.launch([call])
 
 
-def submit_kept(scheduler, kept) -> None:
-    """submit() of a kept call (launch_record.RepeatedCall) that matched its arrays: run
-    at once (Scheduler.run_cpu), or recorded in this thread's group."""
-    if state.depth:
-        state.calls.append(kept)
-        state.schedulers.append(scheduler)
-    else:
-        scheduler.run_cpu(kept)
+def record_kept(scheduler, kept) -> None:
+    """A kept call (launch_record.RepeatedCall) that matched its arrays, as a member of
+    this thread's open group (state.depth > 0); outside a group the caller runs it at
+    once (Scheduler.run_cpu)."""
+    state.calls.append(kept)
+    state.schedulers.append(scheduler)
 
 
 def launch(schedulers: list, calls: list) -> None:
