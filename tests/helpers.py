@@ -241,6 +241,15 @@ def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network
     ]
 
 
+# (backend, protocol) on the ordered wire with independent contexts (GinOptions.independent_contexts)
+INDEPENDENT = [
+    ("proxy", "strong"),
+    ("rc", "strong"),
+    ("rc", "weak-last"),
+    ("gda", "signal-per-put"),
+    ("gda", "flush-signal"),
+]
+
 # The planted-bug runs (a strong flag stripped, a signal before its data): slots large
 # enough that the strong protocol splits each into several puts, the strong signal on
 # the last; at least half the seeds must catch a plant.

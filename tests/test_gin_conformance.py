@@ -29,7 +29,7 @@ import re
 import sys
 
 import numpy as np
-from helpers import PLANTED_SEEDS, PLANTED_SEGMENT_BYTES, collectives_run, planted_run
+from helpers import INDEPENDENT, PLANTED_SEEDS, PLANTED_SEGMENT_BYTES, collectives_run, planted_run
 
 from commref.transports.gin import semantics
 from commref.transports.gin.replay import MODEL_ENABLED, Disallowed, replay, replay_trace
@@ -48,15 +48,7 @@ MATRIX = [
     ("gda", "unordered", "weak-last"),
 ]
 SEEDS = (1, 2, 3, 4, 5, 6)
-# (backend, protocol) on the ordered wire with independent contexts (GinOptions.independent_contexts),
-# run over 2 channels, so that each peer is reached on 2 contexts
-INDEPENDENT = [
-    ("proxy", "strong"),
-    ("rc", "strong"),
-    ("rc", "weak-last"),
-    ("gda", "signal-per-put"),
-    ("gda", "flush-signal"),
-]
+# INDEPENDENT (helpers) run over 2 channels, so that each peer is reached on 2 contexts
 INDEPENDENT_RUN = {"independent_contexts": True, "max_channels": 2}
 
 

@@ -24,7 +24,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import PLANTED_SEEDS, PLANTED_SEGMENT_BYTES, collectives_run, planted_run, trace_kinds, traced_sweep
+from helpers import (
+    INDEPENDENT,
+    PLANTED_SEEDS,
+    PLANTED_SEGMENT_BYTES,
+    collectives_run,
+    planted_run,
+    trace_kinds,
+    traced_sweep,
+)
 
 from commref import Communicator
 from commref.transports.errors import CommrefError
@@ -67,16 +75,6 @@ def test_collectives_over_native_unordered_wire_conform(nranks, backend, protoco
         assert wrong > 0, "weak-last never corrupted on the native unordered wire"
     else:
         assert wrong == 0, wrong
-
-
-# (backend, protocol) on the ordered wire with independent contexts (test_gin_conformance's INDEPENDENT)
-INDEPENDENT = [
-    ("proxy", "strong"),
-    ("rc", "strong"),
-    ("rc", "weak-last"),
-    ("gda", "signal-per-put"),
-    ("gda", "flush-signal"),
-]
 
 
 @pytest.mark.parametrize("backend, protocol", INDEPENDENT)
