@@ -344,17 +344,16 @@ class HostWords:
                 expected=expected,
                 seen=seen,
             )
-        if code == abi.ERR_MISMATCH and what_code == abi.BAD_ARGUMENT and peer in _BAD_ARGUMENT_REASONS:
-            return ValueError(
-                f"rank {rank}: a device-API call in block {channel} was given {seen} where the limit is "
-                f"{expected}: {_BAD_ARGUMENT_REASONS[peer]}"
-            )
         if code == abi.ERR_MISMATCH and what_code == abi.BAD_ARGUMENT:
+            reason = _BAD_ARGUMENT_REASONS.get(peer)
+            why = (
+                f": {reason}"
+                if reason is not None
+                else " (ids, contexts and fence levels below it, offsets + bytes within it, putValue's "
+                "destination a multiple of it; a flag word: the device communicator lacks that capability)"
+            )
             return ValueError(
-                f"rank {rank}: a device-API call in block {channel} was given {seen} where the "
-                f"limit is {expected} (ids, contexts and fence levels below it, offsets + bytes within it, "
-                f"putValue's destination a multiple of it; a flag word: the device communicator "
-                f"lacks that capability)"
+                f"rank {rank}: a device-API call in block {channel} was given {seen} where the limit is {expected}{why}"
             )
         if code == abi.ERR_MISMATCH and what_code in (abi.P2P_RECV_MISMATCH, abi.P2P_SEND_REJECTED):
             theirs = f"{expected} {abi.unpack_call(seen)['dtype']}"  # the peer's count and dtype
