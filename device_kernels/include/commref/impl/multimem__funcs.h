@@ -85,20 +85,14 @@ __device__ inline void Multimem::st(uint64_t off, T v) const {
 #ifdef COMMREF_GPU
   if (mc && sizeof(T) >= 4) {
     if constexpr (sizeof(T) == 4) {
-      union {
-        T t;
-        uint32_t u;
-      } bits;
-      bits.t = v;
-      multimemSt32(mc + off, bits.u);
+      uint32_t bits;
+      memcpy(&bits, &v, 4);  // T's bytes as the store's word
+      multimemSt32(mc + off, bits);
       return;
     } else if constexpr (sizeof(T) == 8) {
-      union {
-        T t;
-        uint64_t u;
-      } bits;
-      bits.t = v;
-      multimemSt64(mc + off, bits.u);
+      uint64_t bits;
+      memcpy(&bits, &v, 8);
+      multimemSt64(mc + off, bits);
       return;
     }
   }
