@@ -16,9 +16,8 @@ import pytest
 from conftest import REPO, clean_env, mpiexec, run_cmd
 from helpers import check_summary
 
-pytestmark = pytest.mark.skipif(
-    netns_hosts.why_unavailable() is not None, reason=f"no namespace hosts here: {netns_hosts.why_unavailable()}"
-)
+_UNAVAILABLE = netns_hosts.why_unavailable()  # makes and removes a probe namespace: once
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"no namespace hosts here: {_UNAVAILABLE}")
 
 
 def _leftovers() -> list[str]:
