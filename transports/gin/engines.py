@@ -125,6 +125,7 @@ def start_engine(
             wire_rate=o.wire_rate,
             wire_latency=o.wire_latency,
             independent_contexts=o.independent_contexts,
+            batched=plan.rings_doorbells,
         )
     else:
         from commref.transports.gin.proxy import GinProxy

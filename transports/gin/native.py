@@ -108,6 +108,7 @@ class EngineConfig(ctypes.Structure):
         ("releasePolls", ctypes.c_int32),
         ("overtakenPolls", ctypes.c_int32),
         ("independentContexts", ctypes.c_int32),
+        ("batched", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
         ("segmentBytes", ctypes.c_uint64),
         ("plant", ctypes.c_uint64),
@@ -336,6 +337,7 @@ class NativeProxy:
         wire_latency: float = 0.0,
         stream_min_bytes: int | None = None,
         independent_contexts: bool = False,
+        batched: bool = False,
     ):
         world, window, layout, capacity, backend, transport, network = site
         why = supports(transport, network, observer, segment_bytes or 4096, independent_contexts)
@@ -398,6 +400,7 @@ class NativeProxy:
             releasePolls=int(poll["release_polls"]),
             overtakenPolls=int(poll["overtaken_polls"]),
             independentContexts=int(independent_contexts and transport.ordered),
+            batched=int(batched),
             seed=int(seed) & (2**64 - 1),
             segmentBytes=int(segment_bytes or 4096),
             plant=int(PLANT),

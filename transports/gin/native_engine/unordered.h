@@ -33,7 +33,9 @@
 // empty polls instead, so that a receiver has time to act on that signal; a held put
 // nothing overtook only delays its own signal, and goes after releasePolls.
 // Links that ring no doorbells (raw device API use, host producers) are served at the
-// end of each pass over the queue, as one batch with no holds.
+// end of each pass over the queue, as one batch with no holds; where the kernels ring
+// doorbells (config `batched`) every link is served at its doorbells from its first put,
+// so that a pass ending between a link's first put and its first doorbell lands nothing.
 //
 // A flush of a context stages the sources of its puts not landed yet (they are reusable
 // when the flush returns) and marks the next put of each link of the context.
@@ -124,6 +126,7 @@ class UnorderedWire {
       it = links_.emplace(key, Link{}).first;
       it->second.peer = peer;
       it->second.ctx = ctx;
+      it->second.rung = cfg_.batched != 0;
       for (int32_t f : flushedCtx_)
         if (f == ctx) it->second.afterFlush = true;
     }
