@@ -358,6 +358,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="measure the memory-bandwidth bound column (default on)",
     )
     c.add_argument(
+        "--profile",
+        action="store_true",
+        help="CPU: after each size's timed calls, profile -n more calls of each series on the profile build "
+        "(time in copies, reductions, waits and the rest; bytes moved against the least) and print it",
+    )
+    c.add_argument(
         "--json",
         metavar="FILE",
         type=_output_file,
@@ -414,6 +420,13 @@ def validate(args) -> None:
         files = [f for f, v in (("--json", args.json), ("-J", args.nccl_json), ("--plot", args.plot)) if v]
         if files:
             raise ValueError(f"-N 0 runs until interrupted, so {' and '.join(files)} would never be written; give -N n")
+    if getattr(args, "profile", False):
+        if args.device == "cuda":
+            raise ValueError("--profile profiles the CPU engine's kernels; a GPU run has no profile (use nsys or ncu)")
+        if args.nthreads > 1:
+            raise ValueError(
+                "--profile needs each rank in a process of its own (--np N): rank threads (-t) share one profile"
+            )
     if args.json and args.nccl_json and _same_file(args.json, args.nccl_json):
         raise ValueError(f"--json and -J name the same file, {args.json}; give each its own")
     check_kept(args, nranks or 1)

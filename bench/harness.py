@@ -23,11 +23,12 @@ import numpy as np
 
 from commref.collectives.options import resolve_device
 from commref.collectives.verify import DTYPES
+from commref.device_kernels import cpu_loader
 from commref.transports.errors import CommTimeout
 from commref.transports.gin import faults
 from commref.transports.gin.faults import FaultSpec
 
-from . import plugins
+from . import plugins, profile
 from .arguments import add_arguments, build_parser, check_kept, sweep_sizes, validate
 from .baselines import BaselineUnavailable, make_baseline
 from .bound import StreamMeter
@@ -213,10 +214,14 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
     JSON file's content) on every rank. Rank 0 prints the table through `out`.
     `corrupt(label, in_place, rank, out)` is a test hook run after each last call."""
     check_kept(args, world.size)  # the ranks known now: every rank refuses alike, before any call
+    if getattr(args, "profile", False):  # before the first communicator loads the CPU kernels
+        os.environ[cpu_loader.PROFILE_ENV] = "1"
     plugin = plugins.get(args.collective)
     dtype = DTYPES[args.datatype]
     op = args.op if plugin.reducing else None
     device, device_id, xp, sync = setup_device(world, args.device)
+    if getattr(args, "profile", False) and device != "cpu":
+        raise ValueError("--profile profiles the CPU engine's kernels; this run is on a GPU (give --device cpu)")
     ctx = Ctx(world, args, plugin, dtype, device, xp, corrupt)
     runners, skipped = setup_communicators(world, args, device, device_id, plugin, op)
     ctx.memory = symmetric_memory(args, plugin, dtype, world.size, xp, runners)
@@ -256,6 +261,7 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
         gin_faults = fault_counts(world, runners)
         report.lines(f"# GIN faults ({label}): {faults.summary(stats)}" for label, stats in gin_faults.items())
         report.lines(footer(rows))
+        report.lines(profile.lines(rows))
     finally:
         report.close()
     elapsed = time.perf_counter() - t0

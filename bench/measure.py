@@ -46,7 +46,7 @@ import numpy as np
 
 from commref.collectives import verify
 
-from . import plugins
+from . import plugins, profile
 from .arguments import NCCL_TYPE_NAMES, sweep_sizes
 from .bound import StreamMeter
 from .bound import bound as placement_bound
@@ -193,6 +193,9 @@ def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, bas
         out[label] = {"times": t, "wrong": wrong}
     if baseline is not None:
         out["baseline"] = times[-1]
+    if getattr(args, "profile", False):  # after the checks: the profiled calls change the outputs
+        for (label, _, _), v in zip(checks, singles):
+            out[label]["profile"] = profile.profile_calls(w, v.call, v.sync, args.iters)
     return out
 
 
@@ -390,6 +393,11 @@ def sweep(
                     per_iter,
                 )
             oop = res["out_of_place"]
+            profiled = [r[f"{s.label}|0"].get("profile") for r in every]
+            if any(profiled):
+                traffic = plugin.traffic(tn, False)
+                least = traffic.loads(tc.size_bytes(itemsize)) + traffic.stores(tc.size_bytes(itemsize))
+                res["profile"] = profile.summarize(profiled, least)
             if s.team != "job":  # the job's baseline and bound do not compare with a team's
                 base_s, bound_s = None, None
             else:
@@ -412,6 +420,7 @@ def sweep(
                     "bound": bound_s,
                     "pct_of_bound": _pct(oop, bound_s and bound_s["time_us"]),
                     "in_place_pct_of_bound": _pct(res["in_place"], bound_s and bound_s["in_place_time_us"]),
+                    **({"profile": res["profile"]} if "profile" in res else {}),
                 }
             )
         rows.extend(size_rows)

@@ -73,6 +73,9 @@ WAIT_WHAT = {
 # (x86-64; GIN lands LL128 lines by it).
 CPU_ATOMIC_16, CPU_STORE_ORDER = 1, 2
 
+# ProfilePhase (profile.h): the profile build's counters, in commref_cpu_profile's order.
+PROFILE_COPY, PROFILE_REDUCE, PROFILE_WAIT, PROFILE_HELP, PROFILE_KERNEL, PROFILE_PHASES = 0, 1, 2, 3, 4, 5
+
 # What a CPU launch returns (commref_cpu_launch in cpu/engine.cpp).
 LAUNCH_STUCK = 3  # CPU: a block's threads wait at barriers that can never complete (coop.h)
 LAUNCH_OK, LAUNCH_FAILED, LAUNCH_REFUSED = 0, 1, 2  # failed: the ErrorRecord says why; refused: bad grid

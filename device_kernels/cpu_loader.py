@@ -165,6 +165,17 @@ class CpuKernels:
         self._bound = None if extension is None else extension.Bound
         self.binding = "ctypes" if extension is None else "extension"
 
+    def profile(self, reset: bool = False) -> dict[str, dict[str, int]] | None:
+        """The profile build's counters (commref/profile.h) per phase: events, ns, bytes
+        (zeroed after reading when `reset`); None where this is not the profile build."""
+        words = (ctypes.c_uint64 * (3 * abi.PROFILE_PHASES))()
+        if not self._lib.commref_cpu_profile(words, int(reset)):
+            return None
+        return {
+            phase: dict(zip(("events", "ns", "bytes"), words[3 * k : 3 * k + 3], strict=True))
+            for k, phase in PROFILE_PHASES.items()
+        }
+
     def bind(self, group: bool, address: int, n: int = 0):
         """A call bound once: calling it (no arguments) runs
         commref_cpu_launch_prepared(address) (the LaunchDesc at `address`), or, for a
@@ -263,7 +274,27 @@ def _cpu_kernels(defines: tuple[str, ...]) -> CpuKernels:
     return CpuKernels(build_cpu_library(defines=defines))
 
 
+# Set to 1: cpu_kernels() is the profile build (commref/profile.h; `commref bench --profile`).
+PROFILE_ENV = "COMMREF_CPU_PROFILE"
+# commref/profile.h's ProfilePhase names, by their codes
+PROFILE_PHASES = {
+    abi.PROFILE_COPY: "copy",
+    abi.PROFILE_REDUCE: "reduce",
+    abi.PROFILE_WAIT: "wait",
+    abi.PROFILE_HELP: "help",
+    abi.PROFILE_KERNEL: "kernel",
+}
+
+
+def profiling() -> bool:
+    """Whether this process asks for the profile build (PROFILE_ENV=1)."""
+    return os.environ.get(PROFILE_ENV, "0") == "1"
+
+
 def cpu_kernels(defines: tuple[str, ...] = ()) -> CpuKernels:
-    """The CPU library, built once per process (ThreadWorld ranks share it)."""
+    """The CPU library, built once per process (ThreadWorld ranks share it); the profile
+    build where PROFILE_ENV asks for it."""
+    if profiling() and "COMMREF_PROFILE" not in defines:
+        defines = (*defines, "COMMREF_PROFILE")
     with _cpu_lock:
         return _cpu_kernels(tuple(defines))

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "commref/gin.h"
+#include "commref/profile.h"
 #include "commref/reduce.h"
 
 using namespace commref;
@@ -152,6 +153,8 @@ struct Table {
   C(DEVCOMM_STRONG_SIGNALS, kDevCommStrongSignals) C(DEVCOMM_MAX_CONTEXTS, COMMREF_DEVCOMM_MAX_CONTEXTS)                                                            \
   C(DEVCOMM_COUNTED_WRITES, kDevCommCountedWrites)                                                             \
   C(DEVCOMM_STRICT_ORDERING, kDevCommStrictOrdering) C(DEVCOMM_STRIDED_TEAMS, kDevCommStridedTeams) \
+  C(PROFILE_COPY, kProfileCopy) C(PROFILE_REDUCE, kProfileReduce) C(PROFILE_WAIT, kProfileWait) C(PROFILE_HELP, kProfileHelp)               \
+  C(PROFILE_KERNEL, kProfileKernel) C(PROFILE_PHASES, kProfilePhases)                                         \
   C(LAUNCH_OK, kLaunchOk) C(LAUNCH_FAILED, kLaunchFailed) C(LAUNCH_REFUSED, kLaunchRefused) C(LAUNCH_STUCK, kLaunchStuck)                    \
   C(GIN_PUT, kGinPut) C(GIN_PUT_VALUE, kGinPutValue) C(GIN_SIGNAL, kGinSignal) C(GIN_GET, kGinGet)             \
   C(GIN_FLUSH, kGinFlush) C(GIN_DOORBELL, kGinDoorbell)                                                        \

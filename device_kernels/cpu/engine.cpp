@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "commref/args.h"
+#include "commref/profile.h"
 
 using namespace commref;
 
@@ -55,6 +56,22 @@ namespace commref_cpu {
 thread_local ThreadState* tl_thread = nullptr;
 
 namespace {
+
+// The profile build's counters (commref/profile.h): per phase, events, ns and bytes.
+std::atomic<uint64_t> g_profile[kProfilePhases][3];
+
+#ifdef COMMREF_PROFILE
+// Times the enclosing scope as one event of `phase` (the engine's own phases).
+struct EngineScope {
+  uint32_t phase;
+  uint64_t start = now_ns();
+  ~EngineScope() { profile_add(phase, now_ns() - start, 0); }
+};
+#define COMMREF_ENGINE_SCOPE(phase) \
+  EngineScope commref_engine_scope_ { (phase) }
+#else
+#define COMMREF_ENGINE_SCOPE(phase) ((void)0)
+#endif
 
 struct KernelAbort {};
 
@@ -202,6 +219,7 @@ void fiberEntry(unsigned lo, unsigned hi) {
 }
 
 void runBlock(Launch* L, unsigned blockId) {
+  COMMREF_ENGINE_SCOPE(kProfileKernel);
   Block b;
   b.launch = L;
   b.nthreads = L->block.x;
@@ -394,6 +412,7 @@ void spin_pause(uint32_t spins) {
       if (b->aborted) throw KernelAbort();
     }
   }
+  COMMREF_ENGINE_SCOPE(kProfileWait);
   backoff(spins);
 }
 
@@ -410,6 +429,12 @@ uint64_t now_ns() {
 }
 
 void kernel_abort() { throw KernelAbort(); }
+
+void profile_add(uint32_t phase, uint64_t ns, uint64_t bytes) {
+  g_profile[phase][0].fetch_add(1, std::memory_order_relaxed);
+  g_profile[phase][1].fetch_add(ns, std::memory_order_relaxed);
+  g_profile[phase][2].fetch_add(bytes, std::memory_order_relaxed);
+}
 
 bool register_kernel(const KernelInfo& kernel) {
   kernelRegistry().push_back(kernel);
@@ -483,6 +508,21 @@ extern "C" __attribute__((visibility("default"))) int commref_cpu_launch_group(c
     if (status != kLaunchOk) return (int)(i << 8) | status;
   }
   return kLaunchOk;
+}
+
+// The profile counters (commref/profile.h) into out[phase * 3 + (events, ns, bytes)]
+// (kProfilePhases * 3 words), zeroed after reading when `reset`. Returns 1 in the profile
+// build, 0 in every other (whose counters stay zero).
+extern "C" __attribute__((visibility("default"))) int commref_cpu_profile(uint64_t* out, int reset) {
+  for (uint32_t p = 0; p < kProfilePhases; p++)
+    for (int k = 0; k < 3; k++)
+      out[p * 3 + k] = reset ? g_profile[p][k].exchange(0, std::memory_order_relaxed)
+                             : g_profile[p][k].load(std::memory_order_relaxed);
+#ifdef COMMREF_PROFILE
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // CpuProtocolSupport (args.h) of the CPU this runs on: the host refuses LL, and LL and

@@ -23,6 +23,7 @@
 // call (tuner.StoreChooser). The measurements behind the thresholds are in
 // docs/performance.md ("Streamed stores").
 #pragma once
+#include "profile.h"
 #include "reduce.h"
 
 #define COMMREF_STREAM_MIN_BYTES (1u << 20)           // user buffers
@@ -35,6 +36,15 @@
 #endif
 
 namespace commref {
+
+#if defined(COMMREF_CPU) && defined(COMMREF_PROFILE)
+// The bytes this thread's share of n elements of T spans, times `arrays` (profile.h).
+template <typename T>
+static inline uint64_t shareBytes(uint64_t n, int arrays) {
+  const ElemRange r = elemRange(n);
+  return (r.end - r.begin) * sizeof(T) * (uint64_t)arrays;
+}
+#endif
 
 #ifdef COMMREF_GPU
 // The block's threads together: thread t moves vectors t, t + blockDim.x, ... of
@@ -112,6 +122,7 @@ static inline void moveBytes(void* dst, const void* src, uint64_t bytes, bool st
 template <typename T>
 static __device__ __forceinline__ void copyOwnShare(T* dst, const T* src, uint64_t n, uint64_t streamMin = ~0ull) {
 #ifdef COMMREF_CPU
+  COMMREF_PROFILE_SCOPE(kProfileCopy, shareBytes<T>(n, 2));
   ElemRange r = elemRange(n);
   const uint64_t bytes = (r.end - r.begin) * sizeof(T);
   if (bytes) moveBytes(dst + r.begin, src + r.begin, bytes, bytes >= streamMin);
@@ -179,6 +190,16 @@ static void foldPieces(const T* const* in, int nin, T* const* out, int nout, uin
 }
 #endif
 
+#if defined(COMMREF_CPU) && defined(COMMREF_PROFILE)
+// How many of out[0..nout) are not `in` (the outputs a copy stores to).
+template <typename T>
+static inline int distinctOutputs(const T* in, T* const* out, int nout) {
+  int k = 0;
+  for (int i = 0; i < nout; i++) k += out[i] != in;
+  return k;
+}
+#endif
+
 // out[k] = in for every k < nout (outputs equal to `in` are skipped), reading `in`
 // once: on the CPU a piece at a time, each piece copied to every output while it sits
 // in this core's L2; on the GPU each 16-byte vector (where the alignment allows:
@@ -189,6 +210,7 @@ static __device__ COMMREF_NOINLINE void copyToAll(const T* in, T* const* out, in
                                                   uint64_t streamMin) {
   const ElemRange r = elemRange(n);
 #ifdef COMMREF_CPU
+  COMMREF_PROFILE_SCOPE(kProfileCopy, shareBytes<T>(n, 1 + distinctOutputs(in, out, nout)));
   const uint64_t kPiece = 262144 / sizeof(T);
   const bool big = (r.end - r.begin) * sizeof(T) >= streamMin;
   for (uint64_t base = r.begin; base < r.end; base += kPiece) {
@@ -210,6 +232,7 @@ template <typename T, typename Op>
 static __device__ COMMREF_NOINLINE void foldToAll(const T* const* in, int nin, T* const* out, int nout, uint64_t n,
                                                   int divisor, uint64_t streamMin) {
 #ifdef COMMREF_CPU
+  COMMREF_PROFILE_SCOPE(kProfileReduce, shareBytes<T>(n, nin + nout));
   foldPieces<T, Op>(in, nin, out, nout, n, divisor, streamMin);
 #else
   (void)streamMin;
@@ -259,6 +282,7 @@ static __device__ COMMREF_NOINLINE void reduceCopy(const T* const* in, int nin, 
     for (int k = 0; k < nout; k++) out[k][i] = t;
   }
 #else
+  COMMREF_PROFILE_SCOPE(kProfileReduce, shareBytes<T>(n, nin + nout));
   if (handoff == 0 && streamMin != ~0ull) {  // only other agents read the result: fold it off the cache
     foldPieces<T, Op>(in, nin, out, nout, n, divisor, streamMin);
     return;

@@ -121,6 +121,8 @@ static __device__ __forceinline__ void commref_help_progress(const uint64_t*) {}
 #include <stdint.h>
 #include <string.h>
 
+#include "profile.h"
+
 struct dim3 {
   unsigned x, y, z;
 };
@@ -191,7 +193,9 @@ static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(
 static inline void commref_wake_sleeper(uint32_t* word) { commref_cpu::wake_sleeper(word); }
 static inline void commref_help_progress(const uint64_t* hook) {
   const uint64_t fn = __atomic_load_n(hook, __ATOMIC_ACQUIRE);
-  if (fn) reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
+  if (!fn) return;
+  COMMREF_PROFILE_SCOPE(kProfileHelp, 0);
+  reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
 }
 }  // namespace commref
 #endif
