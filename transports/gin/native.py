@@ -6,8 +6,9 @@ network (every GIN peer's window mapped in this process, window.peer_addresses) 
 the MPI network (messages to the peer's engine on the proxies' own communicator; the
 engine is then built against the MPI that mpi4py loaded, see mpi_library()).
 engines.start_engine picks NativeProxy there and proxy.GinProxy everywhere else (an
-observer given, a lossy wire, an MPI the engine cannot be built for, or
-COMMREF_GIN_ENGINE=python). Its ordered wire without independent contexts is FIFO
+observer given, a lossy ordered wire, an MPI the engine cannot be built for, or
+COMMREF_GIN_ENGINE=python); a lossy unordered wire has its lossy link and reliability
+layer in native_engine/lossy.h. Its ordered wire without independent contexts is FIFO
 across the contexts of a peer too (one taker, slot order): a legal refinement of
 per-context FIFO.
 
@@ -22,9 +23,8 @@ tests/test_gin_native_conformance.py and tests/test_gin_native_unordered.py repl
 against semantics.enabled().
 
 The library is built like host_atomics.cpp (cpu_loader.build_library, cached by the hash
-of engine.cpp, of every header under native_engine/ and include/commref/, and the
-flags; cpu_loader.TSAN_FLAGS when the process runs under ThreadSanitizer): one translation
-unit, engine.cpp, that includes the other parts.
+of every part and of include/commref/, and the flags; cpu_loader.TSAN_FLAGS under
+ThreadSanitizer): one translation unit, engine.cpp, that includes the other parts.
 """
 
 from __future__ import annotations
@@ -125,14 +125,11 @@ class EngineConfig(ctypes.Structure):
 
 NETWORKS = {"shm": 0, "mpi": 1}  # core.h's kNetworkShm, kNetworkMpi
 
-# The lossy link (native_engine/lossy.h; the fault spec is faults.FaultSpec): a packet not
-# acknowledged this long after its last transmission is sent again; a late copy arrives
-# up to this long after it was sent; a packet sent this many times without an ack fails
-# the engine. Scaled to this engine's wire (microseconds, as SRD's timers), where the
-# Python proxy's faults.RETRANSMIT_S and MAX_DELAY_S are scaled to its own pace.
-FAULT_RETRANSMIT_NS = 40_000
-FAULT_MAX_DELAY_NS = 30_000
-FAULT_TRANSMISSIONS = 64
+# The lossy link (native_engine/lossy.h): a packet is sent again retransmit_ns after its
+# last transmission without an ack, a late copy arrives up to max_delay_ns after it was
+# sent, and a packet sent `transmissions` times without an ack fails the engine. In
+# microseconds, this engine's pace (faults.py's timers are scaled to the Python proxy's).
+LOSSY = {"retransmit_ns": 40_000, "max_delay_ns": 30_000, "transmissions": 64}
 
 # Network shm: bulk puts (gin.h kGinBulk) of at least this many bytes land with
 # non-temporal stores (native_engine/shm_net.h, land()); move.h streams what another agent
@@ -156,17 +153,7 @@ def kernels_help_enabled() -> bool:
 
 # native_engine/wire.h's CommrefGinTraceRecord (one event on link (peer, ctx)) and its kinds
 TRACE_DTYPE = np.dtype(
-    [
-        ("peer", "<i4"),
-        ("ctx", "<i4"),
-        ("kind", "<u4"),
-        ("flags", "<u4"),
-        ("seq", "<u8"),
-        ("a", "<u8"),
-        ("b", "<u8"),
-        ("c", "<u8"),
-        ("d", "<u8"),
-    ]
+    [("peer", "<i4"), ("ctx", "<i4"), ("kind", "<u4"), ("flags", "<u4")] + [(k, "<u8") for k in ("seq", *"abcd")]
 )
 POST, FLUSH, DOORBELL, DATA, SIGNAL, COUNTER, GET, SEG, HOLD, RELEASE = range(1, 11)
 RELEASES = ("expired", "forced", "idle")  # unordered.h's kRelease*
@@ -429,9 +416,9 @@ class NativeProxy:
             faultDrop=fault.drop if fault is not None else 0.0,
             faultDup=fault.dup if fault is not None else 0.0,
             faultDelay=fault.delay if fault is not None else 0.0,
-            faultRetransmitNs=FAULT_RETRANSMIT_NS,
-            faultMaxDelayNs=FAULT_MAX_DELAY_NS,
-            faultTransmissions=FAULT_TRANSMISSIONS,
+            faultRetransmitNs=LOSSY["retransmit_ns"],
+            faultMaxDelayNs=LOSSY["max_delay_ns"],
+            faultTransmissions=LOSSY["transmissions"],
             backend=backend.name.encode()[:31],
         )
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
@@ -444,8 +431,7 @@ class NativeProxy:
         self._trace_lost = 0
         self.trace_capacity = int(trace_capacity)
         self._words = (ctypes.c_uint64 * 9)()
-        self._faulty = fault is not None and fault.active
-        self._fault_words = (ctypes.c_uint64 * len(FAULT_STATS))()
+        self._fault_words = (ctypes.c_uint64 * len(FAULT_STATS))() if fault is not None and fault.active else None
         self._recs = np.zeros(4096, TRACE_DTYPE)
         self._lost = ctypes.c_uint64(0)
 
@@ -468,7 +454,7 @@ class NativeProxy:
             return dict(self._final_stats)
         ops, events, _, _, _, doorbells, _, by_kernels = self._poll()
         stats = {"ops": ops, "doorbells": doorbells, "events": events, "by_kernels": by_kernels}
-        if self._faulty:
+        if self._fault_words is not None:
             self._lib.commref_gin_engine_fault_stats(self._h, self._fault_words)
             stats.update(zip(FAULT_STATS, map(int, self._fault_words)))
         return stats
