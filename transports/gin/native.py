@@ -129,7 +129,7 @@ NETWORKS = {"shm": 0, "mpi": 1}  # core.h's kNetworkShm, kNetworkMpi
 # last transmission without an ack, a late copy arrives up to max_delay_ns after it was
 # sent, and a packet sent `transmissions` times without an ack fails the engine. In
 # microseconds, this engine's pace (faults.py's timers are scaled to the Python proxy's).
-LOSSY = {"retransmit_ns": 40_000, "max_delay_ns": 30_000, "transmissions": 64}
+LOSSY = {"retransmit_ns": 5_000, "max_delay_ns": 5_000, "transmissions": 64}
 
 # Network shm: bulk puts (gin.h kGinBulk) of at least this many bytes land with
 # non-temporal stores (native_engine/shm_net.h, land()); move.h streams what another agent
