@@ -16,7 +16,9 @@ under its unordered wire.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import time
 
 import pytest
@@ -55,14 +57,15 @@ def test_a_lossy_unordered_wire_runs_native_and_an_ordered_one_python(monkeypatc
     ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
 
 
-def _traced_faulty_sweep(world, seed, timeout, fault, backend, protocol, count=3001, slot_bytes=1024):
+def _traced_faulty_sweep(world, seed, timeout, fault, backend, protocol, count=3001, slot_bytes=1024, network="shm"):
     """Every GIN collective (float32 sum, out of place) over the native unordered wire
-    with `fault`, traced: (trace, wrong elements here, the engine's stats)."""
+    with `fault` on `network`, traced: (trace, wrong elements here, the engine's stats)."""
     comm = Communicator(
         world,
         "cpu",
         timeout=timeout,
         path="gin",
+        network=network,
         wire="unordered",
         backend=backend,
         gin_protocol=protocol,
@@ -188,3 +191,34 @@ def test_check_with_faults_on_the_native_engine_under_mpiexec(np_, network, shm_
     assert f, proc.stdout[-2000:]
     packets, dropped, duplicated, delayed, retransmitted, dup_dropped = map(int, f.groups())
     assert packets > 500 and retransmitted >= dropped > 0 and dup_dropped >= duplicated > 0 and delayed > 0
+
+
+@pytest.mark.mpi
+def test_native_lossy_wire_conforms_under_mpiexec(shm_leak_check):
+    """2 MPI processes, networks shm and mpi: this file is the job's script; each rank
+    replays its own trace of the collectives over the lossy unordered wire."""
+    script = os.path.relpath(__file__, os.path.dirname(os.path.dirname(__file__)))
+    proc = run_mpi(2, [script], timeout=120, env=clean_env(COMMREF_GIN_ENGINE="native"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    lines = re.findall(r"rank (\d) network (\S+): conforms, (\d+) segments, wrong 0, (\d+) retransmitted", proc.stdout)
+    assert len(lines) == 4 and {m[1] for m in lines} == {"shm", "mpi"}, proc.stdout[-4000:]
+    assert all(int(m[2]) > 100 and int(m[3]) > 0 for m in lines), lines
+
+
+def _mpi_main() -> None:
+    from commref.transports.mpi_world import MPIWorld
+
+    world = MPIWorld()
+    for network in ("shm", "mpi"):
+        trace, wrong, stats = _traced_faulty_sweep(world, 3, 30.0, FAULTS, "proxy", "strong", network=network)
+        counts = replay_trace(trace, "proxy", "unordered", 256)  # raises Disallowed: the job fails
+        print(
+            f"rank {world.rank} network {network}: conforms, {counts['seg']} segments, wrong {wrong}, "
+            f"{stats['retransmits']} retransmitted",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    _mpi_main()
+    sys.exit(0)
