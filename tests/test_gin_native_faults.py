@@ -11,7 +11,7 @@ under its unordered wire.
 - a packet the link always drops fails the engine at its retry budget with a message
   naming rank, peer, context and what was expected, well inside the deadline;
 - under mpiexec: `commref check` with `--fault` on the unordered wire, networks shm and
-  mpi, 0 wrong, on the native engine.
+  mpi, 0 wrong, on the native engine; and each rank's trace replayed on both networks.
 """
 
 from __future__ import annotations
