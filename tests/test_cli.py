@@ -93,9 +93,9 @@ PROBES = [
         "no GIN backend meets the requirements: gda lacks strong signals",
     ),
     (
-        ["check", "--np", "2", "--path", "gin", "--wire", "unordered", "--wire-latency", "5us", "--fault", "dup=0.1"],
+        ["check", "--np", "2", "--path", "gin", "--wire", "ordered", "--wire-latency", "5us", "--fault", "dup=0.1"],
         {},
-        "the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults in the Python proxy",
+        "the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults on the ordered wire in",
     ),
     (
         ["check", "--np", "4", "--nodes", "2", "--path", "lsa"],

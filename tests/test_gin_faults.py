@@ -51,8 +51,9 @@ def test_fault_spec_parses_the_cli_words_and_refuses_bad_ones():
     ]:
         with pytest.raises(OptionError, match=re.escape(message)):
             FaultSpec.parse(bad)
-    with pytest.raises(OptionError, match="faults in the Python proxy: choose one"):
-        GinOptions(fault=FAULTS, wire_rate="1G")
+    with pytest.raises(OptionError, match="faults on the ordered wire in the Python proxy: choose one"):
+        GinOptions(fault=FAULTS, wire="ordered", wire_rate="1G")
+    assert GinOptions(fault=FAULTS, wire="unordered", wire_rate="1G").wire_modeled  # both native there
 
 
 class Recording(Wire):
@@ -208,12 +209,12 @@ def test_study_stress_with_faults_agrees_with_the_matrix():
     assert any(c.corrupted for c in cells if c.verdict == "unsafe")
 
 
-def test_the_native_engine_refuses_a_lossy_wire(monkeypatch):
+def test_the_native_engine_refuses_a_lossy_ordered_wire(monkeypatch):
     monkeypatch.setenv("COMMREF_GIN_ENGINE", "native")
 
     def body(world):
-        with pytest.raises(CapabilityError, match=r"the native GIN engine cannot carry a lossy wire \(fault\)"):
-            Communicator(world, "cpu", path="gin", fault=FAULTS, timeout=WORLD_TIMEOUT)
+        with pytest.raises(CapabilityError, match=r"the native GIN engine cannot carry a lossy ordered wire \(fault"):
+            Communicator(world, "cpu", path="gin", wire="ordered", fault=FAULTS, timeout=WORLD_TIMEOUT)
 
     ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)
 

@@ -3,8 +3,8 @@ the ordered and the unordered wire, on network shm and (built against the MPI mp
 loaded) network mpi.
 
 - choice: engines.start_engine (GinPlan.start_proxy) picks NativeProxy for both wires,
-  GinProxy for a lossy wire (fault) and with an observer; COMMREF_GIN_ENGINE forces one
-  or is refused;
+  a lossy unordered wire (fault) too, GinProxy for a lossy ordered wire and with an
+  observer; COMMREF_GIN_ENGINE forces one or is refused;
 - exactness: the collectives over GIN shm on every backend that runs the ordered wire
   (proxy, rc, gda) and on the unordered wire (proxy, gda), ThreadWorld 2 and 3 ranks,
   and 2 MPI ranks (`commref check`).
@@ -38,20 +38,21 @@ def _engine_kind(world, wire, network="shm", **more):
         comm.close()
 
 
-def test_both_wires_run_native_and_a_lossy_one_python(monkeypatch):
+def test_both_wires_run_native_and_a_lossy_ordered_one_python(monkeypatch):
     monkeypatch.delenv("COMMREF_GIN_ENGINE", raising=False)
     assert ThreadWorld.run(2, _engine_kind, "ordered", timeout=WORLD_TIMEOUT) == ["NativeProxy"] * 2
     assert ThreadWorld.run(2, _engine_kind, "unordered", timeout=WORLD_TIMEOUT) == ["NativeProxy"] * 2
     lossy = {"fault": "drop=0.05"}
-    assert ThreadWorld.run(2, _engine_kind, "unordered", timeout=WORLD_TIMEOUT, **lossy) == ["GinProxy"] * 2
+    assert ThreadWorld.run(2, _engine_kind, "unordered", timeout=WORLD_TIMEOUT, **lossy) == ["NativeProxy"] * 2
+    assert ThreadWorld.run(2, _engine_kind, "ordered", timeout=WORLD_TIMEOUT, **lossy) == ["GinProxy"] * 2
     monkeypatch.setenv("COMMREF_GIN_ENGINE", "python")
     assert ThreadWorld.run(2, _engine_kind, "ordered", timeout=WORLD_TIMEOUT) == ["GinProxy"] * 2
     assert ThreadWorld.run(2, _engine_kind, "unordered", timeout=WORLD_TIMEOUT) == ["GinProxy"] * 2
     monkeypatch.setenv("COMMREF_GIN_ENGINE", "native")
     with pytest.raises(
-        CapabilityError, match=r"COMMREF_GIN_ENGINE=native: the native GIN engine cannot carry a lossy wire \(fault\)"
+        CapabilityError, match=r"COMMREF_GIN_ENGINE=native: the native GIN engine cannot carry a lossy ordered wire"
     ):
-        ThreadWorld.run(2, _engine_kind, "unordered", timeout=WORLD_TIMEOUT, **lossy)
+        ThreadWorld.run(2, _engine_kind, "ordered", timeout=WORLD_TIMEOUT, **lossy)
     monkeypatch.setenv("COMMREF_GIN_ENGINE", "fast")
     with pytest.raises(ValueError, match="COMMREF_GIN_ENGINE must be one of auto, native, python, not 'fast'"):
         ThreadWorld.run(2, _engine_kind, "ordered", timeout=WORLD_TIMEOUT)

@@ -118,14 +118,15 @@ def test_check_with_the_wire_model_under_mpiexec(shm_leak_check):
                 "--path",
                 "gin",
                 "--wire",
-                "unordered",
+                "ordered",
                 "--wire-latency",
                 "5us",
                 "--fault",
                 "drop=0.1",
             ],
             "commref check: error: the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults "
-            "in the Python proxy: choose one",
+            "on the ordered wire in the Python proxy: choose one (or the unordered wire, where the native engine "
+            "carries both)",
         ),
         (
             ["bench", "all_reduce", "--np", "2", "--path", "gin", "--wire-rate", "fast"],

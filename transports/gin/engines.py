@@ -66,9 +66,9 @@ def start_engine(
 ):
     """Starts this rank's GIN engine for `plan` (a plan.GinPlan) over `window` (None when
     the plan puts no peer over GIN): the native engine (native.NativeProxy) for both
-    wires without an observer or a lossy link (fault) (on network mpi where
-    native.mpi_library() builds on every rank), the Python proxy (proxy.GinProxy)
-    otherwise. `engine` (default: the
+    wires without an observer, a lossy link (fault) under the unordered wire included (on
+    network mpi where native.mpi_library() builds on every rank), the Python proxy
+    (proxy.GinProxy) otherwise (a lossy ordered wire among them). `engine` (default: the
     COMMREF_GIN_ENGINE environment variable, see gin_engine()) forces one. On a GPU
     (`device` "cuda") the copy-engine proxy (gpu_proxy.GpuProxy) over `region`, the
     rank's queue.QueueRegion. On network mpi the engines get a communicator of their own
@@ -100,9 +100,7 @@ def start_engine(
     from commref.transports.gin import native
 
     engine = gin_engine() if engine is None else check_gin_engine(engine)
-    why_not = native.supports(plan.transport, plan.network, observer, o.segment_bytes, o.independent_contexts)
-    if why_not is None and o.fault.active:
-        why_not = "a lossy wire (fault), which the Python proxy carries"
+    why_not = native.supports(plan.transport, plan.network, observer, o.segment_bytes, o.independent_contexts, o.fault)
     if mpi_comm is not None:  # every rank's engine must speak one protocol
         refusals = [w for w in mpi_comm.allgather(why_not if engine != "python" else "python") if w is not None]
         if refusals and why_not is None:
@@ -126,6 +124,7 @@ def start_engine(
             wire_latency=o.wire_latency,
             independent_contexts=o.independent_contexts,
             batched=plan.rings_doorbells,
+            fault=o.fault,
         )
     else:
         from commref.transports.gin.proxy import GinProxy

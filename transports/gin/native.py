@@ -6,8 +6,9 @@ network (every GIN peer's window mapped in this process, window.peer_addresses) 
 the MPI network (messages to the peer's engine on the proxies' own communicator; the
 engine is then built against the MPI that mpi4py loaded, see mpi_library()).
 engines.start_engine picks NativeProxy there and proxy.GinProxy everywhere else (an
-observer given, a lossy wire, an MPI the engine cannot be built for, or
-COMMREF_GIN_ENGINE=python). Its ordered wire without independent contexts is FIFO
+observer given, a lossy ordered wire, an MPI the engine cannot be built for, or
+COMMREF_GIN_ENGINE=python); a lossy unordered wire has its lossy link and reliability
+layer in native_engine/lossy.h. Its ordered wire without independent contexts is FIFO
 across the contexts of a peer too (one taker, slot order): a legal refinement of
 per-context FIFO.
 
@@ -22,9 +23,8 @@ tests/test_gin_native_conformance.py and tests/test_gin_native_unordered.py repl
 against semantics.enabled().
 
 The library is built like host_atomics.cpp (cpu_loader.build_library, cached by the hash
-of engine.cpp, of every header under native_engine/ and include/commref/, and the
-flags; cpu_loader.TSAN_FLAGS when the process runs under ThreadSanitizer): one translation
-unit, engine.cpp, that includes the other parts.
+of every part and of include/commref/, and the flags; cpu_loader.TSAN_FLAGS under
+ThreadSanitizer): one translation unit, engine.cpp, that includes the other parts.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import numpy as np
 from commref.device_kernels import abi, build, cpu_loader
 from commref.transports.gin import semantics
 from commref.transports.gin.engine import EngineSite, refusal
+from commref.transports.gin.faults import STATS as FAULT_STATS
 from commref.transports.gin.wires import ProxyError, wait_drained
 
 __all__ = ["NativeProxy", "ProxyError", "supports", "native_library", "decode_trace", "POLLING", "TRACE_DTYPE"]
@@ -63,7 +64,7 @@ POLLING = {
 
 # Planted bugs (native_engine/core.h, kPlant*), for the tests that must catch them; 0 in
 # every real run. NativeProxy reads PLANT when it is made (tests set it with monkeypatch).
-PLANT_STRIP_STRONG, PLANT_SIGNAL_FIRST = 1, 2
+PLANT_STRIP_STRONG, PLANT_SIGNAL_FIRST, PLANT_NO_DEDUP = 1, 2, 4  # core.h's kPlant*, lossy.h's kPlantNoDedup
 PLANT = 0
 
 # Network mpi on the unordered wire sends each segment as one message with its bytes
@@ -112,11 +113,23 @@ class EngineConfig(ctypes.Structure):
         ("seed", ctypes.c_uint64),
         ("segmentBytes", ctypes.c_uint64),
         ("plant", ctypes.c_uint64),
+        ("faultDrop", ctypes.c_double),
+        ("faultDup", ctypes.c_double),
+        ("faultDelay", ctypes.c_double),
+        ("faultRetransmitNs", ctypes.c_uint64),
+        ("faultMaxDelayNs", ctypes.c_uint64),
+        ("faultTransmissions", ctypes.c_uint64),
         ("backend", ctypes.c_char * 32),
     ]
 
 
 NETWORKS = {"shm": 0, "mpi": 1}  # core.h's kNetworkShm, kNetworkMpi
+
+# The lossy link (native_engine/lossy.h): a packet is sent again retransmit_ns after its
+# last transmission without an ack, a late copy arrives up to max_delay_ns after it was
+# sent, and a packet sent `transmissions` times without an ack fails the engine. In
+# microseconds, this engine's pace (faults.py's timers are scaled to the Python proxy's).
+LOSSY = {"retransmit_ns": 5_000, "max_delay_ns": 5_000, "transmissions": 64}
 
 # Network shm: bulk puts (gin.h kGinBulk) of at least this many bytes land with
 # non-temporal stores (native_engine/shm_net.h, land()); move.h streams what another agent
@@ -140,17 +153,7 @@ def kernels_help_enabled() -> bool:
 
 # native_engine/wire.h's CommrefGinTraceRecord (one event on link (peer, ctx)) and its kinds
 TRACE_DTYPE = np.dtype(
-    [
-        ("peer", "<i4"),
-        ("ctx", "<i4"),
-        ("kind", "<u4"),
-        ("flags", "<u4"),
-        ("seq", "<u8"),
-        ("a", "<u8"),
-        ("b", "<u8"),
-        ("c", "<u8"),
-        ("d", "<u8"),
-    ]
+    [("peer", "<i4"), ("ctx", "<i4"), ("kind", "<u4"), ("flags", "<u4")] + [(k, "<u8") for k in ("seq", *"abcd")]
 )
 POST, FLUSH, DOORBELL, DATA, SIGNAL, COUNTER, GET, SEG, HOLD, RELEASE = range(1, 11)
 RELEASES = ("expired", "forced", "idle")  # unordered.h's kRelease*
@@ -218,6 +221,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("take_trace", [vp, vp, u64, p64], u64),
         ("add_window", [vp, ctypes.c_uint32, u64, u64, vp], ctypes.c_int),
         ("remove_window", [vp, ctypes.c_uint32], None),
+        ("fault_stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
     ):
         f = getattr(lib, f"commref_gin_engine_{name}")
         f.argtypes, f.restype = args, res
@@ -299,8 +303,10 @@ def supports(
     observer=None,
     segment_bytes: int = 4096,
     independent_contexts: bool = False,
+    fault=None,
 ) -> str | None:
-    """None when the native engine can carry this; else why not (one phrase)."""
+    """None when the native engine can carry this (`fault`: a faults.FaultSpec, or None);
+    else why not (one phrase)."""
     if network not in NETWORKS:
         return f"network {network!r} (the native engine carries networks {', '.join(NETWORKS)})"
     if transport.placement != "any":
@@ -310,6 +316,8 @@ def supports(
         return f"segments of {segment_bytes} bytes on network mpi (at most {MPI_SEGMENT_MAX}: one message each)"
     if observer is not None:
         return "an observer (the native engine has no observer hooks)"
+    if fault is not None and fault.active and transport.ordered:
+        return "a lossy ordered wire (fault; the native engine's lossy link is under the unordered wire)"
     if network == "mpi":
         lib = mpi_library()
         if isinstance(lib, str):
@@ -338,9 +346,10 @@ class NativeProxy:
         stream_min_bytes: int | None = None,
         independent_contexts: bool = False,
         batched: bool = False,
+        fault=None,
     ):
         world, window, layout, capacity, backend, transport, network = site
-        why = supports(transport, network, observer, segment_bytes or 4096, independent_contexts)
+        why = supports(transport, network, observer, segment_bytes or 4096, independent_contexts, fault)
         if why is not None:
             raise ValueError(f"rank {world.rank}: the native GIN engine cannot carry {why}")
         self.world, self.rank, self.backend, self.transport, self.network = (
@@ -404,6 +413,12 @@ class NativeProxy:
             seed=int(seed) & (2**64 - 1),
             segmentBytes=int(segment_bytes or 4096),
             plant=int(PLANT),
+            faultDrop=fault.drop if fault is not None else 0.0,
+            faultDup=fault.dup if fault is not None else 0.0,
+            faultDelay=fault.delay if fault is not None else 0.0,
+            faultRetransmitNs=LOSSY["retransmit_ns"],
+            faultMaxDelayNs=LOSSY["max_delay_ns"],
+            faultTransmissions=LOSSY["transmissions"],
             backend=backend.name.encode()[:31],
         )
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
@@ -416,6 +431,7 @@ class NativeProxy:
         self._trace_lost = 0
         self.trace_capacity = int(trace_capacity)
         self._words = (ctypes.c_uint64 * 9)()
+        self._fault_words = (ctypes.c_uint64 * len(FAULT_STATS))() if fault is not None and fault.active else None
         self._recs = np.zeros(4096, TRACE_DTYPE)
         self._lost = ctypes.c_uint64(0)
 
@@ -432,11 +448,16 @@ class NativeProxy:
     def stats(self) -> dict:
         """{"ops": descriptors taken, "doorbells": of them doorbells, "events": puts and
         signals landed (network mpi: sent), "by_kernels": of the ops, those kernels took
-        through the queue's help hook (network shm; gin.h, "Help")} (a fresh dict)."""
+        through the queue's help hook (network shm; gin.h, "Help")}, and with a lossy link the
+        counts of faults.STATS (a fresh dict)."""
         if self._final_stats is not None:
             return dict(self._final_stats)
         ops, events, _, _, _, doorbells, _, by_kernels = self._poll()
-        return {"ops": ops, "doorbells": doorbells, "events": events, "by_kernels": by_kernels}
+        stats = {"ops": ops, "doorbells": doorbells, "events": events, "by_kernels": by_kernels}
+        if self._fault_words is not None:
+            self._lib.commref_gin_engine_fault_stats(self._h, self._fault_words)
+            stats.update(zip(FAULT_STATS, map(int, self._fault_words)))
+        return stats
 
     @property
     def error(self) -> BaseException | None:

@@ -133,10 +133,11 @@ class GinOptions:
                 f"independent_contexts is an option of the ordered wire; on the {self.wire.value} wire "
                 f"contexts are independent already"
             )
-        if self.wire_modeled and self.fault.active:
+        if self.wire_modeled and self.fault.active and self.wire != Wire.UNORDERED:
             raise OptionError(
-                "the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults in "
-                "the Python proxy: choose one"
+                "the wire model (wire_rate, wire_latency) runs in the native GIN engine and faults on the "
+                "ordered wire in the Python proxy: choose one (or the unordered wire, where the native "
+                "engine carries both)"
             )
 
     @property

@@ -71,7 +71,7 @@ class GinPlan:
         if not (caps.strong_signals and caps.va_signals):
             return f"backend {self.backend.name} lacks strong VA signals"
         if not getattr(engine, "carries_windows", False):
-            return "this GIN engine does not carry symmetric windows (the native engine does: ordered wire, no fault)"
+            return "this GIN engine does not carry symmetric windows (the native engine does)"
         return None
 
     def protocol_refusal(self, protocol: str, device: str, cpu_support: int) -> str | None:
@@ -184,7 +184,7 @@ def plan_gin(world, options: GinOptions, device: str, nchannels: int, nsteps: in
         )
     if options.fault.active and device == "cuda":
         raise CapabilityError(
-            f"rank {rank}: a lossy wire (fault) runs in the Python GIN proxy of the CPU engine "
+            f"rank {rank}: a lossy wire (fault) runs in the GIN engines of the CPU engine "
             f"(device='cpu'), not on a GPU in this version"
         )
     if options.independent_contexts and device == "cuda":

@@ -65,7 +65,11 @@ struct CommrefGinEngineConfig {
   uint64_t seed;                   // the unordered wire's streams
   uint64_t segmentBytes;           // the unordered wire's unit of placement
   uint64_t plant;                  // tests only: planted bugs (kPlant*), 0 in every real run
-  char backend[32];                // the backend's name (the host names it in messages)
+  double faultDrop, faultDup, faultDelay;  // the lossy link (lossy.h): probabilities; all 0: no lossy link
+  uint64_t faultRetransmitNs;              // ... a packet not acknowledged this long after it was sent is sent again
+  uint64_t faultMaxDelayNs;                // ... a late copy arrives up to this long after it was sent
+  uint64_t faultTransmissions;             // ... transmissions of a packet before it is undeliverable
+  char backend[32];                        // the backend's name (the host names it in messages)
 };
 
 enum : int32_t { kNetworkShm = 0, kNetworkMpi = 1 };

@@ -3,8 +3,7 @@
 // in this process) and, built with COMMREF_GIN_MPI (native.py's mpi_library()), on the
 // MPI network. transports/gin/native.py (NativeProxy) drives it through the small
 // extern "C" API at the bottom; transports/gin/proxy.py (GinProxy) stays the engine of
-// the lossy wire and of runs with an observer. Both implement transports/gin/engine.py's
-// GinEngine.
+// runs with an observer and of a lossy ordered wire. Both implement engine.py's GinEngine.
 //
 // One translation unit (native.py builds it) of the parts, one concept each:
 //   core.h    configuration, windows and the checks of every access, counters,
@@ -12,6 +11,7 @@
 //   wire.h    ordered delivery per (peer, ctx) link, the trace, the wire model
 //   unordered.h the unordered wire: held puts, doorbells, seeded landing orders
 //   contexts.h  independent contexts on the ordered wire
+//   lossy.h   the lossy link under the unordered wire, and its reliability layer
 //   shm_net.h the SHM network: landing in mapped peer windows
 //   mpi_net.h the MPI network: messages to the peer's engine
 //   this file the engine: reading the queue, executing descriptors, the progress loop
@@ -59,6 +59,7 @@
 
 #include "contexts.h"
 #include "core.h"
+#include "lossy.h"
 #include "mpi_net.h"
 #include "shm_net.h"
 #include "unordered.h"
@@ -75,7 +76,8 @@ class Engine : public Core {
         shm_(c),
         mpi_(*this, delivery_),
         uw_(cfg_),
-        ch_(cfg_) {
+        ch_(cfg_),
+        lossy_(cfg_) {
     ring_ = reinterpret_cast<GinDescriptor*>(c.queueBase);
     const uint64_t header = c.queueBase + c.capacity * sizeof(GinDescriptor);  // gin.h: the words after the ring
     consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
@@ -101,8 +103,9 @@ class Engine : public Core {
   static int helpHook(void* engine) { return static_cast<Engine*>(engine)->help(); }
   int help() {
     if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
-    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !held_.load(std::memory_order_relaxed))
-      return 0;  // nothing to take, nothing held: no RMW
+    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !held_.load(std::memory_order_relaxed) &&
+        !lossyOut_.load(std::memory_order_relaxed))
+      return 0;  // nothing to take, nothing held or outstanding: no RMW
     if (!tryTake()) return 0;
     const int took = drain(64);  // a failure sets failed_: the engine thread ends
     release();
@@ -144,6 +147,7 @@ class Engine : public Core {
   uint64_t running() const { return thread_.joinable() && !exited_.load(std::memory_order_acquire); }
 
   Delivery& delivery() { return delivery_; }
+  void faultStats(uint64_t* out) const { lossy_.stats(out); }
 
  private:
   bool mpi() const { return cfg_.network == kNetworkMpi; }
@@ -168,7 +172,8 @@ class Engine : public Core {
         sleepNs = 1000;
         continue;
       }
-      if (held_.load(std::memory_order_relaxed)) {  // unordered: each empty poll counts toward a release
+      if (held_.load(std::memory_order_relaxed) || lossyOut_.load(std::memory_order_relaxed)) {
+        // unordered: each empty poll counts toward a release; the lossy link's timers run
         // Every kYieldEvery-th poll while an overtaken put is held yields: a receiver
         // sharing this core gets to act on the signal that overtook it.
         if (overtaken_.load(std::memory_order_relaxed) && heldPolls++ % kYieldEvery == 0)
@@ -233,6 +238,9 @@ class Engine : public Core {
   // Takes up to `budget` published descriptors in slot order; how many, or -1 on error.
   int drain(int budget) {
     int took = 0;
+    if (lossy_.active() && !lossy_.progress([this](const Packet& q) { return deliver(q); },
+                                            [this](const std::string& m) { return fail(who() + m); }))
+      return -1;
     while (took < budget) {
       const uint64_t slot = next_;
       if (!published(slot)) {
@@ -248,7 +256,8 @@ class Engine : public Core {
       took++;
     }
     if (cfg_.unordered || cfg_.independentContexts) {
-      pending_.store(uw_.pending() + ch_.pending(), std::memory_order_release);
+      pending_.store(uw_.pending() + ch_.pending() + lossy_.outstanding(), std::memory_order_release);
+      lossyOut_.store(lossy_.outstanding(), std::memory_order_relaxed);
       held_.store(uw_.held() + ch_.held(), std::memory_order_relaxed);
       overtaken_.store(uw_.overtaken() + ch_.held(), std::memory_order_relaxed);  // a held context: overtaken
     }
@@ -381,54 +390,50 @@ class Engine : public Core {
     traceHeld(p, kTraceCounter, p.counterId);
   }
 
+  // One landing of the unordered wire, as a packet: over the lossy link (lossy.h) when
+  // faults are on, else delivered at once.
   bool carry(const Landing& e) {
-    {
-      Pending& p = *e.put;
-      if (e.segment >= 0) {
-        uint64_t off = 0, n = 0;
-        p.segment(uw_.segmentBytes(), (uint64_t)e.segment, &off, &n);
-        const char* from = p.src + (off - p.dstOffset);
-        if (mpi()) {
-          GinDescriptor seg{};
-          seg.peer = p.peer;
-          seg.ctx = p.ctx;
-          seg.dstOffset = off;
-          seg.windows = ginWindows(0, p.dstWin);
-          bool counted = false;
-          if (!mpi_.put(seg, from, n, 0, false, p.seq, &counted)) return false;
-        } else {
-          shm_.land(p.dst + (off - p.dstOffset), from, n, p.bulk, p.nbytes);
-        }
-        if (delivery_.tracing()) {
-          const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSeg, 0, p.seq, (uint64_t)e.segment, e.copy, 0, 0};
-          delivery_.record(&r, 1);
-        }
-        if (p.dataLeft == 0) count(p);
-      } else if (!signalOf(p)) {
-        return false;
-      }
-      if (p.done()) events_.fetch_add(1, std::memory_order_relaxed);
-      return true;
+    Pending& p = *e.put;
+    if (e.segment < 0 ? !signalOf(p) : !carrySegment(p, e)) return false;
+    if (p.done()) events_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  bool carrySegment(Pending& p, const Landing& e) {
+    uint64_t off = 0, n = 0;
+    p.segment(uw_.segmentBytes(), (uint64_t)e.segment, &off, &n);
+    Packet k = Packet::of(p);
+    std::tie(k.dstOffset, k.nbytes, k.whole) = std::tie(off, n, p.nbytes);
+    k.dst = p.dst ? p.dst + (off - p.dstOffset) : nullptr;
+    k.src = p.src + (off - p.dstOffset);
+    if (!send(std::move(k))) return false;
+    if (delivery_.tracing()) {
+      const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSeg, 0, p.seq, (uint64_t)e.segment, e.copy, 0, 0};
+      delivery_.record(&r, 1);
     }
+    if (p.dataLeft == 0) count(p);  // its bytes are sent (or copied): the source is reusable
+    return true;
   }
 
   bool signalOf(const Pending& p) {
-    if (mpi()) {
-      GinDescriptor sig{};
-      sig.op = kGinSignal;
-      sig.peer = p.peer;
-      sig.ctx = p.ctx;
-      sig.flags = kGinHasSignal | (p.va ? kGinVaSignal : 0);
-      sig.signal = p.signal;
-      bool counted = false;
-      if (!mpi_.put(sig, nullptr, 0, p.value, false, p.seq, &counted)) return false;
-    } else {
-      shm_.signal(reinterpret_cast<char*>(peers_[p.peer]), p.va, p.signal, p.value);
-    }
+    Packet k = Packet::of(p);
+    k.isSignal = true;
+    if (!send(std::move(k))) return false;
     if (delivery_.tracing()) {
       const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSignal, 0, p.seq, 0, 0, 0, 0};
       delivery_.record(&r, 1);
     }
+    return true;
+  }
+
+  bool send(Packet&& k) {
+    return lossy_.active() ? lossy_.send(std::move(k), [this](const Packet& q) { return deliver(q); }) : deliver(k);
+  }
+
+  // Lands one packet on this engine's network.
+  bool deliver(const Packet& k) {
+    if (mpi()) return mpi_.deliver(k);
+    shm_.deliver(k, reinterpret_cast<char*>(peers_[k.peer]));
     return true;
   }
 
@@ -597,6 +602,8 @@ class Engine : public Core {
   MpiNet mpi_;
   UnorderedWire uw_;
   IndependentContexts ch_;
+  Lossy lossy_;
+  std::atomic<uint64_t> lossyOut_{0};   // packets the lossy link has not delivered (lossy_'s, mirrored)
   std::atomic<uint64_t> overtaken_{0};  // unordered: held puts a later signal overtook (uw_'s, mirrored)
   uint64_t emptyPolls_ = 0;  // unordered: the takers found the queue empty this many times in a row, puts held
   GinDescriptor* ring_;
@@ -653,6 +660,10 @@ COMMREF_GIN_API void commref_gin_engine_destroy(void* h) { delete static_cast<En
 // doorbells (of the ops), in flight (MPI network: sends not complete, landings not finished),
 // by kernels (of the ops, taken by kernels through the help hook).
 COMMREF_GIN_API void commref_gin_engine_stats(void* h, uint64_t* out) { static_cast<Engine*>(h)->stats(out); }
+// The lossy link's counts (lossy.h): packets, dropped, duplicated, delayed, retransmits, dup_dropped.
+COMMREF_GIN_API void commref_gin_engine_fault_stats(void* h, uint64_t* out) {
+  static_cast<Engine*>(h)->faultStats(out);
+}
 COMMREF_GIN_API int commref_gin_engine_failed(void* h) { return static_cast<Engine*>(h)->failed(); }
 // The failure's message (a failure other than a refusal), as snprintf: its length.
 COMMREF_GIN_API uint64_t commref_gin_engine_error(void* h, char* buf, uint64_t n) {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include "core.h"
+#include "unordered.h"
 #include "wire.h"
 
 #ifdef COMMREF_GIN_MPI
@@ -77,6 +78,23 @@ class MpiNet {
     if (d.flags & kGinHasSignal) h.flags |= kMsgHasSignal | (d.flags & kGinVaSignal ? kMsgVa : 0);
     // (a putValue's 8 bytes, which live in the descriptor, always go inline)
     return sendWithData(d.peer, h, src, nbytes, counter, &d, seq, counted);
+  }
+
+  // A packet of the unordered wire (a segment, or a signal): one message to its peer.
+  bool deliver(const Packet& k) {
+    GinDescriptor m{};
+    m.peer = k.peer;
+    m.ctx = k.ctx;
+    bool counted = false;
+    if (k.isSignal) {
+      m.op = kGinSignal;
+      m.flags = kGinHasSignal | (k.va ? kGinVaSignal : 0);
+      m.signal = k.signal;
+      return put(m, nullptr, 0, k.value, false, k.putSeq, &counted);
+    }
+    m.dstOffset = k.dstOffset;
+    m.windows = ginWindows(0, k.dstWin);
+    return put(m, k.data(), k.nbytes, 0, false, k.putSeq, &counted);
   }
 
   // A get: asks `d.peer` and lands its reply before the get's slot is consumed.
@@ -393,6 +411,7 @@ class MpiNet {
   bool put(const GinDescriptor&, const char*, uint64_t, uint64_t, bool, uint64_t, bool*) { return unbuilt(); }
   bool get(const GinDescriptor&) { return unbuilt(); }
   bool completeSends(int32_t) { return unbuilt(); }
+  bool deliver(const Packet&) { return unbuilt(); }
   int progress() { return 0; }
   void abandon() {}
 

@@ -6,6 +6,7 @@
 
 #include "commref/land.h"
 #include "core.h"
+#include "unordered.h"
 
 namespace {
 
@@ -39,6 +40,14 @@ class ShmNet {
   void signal(char* peer, bool va, uint64_t signal, uint64_t value) const {
     __atomic_fetch_add(reinterpret_cast<uint64_t*>(peer + (va ? signal : signalsOff_ + 8 * signal)), value,
                        __ATOMIC_RELEASE);
+  }
+
+  // A packet of the unordered wire (a segment, or a signal) at the peer whose window is mapped at `peer`.
+  void deliver(const Packet& k, char* peer) const {
+    if (k.isSignal)
+      signal(peer, k.va, k.signal, k.value);
+    else
+      land(k.dst, k.data(), k.nbytes, k.bulk, k.whole);
   }
 
   // A get: the peer's bytes copied here before the descriptor is done.

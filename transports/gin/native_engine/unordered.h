@@ -42,6 +42,7 @@
 #pragma once
 
 #include <deque>
+#include <tuple>
 #include <unordered_map>
 
 #include "core.h"
@@ -103,6 +104,28 @@ struct Landing {
   Pending* put;
   int64_t segment;
   uint32_t copy;
+};
+
+// One landing as a network carries it (ShmNet::deliver, MpiNet::deliver), and the lossy
+// link (lossy.h) sends it.
+struct Packet {
+  int32_t peer = 0, ctx = 0;
+  bool isSignal = false, va = false, bulk = false;
+  uint32_t dstWin = 0;
+  uint64_t putSeq = 0;                 // the put's seq on its link (messages name it)
+  uint64_t dstOffset = 0, nbytes = 0;  // data: where (the destination window) and how much
+  uint64_t whole = 0;                  // data: the bytes of the put it is a segment of
+  char* dst = nullptr;                 // network shm: where the data lands
+  uint64_t signal = 0, value = 0;      // signal: index or VA offset, value
+  const char* src = nullptr;           // the data, or null once copied into `bytes`
+  std::vector<char> bytes;             // the data's copy (a packet not delivered as sent)
+  const char* data() const { return src ? src : bytes.data(); }
+  static Packet of(const Pending& p) {  // the put's fields (a segment's are the caller's)
+    Packet k;
+    std::tie(k.peer, k.ctx, k.va, k.bulk, k.dstWin, k.putSeq, k.signal, k.value) =
+        std::tie(p.peer, p.ctx, p.va, p.bulk, p.dstWin, p.seq, p.signal, p.value);
+    return k;
+  }
 };
 
 // The links' pending puts and the adversary; decides the landings, which the engine

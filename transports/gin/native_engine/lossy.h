@@ -1,0 +1,239 @@
+// The native engine's LOSSY link and the reliability layer above it (SRD-like), under
+// the unordered wire: the same model as transports/gin/faults.py's ReliableWire, with
+// draws of this file's own stream (seed, rank) and timers scaled to this engine.
+//
+//   unordered wire (unordered.h: what lands when) -> Lossy::send: sender half
+//     -> lossy link (seeded drops, duplicates, delays)
+//     -> receiver half (duplicate suppression, reorder buffer, acks)
+//     -> the engine's network (shm_net.h, mpi_net.h): the landing happens
+//
+// - Packets: every landing the unordered wire decides (a data segment, a signal) is one
+//   packet, numbered per (peer, ctx) from 0, in the order the wire decided it.
+// - The lossy link: each transmission is dropped with probability drop; otherwise it
+//   arrives once, and a second copy too with probability dup; each arriving copy is late
+//   with probability delay, by a uniform 0..faultMaxDelayNs, so later packets overtake
+//   it. The draws come from one stream seeded by (seed, rank), in the order of
+//   faults.py (drop, dup, then delay per copy): a run's faults are a function of its seed
+//   and of its sequence of transmissions.
+// - Receiver: a copy whose number was delivered, or is already in the reorder buffer, is
+//   a duplicate and is dropped (dupDropped): a signal never counts twice. The first copy
+//   is acknowledged as it arrives (selectively, per packet; the ack is not lost) and
+//   waits until every lower number of its link has been delivered; then the buffer
+//   delivers in number order. So what lands is exactly the unordered wire's order per
+//   link, and the trace (recorded as the wire decides) replays against the model.
+// - Sender: a packet not acknowledged faultRetransmitNs after its last transmission is
+//   sent again (retransmits); after faultTransmissions transmissions without an ack it
+//   is undeliverable and the engine fails naming rank, peer, context and packet.
+// - Bytes: a packet that is delivered as it is sent (nothing of its link outstanding,
+//   the first copy neither dropped nor late) lands from its source; any other is copied
+//   when sent, so the source is reusable at once (the wire bumps counters as it sends).
+// The receiver's half lives beside the sender's (the taker is the only writer of its
+// links); on network mpi the messages under it are MPI's, reliable and ordered.
+// Liveness: while anything is outstanding the engine polls (progress()) and does not
+// sleep; every outstanding packet is delivered or failed within faultTransmissions
+// retransmission periods plus the largest delay.
+#pragma once
+
+#include <map>
+#include <queue>
+#include <unordered_map>
+
+#include "core.h"
+#include "unordered.h"
+
+namespace {
+
+// Planted bug (native.py's PLANT_NO_DEDUP): a duplicate of a delivered packet lands again.
+enum : uint64_t { kPlantNoDedup = 4 };
+enum : uint64_t { kStreamFaults = 5 };
+
+class Lossy {
+ public:
+  explicit Lossy(const CommrefGinEngineConfig& c)
+      : cfg_(c),
+        active_(c.faultDrop > 0 || c.faultDup > 0 || c.faultDelay > 0),
+        rng_(c.seed, (uint64_t)c.rank, 0, 0, kStreamFaults << 48) {}
+
+  bool active() const { return active_; }
+  uint64_t outstanding() const { return outstanding_; }
+
+  // packets, dropped, duplicated, delayed, retransmits, dupDropped (faults.STATS' order)
+  void stats(uint64_t* out) const {
+    for (int i = 0; i < 6; i++) out[i] = stats_[i].load(std::memory_order_relaxed);
+  }
+
+  // Sends `p` over the lossy link; deliver(const Packet&) lands one packet. False when a
+  // landing failed (the engine's message says).
+  template <typename Deliver>
+  bool send(Packet&& p, Deliver deliver) {
+    Link& l = link(p.peer, p.ctx);
+    const uint64_t seq = l.nextSeq++;
+    bump(kPackets);
+    const uint64_t now = nowNs();
+    const Draw d = draw();
+    const bool plant = cfg_.plant & kPlantNoDedup;
+    if (!plant && l.packets.empty() && d.copies > 0 && !d.late[0]) {  // delivered as sent, from its source
+      l.nextDue = seq + 1;
+      if (!deliver(p)) return false;
+      if (d.copies == 2) arriveLater(l, seq, now, d, 1);
+      return true;
+    }
+    if (p.src && p.nbytes) p.bytes.assign(p.src, p.src + p.nbytes);
+    p.src = nullptr;
+    Entry& e = l.packets[seq];
+    e.packet = std::move(p);
+    e.lastSentNs = now;
+    e.transmissions = 1;
+    outstanding_++;
+    return transmit(l, seq, now, d, deliver);
+  }
+
+  // Copies due arrive, unacknowledged packets past their timer are sent again; false on
+  // failure (an undeliverable packet: the message names it, through fail).
+  template <typename Deliver, typename Fail>
+  bool progress(Deliver deliver, Fail fail) {
+    if (!outstanding_ && arriving_.empty()) return true;
+    const uint64_t now = nowNs();
+    while (!arriving_.empty() && arriving_.top().atNs <= now) {
+      const Arrival a = arriving_.top();
+      arriving_.pop();
+      if (!arrive(*a.link, a.seq, deliver)) return false;
+    }
+    if (!outstanding_ || now < nextCheckNs_) return true;
+    nextCheckNs_ = now + cfg_.faultRetransmitNs / 4;
+    for (auto& kv : links_) {
+      Link& l = kv.second;
+      for (auto it = l.packets.begin(); it != l.packets.end(); ++it) {
+        const uint64_t seq = it->first;
+        Entry& e = it->second;
+        if (e.acked || now - e.lastSentNs < cfg_.faultRetransmitNs) continue;
+        if (e.transmissions >= cfg_.faultTransmissions)
+          return fail("lossy GIN wire: packet " + std::to_string(seq) + " to peer " + std::to_string(l.peer) +
+                      " on context " + std::to_string(l.ctx) + " is undeliverable (expected its acknowledgement, " +
+                      "seen none after " + std::to_string(e.transmissions) + " transmissions; " +
+                      std::to_string(l.packets.size()) + " packets of the link outstanding, the next due " +
+                      std::to_string(l.nextDue) + ")");
+        bump(kRetransmits);
+        e.lastSentNs = now;
+        e.transmissions++;
+        if (!transmit(l, seq, now, draw(), deliver)) return false;
+        break;  // the map may have changed under the iterator: the rest at the next check
+      }
+    }
+    return true;
+  }
+
+ private:
+  enum { kPackets, kDropped, kDuplicated, kDelayed, kRetransmits, kDupDropped };
+  struct Draw {
+    int copies = 0;
+    bool late[2] = {false, false};
+    uint64_t delayNs[2] = {0, 0};
+  };
+  struct Entry {
+    Packet packet;
+    uint64_t lastSentNs = 0, transmissions = 0;
+    bool acked = false;      // arrived: in the receiver's reorder buffer (or delivered, planted)
+    bool delivered = false;  // planted only: kept after delivery
+  };
+  struct Link {
+    int32_t peer = 0, ctx = 0;
+    uint64_t nextSeq = 0, nextDue = 0;  // the sender's next number; the receiver's next to deliver
+    std::map<uint64_t, Entry> packets;  // sent, not delivered (unacknowledged or buffered)
+  };
+  struct Arrival {
+    uint64_t atNs, tiebreak;
+    Link* link;
+    uint64_t seq;
+    bool operator>(const Arrival& o) const { return atNs != o.atNs ? atNs > o.atNs : tiebreak > o.tiebreak; }
+  };
+
+  void bump(int k) { stats_[k].fetch_add(1, std::memory_order_relaxed); }
+
+  double uniform() { return (double)(rng_.next() >> 11) * (1.0 / 9007199254740992.0); }
+
+  Draw draw() {
+    Draw d;
+    if (uniform() < cfg_.faultDrop) {
+      bump(kDropped);
+      return d;
+    }
+    d.copies = 1;
+    if (uniform() < cfg_.faultDup) {
+      bump(kDuplicated);
+      d.copies = 2;
+    }
+    for (int i = 0; i < d.copies; i++)
+      if (uniform() < cfg_.faultDelay) {
+        bump(kDelayed);
+        d.late[i] = true;
+        d.delayNs[i] = (uint64_t)(uniform() * (double)cfg_.faultMaxDelayNs);
+      }
+    return d;
+  }
+
+  Link& link(int32_t peer, int32_t ctx) {
+    const uint64_t key = ((uint64_t)(uint32_t)peer << 32) | (uint32_t)ctx;
+    auto it = links_.find(key);
+    if (it == links_.end()) {
+      it = links_.emplace(key, Link{}).first;
+      it->second.peer = peer;
+      it->second.ctx = ctx;
+    }
+    return it->second;
+  }
+
+  void arriveLater(Link& l, uint64_t seq, uint64_t now, const Draw& d, int copy) {
+    arriving_.push({now + (d.late[copy] ? d.delayNs[copy] : 0), tiebreak_++, &l, seq});
+  }
+
+  // The copies of one transmission of packet `seq` (drawn: d): each arrives now or later.
+  template <typename Deliver>
+  bool transmit(Link& l, uint64_t seq, uint64_t now, const Draw& d, Deliver deliver) {
+    for (int i = 0; i < d.copies; i++) {
+      if (d.late[i]) {
+        arriveLater(l, seq, now, d, i);
+      } else if (!arrive(l, seq, deliver)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // One copy of packet `seq` arrives at the receiver: dropped as a duplicate, or
+  // acknowledged, buffered, and every packet now in order delivered.
+  template <typename Deliver>
+  bool arrive(Link& l, uint64_t seq, Deliver deliver) {
+    auto it = l.packets.find(seq);
+    if (seq < l.nextDue || it == l.packets.end() || it->second.acked) {
+      bump(kDupDropped);
+      if ((cfg_.plant & kPlantNoDedup) && it != l.packets.end() && it->second.delivered)
+        return deliver(it->second.packet);  // planted: a duplicate lands again
+      return true;
+    }
+    it->second.acked = true;  // the ack: never sent again
+    for (auto due = l.packets.find(l.nextDue); due != l.packets.end() && due->second.acked;
+         due = l.packets.find(l.nextDue)) {
+      if (!due->second.delivered && !deliver(due->second.packet)) return false;
+      l.nextDue++;
+      if (cfg_.plant & kPlantNoDedup) {
+        due->second.delivered = true;
+        outstanding_--;
+      } else {
+        l.packets.erase(due);
+        outstanding_--;
+      }
+    }
+    return true;
+  }
+
+  const CommrefGinEngineConfig& cfg_;
+  const bool active_;
+  Stream rng_;
+  std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (taker only; nodes do not move)
+  std::priority_queue<Arrival, std::vector<Arrival>, std::greater<Arrival>> arriving_;  // late copies
+  uint64_t tiebreak_ = 0, outstanding_ = 0, nextCheckNs_ = 0;
+  std::atomic<uint64_t> stats_[6] = {};
+};
+
+}  // namespace
