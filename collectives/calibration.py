@@ -68,6 +68,8 @@ class Calibration:
     gin_Bps: float  # bytes per second the GIN engine moves (network shm)
     wire_op_s: float  # the wire model's extra cost per operation (its clock and queue)
     channel_s: float  # one more channel's start (a worker's wake, its flags)
+    link_Bps: float = 0.0  # LSA peers' bytes cross a link at this rate (0: their memory is this memory)
+    overlap: bool = False  # transfers overlap the memory work (a GPU's copy engines and links)
     llc_bytes: int = DEFAULT_LLC_BYTES
     cores: int = 2
     host: str = ""
@@ -121,6 +123,8 @@ GPU = REFERENCE.replace(
     llc_bytes=50 * 1024 * 1024,
     cores=1,
     source="assumed",
+    link_Bps=450e9,
+    overlap=True,
 )
 
 

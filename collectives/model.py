@@ -19,7 +19,7 @@ or the wire model's where slower. `Paths` says where a communicator's peers are,
 Steps and bytes per rank for n ranks and a call of S bytes (the larger buffer), ring
 AllReduce: 2(n - 1) steps, 2(n - 1)/n S over the wire, (6(n - 1) + 2)/n S through
 memory (each step loads its FIFO slot and its own input and stores the next slot; the
-last stores the output); the others in STEPS and MEMORY below. The direct kernels move
+last stores the output); the others in Model._shape. The direct kernels move
 catalogue.Traffic's least bytes (every peer's part loaded once, stored once) and pay
 DIRECT_HOPS; the double binary tree 2 ceil(log2 n) steps and TREE_MEMORY S; the
 hierarchical algorithm is its three phases' sum (intra-node reduce-scatter over LSA,
@@ -37,11 +37,12 @@ from .calibration import REFERENCE, Calibration, host_calibration
 # The Python side of one collective call, in PY_UNITs of calibration.py (fitted on the
 # reference host: an 8-byte AllReduce on 2 ranks took 1.1 us, 2 hops of it).
 CALL_PY_UNITS = 2.0
-# The fraction of the stream copy's rate that each algorithm's traffic runs at: the
-# ring's FIFO hand-offs cross cores (a line another core wrote), the direct kernels load
-# every peer's buffer (fitted: 16 MiB AllReduce, docs/performance.md).
+# The fraction of the stream copy's rate that each kind of traffic runs at: the ring's
+# FIFO hand-offs cross cores (a line another core wrote: fitted to 128 KiB-2 MiB
+# AllReduce on 2 ranks), the direct kernels' loads of every peer's buffer (fitted: 16 MiB
+# AllReduce, ring 1.68x direct, docs/performance.md).
 FIFO_EFFICIENCY = 0.41
-DIRECT_EFFICIENCY = 0.49
+DIRECT_EFFICIENCY = 0.95
 # Where ranks share a core, a rank spinning for its peer holds the core its peer needs:
 # in-cache work runs this much slower again (fitted: --np 4 on 2 cores).
 SPIN_PENALTY = 2.0
@@ -63,6 +64,8 @@ PROTOCOL_FACTORS = {
     "gin": {"simple": (1.0, 1.0), "ll": (2.0, 0.035), "ll128": (2.0, 0.09)},
     "cuda": {"simple": (1.0, 1.0), "ll": (1.0, 0.5), "ll128": (1.0, 0.9)},
 }
+# Bytes a protocol puts on a link per data byte: LL 16 per 8, LL128 128 per 120.
+WIRE_BYTES = {"simple": 1.0, "ll": 2.0, "ll128": 128 / 120}
 # A call between hosts whose network is not modeled (network mpi across hosts): the rate
 # and latency the model assumes for it.
 NETWORK_RATE = 1.0e9
@@ -159,8 +162,9 @@ class Model:
         if algorithm in ("direct", "nvls"):
             t = spec.traffic(nranks, in_place)
             mem = (t.loads(nbytes) + t.stores(nbytes)) / (self.memory_rate(t.footprint(nbytes)) * DIRECT_EFFICIENCY)
-            wire = t.stores(nbytes) * (nranks - 1) / nranks / self.gin_rate() if gin else 0.0
-            base = self.call_s + DIRECT_HOPS * self.hop_s(gin) + mem + wire
+            sent = t.stores(nbytes) * (nranks - 1) / nranks
+            moved = self._moved(mem, sent, gin)
+            base = self.call_s + DIRECT_HOPS * self.hop_s(gin) + moved
             return base * (1.001 if algorithm == "nvls" else 1.0)  # the emulation loads what direct loads
         steps, wire_bytes, mem_bytes = self._shape(spec.name, algorithm, nbytes, nranks)
         lat, eff = PROTOCOL_FACTORS["gin" if gin else "cuda" if self.paths.device == "cuda" else "cpu"][protocol]
@@ -173,8 +177,7 @@ class Model:
         handoff = nbytes / nranks if algorithm == "ring" else nbytes
         if STREAMED_HANDOFF_BYTES <= handoff and nbytes < STORE_CHOOSER_MIN_BYTES and protocol == "simple":
             bw += wire_bytes / (self.calibration.dram_Bps * STREAMED_HANDOFF_FRACTION / self.share())
-        if gin:
-            bw += wire_bytes / self.gin_rate()
+        bw = self._moved(bw, wire_bytes * WIRE_BYTES[protocol], gin)
         parallel = max(1, min(nchannels, int(self.calibration.cores // max(1, self.paths.local_ranks)) or 1))
         if self.paths.device == "cuda":
             parallel = nchannels
@@ -187,6 +190,14 @@ class Model:
             + (nchannels - 1) * self.calibration.channel_s
         )
 
+    def _moved(self, memory_s: float, sent: float, gin: bool) -> float:
+        """Seconds of a call's bandwidth terms: its memory work (`memory_s`) and the `sent`
+        bytes over GIN or the LSA link (none on the CPU: the peers' memory is this one),
+        overlapped where the calibration says they overlap (a GPU), else one after the other."""
+        c = self.calibration
+        link = sent / self.gin_rate() if gin else (sent / c.link_Bps if c.link_Bps else 0.0)
+        return max(memory_s, link) if c.overlap else memory_s + link
+
     def _shape(self, coll: str, algorithm: str, s: int, n: int) -> tuple[int, float, float]:
         """(dependent steps, bytes a rank sends, bytes a rank moves through memory)."""
         if algorithm == "tree":
@@ -197,7 +208,7 @@ class Model:
         if coll == "allreduce":
             return 2 * (n - 1), 2 * (n - 1) / n * s, (6 * (n - 1) + 2) / n * s
         if coll == "reduce_scatter":
-            return n - 1, (n - 1) / n * s, (3 * (n - 1) + 1) / n * s
+            return n - 1, (n - 1) / n * s, (4 * (n - 1) + 1) / n * s
         if coll == "allgather":
             return n - 1, (n - 1) / n * s, (3 * (n - 1) + 2) / n * s
         return n - 1, s, 3 * s
