@@ -170,3 +170,39 @@ def test_the_reference_model_takes_direct_at_the_size_test_direct_uses():
         per = (DIRECT_SIZE // 4 + 5) * 4 * ranks  # test_which_buffers_must_be_symmetric's sizes
         for coll in ("allgather", "reduce_scatter", "alltoall"):
             assert tuner.plan(coll, "auto", per, ranks, "cpu", 1, True, model=m).algorithm == "direct", coll
+
+
+def test_bench_model_prints_the_prediction_beside_the_measured_time():
+    from commref.bench.arguments import build_parser
+    from commref.bench.harness import run_rank
+
+    a = build_parser().parse_args(
+        ["all_reduce", "-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1", "--model"]
+        + ["--no-baseline", "--no-bound"]
+    )
+    lines: list[str] = []
+    doc = ThreadWorld.run(2, run_rank, a, out=lines.append, timeout=60.0)[0]
+    assert [r["size"] for r in doc["rows"]] == [8, 64, 512, 4096]
+    for r in doc["rows"]:
+        assert r["predicted_us"] > 0
+        assert r["predicted_ratio"] == pytest.approx(r["predicted_us"] / r["out_of_place"]["time_us"])
+    assert any("pred/" in line for line in lines)
+    row = next(line for line in lines if line.lstrip().startswith("4096 "))
+    assert row.split()[-1] == f"{doc['rows'][-1]['predicted_ratio']:.2f}"
+
+
+def test_the_described_cluster_is_the_models():
+    from commref.bench import cluster_model
+    from commref.cli import build_parser
+
+    args = build_parser().parse_args(["model", "-b", "1M", "-e", "8G", "-f", "8"])
+    rows = cluster_model.rows(args)
+    m, n = cluster_model.cluster_model(args)
+    for r in rows:  # each row is the tuner's choice on that model
+        p = tuner.plan("allreduce", "auto", r["size"], n, "cuda", 1, model=m)
+        assert (r["algorithm"], r["protocol"]) == (p.algorithm, p.protocol)
+    # A ring's busbw cannot pass the link's rate, and at 8 GiB it is near it.
+    assert 0.9 * 450 < max(r["busbw"] for r in rows) <= 450
+    assert cluster_model.published(args)  # the cited 8x H100 NVLink figure
+    two = build_parser().parse_args(["model", "--nodes", "2", "-b", "1G", "-e", "1G"])
+    assert cluster_model.rows(two)[0]["busbw"] < max(r["busbw"] for r in rows)  # the network is slower
