@@ -154,8 +154,10 @@ class Model:
         """Predicted seconds of one call of `coll` (catalogue name) of `nbytes` (the larger
         buffer) on `nranks` ranks, run as `algorithm` with `protocol` and `nchannels`."""
         spec = catalogue.get(coll)
-        if nranks <= 1:
-            return self.call_s
+        if nranks <= 1:  # no peer: every algorithm copies its input once, split over the channels
+            t = spec.traffic(1, in_place)
+            moved = (t.loads(nbytes) + t.stores(nbytes)) / self.memory_rate(t.footprint(nbytes))
+            return self.call_s + moved / self._parallel(nchannels) + (nchannels - 1) * self.calibration.channel_s
         if algorithm == "hierarchical":
             return self._hierarchical(spec.name, nbytes, nranks)
         gin = self.paths.gin
@@ -178,9 +180,7 @@ class Model:
         if STREAMED_HANDOFF_BYTES <= handoff and nbytes < STORE_CHOOSER_MIN_BYTES and protocol == "simple":
             bw += wire_bytes / (self.calibration.dram_Bps * STREAMED_HANDOFF_FRACTION / self.share())
         bw = self._moved(bw, wire_bytes * WIRE_BYTES[protocol], gin)
-        parallel = max(1, min(nchannels, int(self.calibration.cores // max(1, self.paths.local_ranks)) or 1))
-        if self.paths.device == "cuda":
-            parallel = nchannels
+        parallel = self._parallel(nchannels)
         hop = self.hop_s(gin)
         switch = self.calibration.switch_s if self.share() > 1 else 0.0
         return (
@@ -189,6 +189,13 @@ class Model:
             + bw / parallel
             + (nchannels - 1) * self.calibration.channel_s
         )
+
+    def _parallel(self, nchannels: int) -> int:
+        """How many of `nchannels` run at once: on a GPU all; on the CPU one per core of
+        this rank's share of the host's cores."""
+        if self.paths.device == "cuda":
+            return nchannels
+        return max(1, min(nchannels, int(self.calibration.cores // max(1, self.paths.local_ranks))))
 
     def _moved(self, memory_s: float, sent: float, gin: bool) -> float:
         """Seconds of a call's bandwidth terms: its memory work (`memory_s`) and the `sent`
