@@ -64,6 +64,11 @@ PROTOCOL_FACTORS = {
     "gin": {"simple": (1.0, 1.0), "ll": (2.0, 0.035), "ll128": (2.0, 0.09)},
     "cuda": {"simple": (1.0, 1.0), "ll": (1.0, 0.5), "ll128": (1.0, 0.9)},
 }
+# The hierarchical algorithm's phases as separate calls cost this much more inside it: they
+# cannot overlap, and each writes its result to memory for the next to read (fitted:
+# `commref bench all_reduce -b 1M -e 16M -f 4 --np 4 --nodes 2 --path auto --algorithm
+# ring,hierarchical --model`, with and without the wire model; docs/performance.md).
+HIERARCHICAL_PHASES = 1.5
 # Bytes a protocol puts on a link per data byte: LL 16 per 8, LL128 128 per 120.
 WIRE_BYTES = {"simple": 1.0, "ll": 2.0, "ll128": 128 / 120}
 # A call between hosts whose network is not modeled (network mpi across hosts): the rate
@@ -138,8 +143,10 @@ class Model:
         return t
 
     def gin_rate(self) -> float:
+        """Bytes per second over GIN: the engine's rate (shared by the ranks of a core: each
+        rank's engine is a thread of its own), or the wire model's or network's where slower."""
         p = self.paths
-        rates = [self.calibration.gin_Bps]
+        rates = [self.calibration.gin_Bps / self.share()]
         if p.wire_modeled and p.wire_rate:
             rates.append(p.wire_rate)
         elif p.between_hosts:
@@ -231,7 +238,7 @@ class Model:
             t += intra.time("reduce_scatter", "ring", "simple", nbytes, per_node)
         if coll in ("allreduce", "allgather"):
             t += intra.time("allgather", "ring", "simple", nbytes, per_node)
-        return t
+        return t * HIERARCHICAL_PHASES
 
     def best(self, coll: str, nbytes: int, nranks: int, algorithms, protocols, max_channels: int = 1):
         """The (algorithm, protocol, channels) of the least predicted time among
