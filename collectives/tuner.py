@@ -46,8 +46,9 @@ def defaults(device: str, local_ranks: int = 1, network: str | None = None) -> D
     if device == "cuda":
         return Defaults(max_channels=8, slot_bytes=512 * 1024, nsteps=8, threads=512)
     # CPU engine: one block is one OS thread and copies run at memcpy speed, so few
-    # channels; 256 KiB slots keep a step's data in the cache between the writer and
-    # the reader (docs/performance.md, "Tuner settings"); network steps are messages.
+    # channels; 256 KiB slots keep a step's data in the cache between the writer and the
+    # reader (docs/performance.md, "Measurements the model's structure and reference
+    # terms rest on"); network steps are messages.
     cores = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
     slot_bytes = NETWORK_SLOT_BYTES if network == "mpi" else 256 * 1024
     return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=slot_bytes, nsteps=4, threads=1)
