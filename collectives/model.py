@@ -35,8 +35,8 @@ from . import catalogue
 from .calibration import REFERENCE, Calibration, host_calibration
 
 # The Python side of one collective call, in PY_UNITs of calibration.py (fitted on the
-# reference host: an 8-byte AllReduce on 2 ranks took 1.1 us, 2 hops of it).
-CALL_PY_UNITS = 2.0
+# reference host: an 8-byte AllReduce on 2 ranks took 1.1-1.2 us, 2 hops of it).
+CALL_PY_UNITS = 2.5
 # The fraction of the stream copy's rate that each kind of traffic runs at: the ring's
 # FIFO hand-offs cross cores (a line another core wrote: fitted to 128 KiB-2 MiB
 # AllReduce on 2 ranks), the direct kernels' loads of every peer's buffer (fitted: 16 MiB
