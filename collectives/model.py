@@ -45,7 +45,7 @@ FIFO_EFFICIENCY = 0.41
 DIRECT_EFFICIENCY = 0.95
 # Where ranks share a core, a rank spinning for its peer holds the core its peer needs:
 # in-cache work runs this much slower again (fitted: --np 4 on 2 cores).
-SPIN_PENALTY = 2.0
+SPIN_PENALTY = 1.2
 DIRECT_HOPS = 4  # the direct kernels' handshake and two barriers
 TREE_MEMORY = 6.0  # S through memory per rank of the double binary tree AllReduce
 # FIFO hand-offs of at least STREAMED_HANDOFF_BYTES are streamed past the cache (move.h)
@@ -69,6 +69,10 @@ PROTOCOL_FACTORS = {
 # `commref bench all_reduce -b 1M -e 16M -f 4 --np 4 --nodes 2 --path auto --algorithm
 # ring,hierarchical --model`, with and without the wire model; docs/performance.md).
 HIERARCHICAL_PHASES = 1.5
+# The wire model's engine yields while the head of its queue is not due (docs/gin.md, "The
+# wire model"): a step whose bytes take the wire at least this long pays a switch to the
+# other thread on its core and back.
+WIRE_YIELD_S = 1e-6
 # Bytes a protocol puts on a link per data byte: LL 16 per 8, LL128 128 per 120.
 WIRE_BYTES = {"simple": 1.0, "ll": 2.0, "ll128": 128 / 120}
 # A call between hosts whose network is not modeled (network mpi across hosts): the rate
@@ -183,10 +187,13 @@ class Model:
         spin = SPIN_PENALTY if self.share() > 1 else 1.0
         cached = self.calibration.cached_Bps / self.share()
         bw = user / (self.memory_rate(t.footprint(nbytes)) * eff) + fifo * spin / (cached * FIFO_EFFICIENCY * eff)
-        handoff = nbytes / nranks if algorithm == "ring" else nbytes
-        if STREAMED_HANDOFF_BYTES <= handoff and nbytes < STORE_CHOOSER_MIN_BYTES and protocol == "simple":
+        streamed = algorithm == "ring" and protocol == "simple" and nbytes < STORE_CHOOSER_MIN_BYTES
+        if streamed and nbytes / nranks >= STREAMED_HANDOFF_BYTES:  # measured on the ring only
             bw += wire_bytes / (self.calibration.dram_Bps * STREAMED_HANDOFF_FRACTION / self.share())
         bw = self._moved(bw, wire_bytes * WIRE_BYTES[protocol], gin)
+        p = self.paths
+        if gin and p.wire_modeled and p.wire_rate and wire_bytes / max(1, steps) / p.wire_rate >= WIRE_YIELD_S:
+            bw += steps * self.calibration.switch_s  # the engine yields while its head is not due
         parallel = self._parallel(nchannels)
         hop = self.hop_s(gin)
         switch = self.calibration.switch_s if self.share() > 1 else 0.0
