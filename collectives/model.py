@@ -47,7 +47,9 @@ DIRECT_EFFICIENCY = 0.95
 # in-cache work runs this much slower again (fitted: --np 4 on 2 cores).
 SPIN_PENALTY = 1.2
 DIRECT_HOPS = 4  # the direct kernels' handshake and two barriers
-TREE_MEMORY = 6.0  # S through memory per rank of the double binary tree AllReduce
+# S through memory per rank of the double binary tree AllReduce: its levels hand a step
+# on one after the other, so it moves more than its bytes say (fitted: 32-128 KiB on 4 ranks).
+TREE_MEMORY = 10.0
 # FIFO hand-offs of at least STREAMED_HANDOFF_BYTES are streamed past the cache (move.h)
 # and, below the store chooser's sizes (tuner.STORE_CHOOSER_MIN_BYTES), always: the
 # reader then takes them from memory, at the DRAM rate.
