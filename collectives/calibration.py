@@ -27,8 +27,9 @@ Cache: ``$COMMREF_CACHE_DIR/model/<host>-<key>.json``, the key a hash of commref
 and of the sources the terms describe (this module, model.py, the CPU engine), so a new
 build or another host probes again. COMMREF_MODEL=reference takes REFERENCE without a
 probe (tests, and runs that must plan alike on every host); COMMREF_MODEL=probe (the
-default) the cache or the probe. Ranks must plan alike, so a communicator takes rank
-0's calibration (agreed_calibration), whatever each host measured.
+default) the cache or the probe; COMMREF_MODEL=FILE.json the terms of that file. Ranks
+must plan alike, so a communicator takes rank 0's calibration (agreed_calibration),
+whatever each host measured.
 """
 
 from __future__ import annotations
@@ -130,11 +131,18 @@ GPU = REFERENCE.replace(
 
 
 def model_source() -> str:
-    """COMMREF_MODEL, validated: probe (unset or empty) or reference."""
-    value = os.environ.get(MODEL_ENV, "").strip().lower() or "probe"
-    if value not in MODEL_SOURCES:
-        raise ValueError(f"{MODEL_ENV} must be one of {', '.join(MODEL_SOURCES)}, not {value!r}")
-    return value
+    """COMMREF_MODEL, validated: probe (unset or empty), reference, or the path of a
+    calibration's JSON file (a cache file, or one written by hand: its terms are taken
+    as they are, for experiments and tests)."""
+    raw = os.environ.get(MODEL_ENV, "").strip()
+    value = raw.lower() or "probe"
+    if value in MODEL_SOURCES:
+        return value
+    if raw.endswith(".json") and os.path.isfile(raw):
+        return raw
+    raise ValueError(
+        f"{MODEL_ENV} must be one of {', '.join(MODEL_SOURCES)} or a calibration's .json file, not {raw!r}"
+    )
 
 
 def source_key() -> str:
@@ -247,8 +255,14 @@ def host_calibration() -> Calibration:
     """This host's calibration: REFERENCE under COMMREF_MODEL=reference, else the cached
     one, else the probe's (cached for next time; one process probes a host at a time,
     the others wait up to LOCK_DEADLINE_S for its result, then probe themselves)."""
-    if model_source() == "reference":
+    source = model_source()
+    if source == "reference":
         return REFERENCE
+    if source != "probe":
+        cal = _read(Path(source))
+        if cal is None:
+            raise ValueError(f"{MODEL_ENV}={source}: not a calibration's JSON (calibration.Calibration's fields)")
+        return cal.replace(source="file")
     host, key = socket.gethostname(), source_key()
     memo = _memo.get((host, key))
     if memo is not None:
@@ -277,7 +291,7 @@ def host_calibration() -> Calibration:
 def _read(path: Path) -> Calibration | None:
     try:
         return Calibration.from_json(json.loads(path.read_text())).replace(source="cache")
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):  # missing, not JSON, not a record of the fields
         return None
 
 

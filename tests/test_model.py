@@ -135,11 +135,20 @@ def test_the_calibration_is_cached_per_host_and_source(monkeypatch, tmp_path):
     assert probes == [1, 1]
 
 
-def test_reference_and_bad_values_of_commref_model(monkeypatch):
+def test_reference_file_and_bad_values_of_commref_model(monkeypatch, tmp_path):
     monkeypatch.setenv(calibration.MODEL_ENV, "reference")
     assert calibration.host_calibration() is REFERENCE
+    planted = tmp_path / "planted.json"
+    planted.write_text(json.dumps(REFERENCE.replace(cached_Bps=3e9).to_json()))
+    monkeypatch.setenv(calibration.MODEL_ENV, str(planted))
+    got = calibration.host_calibration()
+    assert (got.cached_Bps, got.source) == (3e9, "file")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    monkeypatch.setenv(calibration.MODEL_ENV, str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="not a calibration's JSON"):
+        calibration.host_calibration()
     monkeypatch.setenv(calibration.MODEL_ENV, "fast")
-    with pytest.raises(ValueError, match="COMMREF_MODEL must be one of probe, reference, not 'fast'"):
+    with pytest.raises(ValueError, match="COMMREF_MODEL must be one of probe, reference or a calibration's .json"):
         calibration.host_calibration()
 
 
