@@ -23,7 +23,8 @@ last stores the output); the others in Model._shape. The direct kernels move
 catalogue.Traffic's least bytes (every peer's part loaded once, stored once) and pay
 DIRECT_HOPS; the double binary tree 2 ceil(log2 n) steps and TREE_MEMORY S; the
 hierarchical algorithm is its three phases' sum (intra-node reduce-scatter over LSA,
-inter-node all-reduce of S / L over GIN, intra-node all-gather), each a call.
+inter-node all-reduce of S / L over GIN, intra-node all-gather), each a call, times
+HIERARCHICAL_PHASES on the CPU engine (where it was fitted).
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ class Model:
             t += intra.time("reduce_scatter", "ring", "simple", nbytes, per_node)
         if coll in ("allreduce", "allgather"):
             t += intra.time("allgather", "ring", "simple", nbytes, per_node)
-        return t * HIERARCHICAL_PHASES
+        return t if self.calibration.overlap else t * HIERARCHICAL_PHASES  # fitted on the CPU engine only
 
     def best(self, coll: str, nbytes: int, nranks: int, algorithms, protocols, max_channels: int = 1):
         """The (algorithm, protocol, channels) of the least predicted time among
