@@ -364,6 +364,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(time in copies, reductions, waits and the rest; bytes moved against the least) and print it",
     )
     c.add_argument(
+        "--model",
+        action="store_true",
+        help="print the performance model's predicted time (collectives/model.py) beside the measured "
+        "out-of-place time of every row, and their ratio",
+    )
+    c.add_argument(
         "--json",
         metavar="FILE",
         type=_output_file,

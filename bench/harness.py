@@ -244,7 +244,13 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
         for cycle in itertools.count(1) if cycles == 0 else range(1, cycles + 1):
             if cycles != 1:
                 report.lines([f"# Cycle {cycle}" + (f" of {cycles}" if cycles else " (until interrupted)")])
-            report.lines(table_head(baseline.label if baseline else None, bool(getattr(args, "iteration_stats", 0))))
+            report.lines(
+                table_head(
+                    baseline.label if baseline else None,
+                    bool(getattr(args, "iteration_stats", 0)),
+                    bool(getattr(args, "model", False)),
+                )
+            )
             done = (cycle - 1) * len(sizes)
             got = sweep(
                 ctx,

@@ -309,6 +309,15 @@ def _kernels_of(comm, coll: str, count: int) -> str | None:
     return " + ".join(names) or None
 
 
+def _predicted_us(comm, coll: str, count: int) -> float | None:
+    """The performance model's time (us) of comm's first out-of-place call of `coll` on
+    `count` elements (CallPlan.predicted_s); None where the runner has no model."""
+    planned = getattr(comm, "planned", None)
+    plans = (planned(coll, count, False) + planned(coll, count, True)) if planned else []
+    times = [p.predicted_s for p in plans if p.predicted_s is not None]
+    return times[0] * 1e6 if times else None
+
+
 def _team(runner, world) -> tuple[int, int]:
     """(rank, ranks) of the ranks a runner calls among: a communicator's own (a team's
     child communicator has fewer), else the world's (baselines)."""
@@ -423,6 +432,10 @@ def sweep(
                     **({"profile": res["profile"]} if "profile" in res else {}),
                 }
             )
+            if getattr(args, "model", False):  # --model: the prediction beside the measured time
+                pred = _predicted_us(comm, plugin.coll, tc.param)
+                size_rows[-1]["predicted_us"] = pred
+                size_rows[-1]["predicted_ratio"] = pred / oop["time_us"] if pred and oop["time_us"] > 0 else None
         rows.extend(size_rows)
         if emit is not None:
             emit(size_rows)

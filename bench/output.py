@@ -70,15 +70,28 @@ def _head_line(pick: int, per_iter: bool) -> str:
     return "#" + line[1:]
 
 
-def table_head(baseline_label: str | None, per_iter: bool = False) -> list[str]:
+def table_head(baseline_label: str | None, per_iter: bool = False, model: bool = False) -> list[str]:
     """The column heads; `per_iter` (-I 1): with i_min, i_max, i_p99 and i_cv% after each
-    placement's #wrong, as nccl-tests prints them."""
+    placement's #wrong, as nccl-tests prints them; `model` (--model): the predicted time
+    and predicted / measured after the path (model_cells)."""
     placement = "" if not per_iter else " (+ per-iteration)"
     groups = ["", "out-of-place" + placement, "in-place" + placement, baseline_label or "baseline", "bound"]
     widths = [_width(_FIELDS) - 2] + [_width(_placement_cols(per_iter))] * 2
     widths += [_width(_EXTRA[:3]), _width(_EXTRA[3:])]
     line = "".join(f"{g:^{w}}" for g, w in zip(groups, widths))
-    return ["#" + line[1:].rstrip(), _head_line(0, per_iter), _head_line(1, per_iter).rstrip()]
+    heads = ["#" + line[1:].rstrip(), _head_line(0, per_iter), _head_line(1, per_iter).rstrip()]
+    if model:
+        heads[1] += f"{'model':>18}  {'pred/':>6}"
+        heads[2] += f"{'(us)':>24}  {'meas':>6}"
+    return heads
+
+
+def model_cells(r: dict) -> str:
+    """--model's cells of a row: the predicted out-of-place time and predicted / measured."""
+    if "predicted_us" not in r:
+        return ""
+    pred, ratio = r["predicted_us"], r.get("predicted_ratio")
+    return f"  {_time_str(pred) if pred is not None else '-':>8}  {_num(ratio):>6}"
 
 
 def _per_iter_cells(result: dict | None) -> str:
@@ -109,7 +122,7 @@ def format_row(r: dict) -> str:
         + f"  {_time_str(base['time_us']) if base else '-':>7}  {_num(base and base['busbw']):>7}"
         f"  {_num(r.get('ratio')):>6}"
         f"  {_num(bound and bound['busbw']):>7}  {_num(r.get('pct_of_bound'), '{:.0f}'):>6}"
-        f"  {_num(r.get('in_place_pct_of_bound'), '{:.0f}'):>4}  {r['path']}"
+        f"  {_num(r.get('in_place_pct_of_bound'), '{:.0f}'):>4}  {r['path']}" + model_cells(r)
     )
 
 

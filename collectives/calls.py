@@ -18,8 +18,10 @@ from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError
 
 from . import catalogue, nvls, tuner
-from .hierarchical import HIERARCHICAL
+from .calibration import GPU, agreed_calibration
+from .hierarchical import HIERARCHICAL, NodeShape
 from .launch_record import CallPlan, plan_fields
+from .model import Model, Paths
 from .routes import Route
 from .verify import DTYPE_CODES, OPS, dtype_name
 
@@ -83,6 +85,26 @@ def kernel_spec(coll: str, dtype: str, op: str | None):
     return (DTYPE_CODES[dtype], OPS[op]) if catalogue.get(coll).reducing else None
 
 
+def communicator_model(comm, slow_network: bool) -> Model:
+    """Collective: the performance model of `comm`'s calls (model.py): rank 0's host
+    calibration (calibration.agreed_calibration; on a GPU the assumed one, model.GPU) and
+    where `comm`'s peers are (GIN, its wire model, nodes, ranks per host)."""
+    gin = comm.options.gin
+    shape = comm.node_shape
+    paths = Paths(
+        gin=bool(comm.peer_mask),
+        nodes=shape.nodes if isinstance(shape, NodeShape) else 1,
+        wire_rate=float(gin.wire_rate or 0),
+        wire_latency=float(gin.wire_latency or 0),
+        wire_modeled=bool(gin.wire_modeled),
+        local_ranks=comm.world.local_size,
+        device=comm.device,
+        between_hosts=slow_network and not gin.wire_modeled,
+    )
+    cal = GPU if comm.device == "cuda" else agreed_calibration(comm.world)
+    return Model(cal, paths)
+
+
 class CallPlanner:
     """Preparation for one communicator (`comm`: its rank, ranks, device, channels,
     threads, kernels, node shape, launch record and protocol refusals): the CallPlan of
@@ -90,7 +112,8 @@ class CallPlanner:
 
     def __init__(self, comm, slow_network: bool, gpu_stream=None):
         self.comm, self.slow_network, self.gpu_stream = comm, slow_network, gpu_stream
-        self.allowed = tuner.auto_protocols(comm.protocol_refusals, bool(comm.peer_mask))
+        self.allowed = tuner.auto_protocols(comm.protocol_refusals)
+        self.model = communicator_model(comm, slow_network)  # collective: rank 0's calibration
         self.plans: dict[CallSignature, CallPlan] = {}
 
     def prepare(self, call: Call) -> CallPlan:
@@ -138,11 +161,13 @@ class CallPlanner:
                 why_not_direct,
                 c.protocol_refusals,
                 c.options.nvls_variant.value,
+                self.model,
             )
         except (ValueError, CapabilityError) as e:
             raise type(e)(f"rank {c.rank}: {e}") from None
+        predicted = self.model.time(spec.name, plan.algorithm, plan.protocol, nbytes, c.nranks, max(1, plan.nchannels))
         if plan.algorithm == HIERARCHICAL:
-            return CallPlan(HIERARCHICAL, 0, None, None, 0, sig.count, False, hierarchical=True)
+            return CallPlan(HIERARCHICAL, 0, None, None, 0, sig.count, False, hierarchical=True, predicted_s=predicted)
         divisor = (sig.avg_divisor or c.nranks) if op == "avg" else 0
         fields32 = plan_fields(
             sig.root, DTYPE_CODES[dname], op_code, plan.nchannels, dtype.itemsize, divisor, plan.protocol
@@ -165,4 +190,5 @@ class CallPlanner:
             plan.algorithm in ("direct", nvls.NVLS),
             protocol=plan.protocol,
             launch=launch,
+            predicted_s=predicted,
         )

@@ -69,7 +69,7 @@ class Communicator:
         o = self.options = options
         self.world, self.rank, self.nranks = world, world.rank, world.size
         self.device = resolve_device(o.device)
-        self.algorithm, self.protocol = o.algorithm.value, o.protocol.value  # protocol: tuner.choose_protocol
+        self.algorithm, self.protocol = o.algorithm.value, o.protocol.value  # protocol: tuner.plan
         d = tuner.defaults(self.device, world.local_size)
         self.max_channels, self.nsteps = o.max_channels or d.max_channels, o.nsteps or d.nsteps
         self.threads = o.threads or d.threads

@@ -69,6 +69,7 @@ class CallPlan:
     hierarchical: bool = False  # no kernel of this communicator: its hierarchy's calls (hierarchical.py)
     protocol: str = "simple"  # of the kernel's FIFO steps (include/commref/proto.h)
     launch: object = None  # CPU: cpu_loader.PreparedLaunch of the communicator's record
+    predicted_s: float | None = None  # the performance model's time of the call (model.py)
 
 
 class LaunchRecord:

@@ -1,7 +1,9 @@
-"""Policy: FIFO geometry per device, and per call the algorithm and channel count.
+"""Policy: FIFO geometry per device, and per call the algorithm, protocol and channel
+count, each the performance model's choice (model.py) where left to "auto".
 
-Everything here is a pure function of (collective, bytes, nranks, device, options),
-so every rank picks the same plan without talking to the others.
+Everything here is a pure function of (collective, bytes, nranks, device, options, the
+model), so every rank picks the same plan without talking to the others: the model's
+calibration is rank 0's (calibration.agreed_calibration).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from commref.transports.errors import CapabilityError
 
 from . import catalogue, nvls
 from .hierarchical import HIERARCHICAL, NodeShape
+from .model import Model, Paths
 from .routes import needs_symmetric
 
 
@@ -43,8 +46,9 @@ def defaults(device: str, local_ranks: int = 1, network: str | None = None) -> D
     if device == "cuda":
         return Defaults(max_channels=8, slot_bytes=512 * 1024, nsteps=8, threads=512)
     # CPU engine: one block is one OS thread and copies run at memcpy speed, so few
-    # channels; 256 KiB slots keep a step's data in the cache between the writer and
-    # the reader (docs/performance.md, "Tuner settings"); network steps are messages.
+    # channels; 256 KiB slots keep a step's data in the cache between the writer and the
+    # reader (docs/performance.md, "Measurements the model's structure and reference
+    # terms rest on"); network steps are messages.
     cores = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
     slot_bytes = NETWORK_SLOT_BYTES if network == "mpi" else 256 * 1024
     return Defaults(max_channels=max(1, min(4, cores)), slot_bytes=slot_bytes, nsteps=4, threads=1)
@@ -58,38 +62,15 @@ class Plan:
     variant: str | None = None  # algorithm "nvls": nvls.ONE_SHOT or TWO_SHOT
 
 
-# Below this many bytes per rank, a tree's log(n) latency beats a ring's n steps.
-TREE_MAX_BYTES = 64 * 1024
-# The size from which "auto" takes a direct kernel (direct.cu) when the buffers are
-# symmetric: below, its handshake and barriers cost more than the ring's few steps
-# (the measured crossover: docs/performance.md, "Tuner settings").
-DIRECT_MIN_BYTES = 16 * 1024
-# The size from which "auto" takes the hierarchical algorithm (hierarchical.py) on a job of
-# several nodes of several ranks whose GIN is slower than memory: below, its three
-# launches cost more than the GIN bytes it saves. Where GIN runs at memory speed (simulated
-# nodes on one host, no wire model) "auto" keeps the flat ring, one launch that pipelines
-# everything: with the ranks bound to CPUs it was faster at 1-16 MiB on plain and on
-# symmetric buffers (docs/performance.md, "Tuner settings").
-HIERARCHICAL_MIN_BYTES = 1024 * 1024
-# Each channel should move at least this much, or its launch and flags cost more than it saves.
-BYTES_PER_CHANNEL = 4 * 1024 * 1024
-# The protocol "auto" takes on the CPU engine (include/commref/proto.h): LL up to
-# LL_MAX_BYTES, LL128 up to LL128_MAX_BYTES, Simple above, among the protocols the
-# communicator can run (collectives/protocols.py). Measured: docs/performance.md,
-# "Tuner settings". Over GIN and on GPUs auto keeps Simple until thresholds are measured
-# there (auto_protocols).
-LL_MAX_BYTES = 64
-LL128_MAX_BYTES = 128
 PROTOCOLS = ("simple", "ll", "ll128")
 # The algorithms whose kernels run protocols (the direct kernels use no FIFO).
 PROTOCOL_ALGORITHMS = ("ring", "tree")
 
 
-def auto_protocols(refused, gin: bool) -> tuple[str, ...]:
+def auto_protocols(refused) -> tuple[str, ...]:
     """The protocols "auto" may take on a communicator that cannot run `refused`
-    (collectives/protocols.py); with GIN peers (`gin`) Simple only: the thresholds were
-    measured over LSA, and a line step over GIN posts two descriptors where Simple posts one."""
-    return ("simple",) if gin else tuple(p for p in PROTOCOLS if p not in refused)
+    (collectives/protocols.py); which of them a call takes is the model's (plan)."""
+    return tuple(p for p in PROTOCOLS if p not in (refused or {}))
 
 
 def protocol_refusal(protocol: str, refused) -> str | None:
@@ -100,23 +81,18 @@ def protocol_refusal(protocol: str, refused) -> str | None:
     return None if why is None else f"protocol {protocol!r} cannot run on this communicator: {why}"
 
 
-def pick_protocol(nbytes: int, device: str, allowed=PROTOCOLS) -> str:
-    """The protocol "auto" takes for a ring or tree call of `nbytes` (plan's measure)."""
-    if device == "cpu":
-        if nbytes <= LL_MAX_BYTES and "ll" in allowed:
-            return "ll"
-        if nbytes <= LL128_MAX_BYTES and "ll128" in allowed:
-            return "ll128"
-    return "simple"
-
-
-def choose_protocol(protocol: str, algorithm: str, nbytes: int, device: str, allowed=PROTOCOLS) -> str:
-    """The protocol a call of `algorithm` and `nbytes` runs, asked for as `protocol`
-    ("auto": by size among `allowed`, pick_protocol). Protocols are the ring and tree
-    kernels': the other algorithms use no FIFO, so their calls run Simple."""
-    if algorithm not in PROTOCOL_ALGORITHMS:
-        return "simple"
-    return pick_protocol(nbytes, device, allowed) if protocol == "auto" else protocol
+def auto_algorithms(spec, nranks: int, symmetric: bool, nodes, protocol: str) -> tuple[str, ...]:
+    """The algorithms "auto" chooses among for a call of `spec`: ring and tree where the
+    collective has them; direct where the buffers are symmetric and no line protocol is
+    asked for (the direct kernels use no FIFO); hierarchical where the job's NodeShape
+    allows it. Algorithm "nvls" runs only where asked for: its multimem handle is the LSA
+    emulation in this version, which loads what the direct kernel loads."""
+    out = [a for a in ("ring", "tree") if a in spec.algorithms and (a != "tree" or nranks > 2)]
+    if symmetric and protocol in ("auto", "simple") and "direct" in spec.algorithms:
+        out.insert(0, "direct")  # first: a tie (one rank) goes to zero copy
+    if isinstance(nodes, NodeShape) and HIERARCHICAL in spec.algorithms:
+        out.append(HIERARCHICAL)
+    return tuple(out) or (spec.algorithms[0],)
 
 
 def plan(
@@ -134,24 +110,23 @@ def plan(
     why_not_direct: str | None = None,
     refused=None,
     nvls_variant: str = "auto",
+    model: Model | None = None,
 ) -> Plan:
-    """Algorithm, channel count and protocol for one call. `nbytes` is the size of the
-    full (per-rank, unsplit) buffer the collective reduces or gathers; `symmetric` says
-    that the direct kernels can run (the call's route: routes.DirectRouter), and
-    `why_not_direct` why not (the ValueError of algorithm "direct"; default:
-    routes.needs_symmetric); `nodes`
-    is the job's NodeShape where the hierarchical algorithm can run, else why not
-    (hierarchical.node_shape) or None; `slow_network`: GIN runs slower than memory (a
-    real network between hosts, or the wire model), where "auto" takes the hierarchical
-    algorithm from HIERARCHICAL_MIN_BYTES. `protocol`: "auto" (by size, among `allowed`:
-    the protocols the communicator can run) or one of PROTOCOLS; one in `refused`
-    (protocol_refusal) raises CapabilityError. Protocols are the ring
-    and tree kernels': the direct kernels use no FIFO, so a call of algorithm "direct"
-    runs without one (its plan says simple), and auto does not pick direct for LL or
-    LL128. A hierarchical plan has no channels: its children plan their own calls.
-    Algorithm "nvls" (nvls.py) runs only where asked for: its multimem handle is the LSA
-    emulation in this version, which loads what the direct kernel loads, so the model
-    gives "auto" no reason to take it; its variant is `nvls_variant` (nvls.variant)."""
+    """Algorithm, channel count and protocol for one call: every choice left to "auto"
+    is the performance model's argmin (model.Model.best; `model`: the communicator's, by
+    default the host calibration's over `nranks` ranks on this host, GIN between nodes
+    where `slow_network`). `nbytes` is the size of the full (per-rank, unsplit) buffer the
+    collective reduces or gathers; `symmetric` says that the direct kernels can run (the
+    call's route: routes.DirectRouter), and `why_not_direct` why not (the ValueError of
+    algorithm "direct"; default: routes.needs_symmetric); `nodes` is the job's NodeShape
+    where the hierarchical algorithm can run, else why not (hierarchical.node_shape) or
+    None. `protocol`: "auto" (the model's, among `allowed`: the protocols the
+    communicator can run) or one of PROTOCOLS; one in `refused` (protocol_refusal)
+    raises CapabilityError. Protocols are the ring and tree kernels': a call of algorithm
+    "direct" runs without one (its plan says simple). A hierarchical plan has no
+    channels: its children plan their own calls. Explicit choices are kept; the variant
+    of algorithm "nvls" is `nvls_variant` (nvls.variant). A tree runs both trees of the
+    double binary tree (at least 2 channels where max_channels allows)."""
     refusal = protocol_refusal(protocol, refused)
     if refusal:
         raise CapabilityError(refusal)
@@ -171,34 +146,28 @@ def plan(
         raise ValueError(
             f"algorithm 'hierarchical' cannot run on this communicator: {nodes or 'it needs ranks on several nodes'}"
         )
-    if (
-        algorithm == "auto"
-        and slow_network
-        and isinstance(nodes, NodeShape)
-        and HIERARCHICAL in spec.algorithms
-        and nbytes >= HIERARCHICAL_MIN_BYTES
-    ):
-        algorithm = HIERARCHICAL
+    if model is None:
+        shape = nodes if isinstance(nodes, NodeShape) else None
+        model = Model.default(
+            Paths(
+                gin=slow_network,
+                nodes=shape.nodes if shape else 1,
+                local_ranks=nranks,
+                device=device,
+                between_hosts=slow_network,
+            )
+        )
+    algorithms = auto_algorithms(spec, nranks, symmetric, nodes, protocol) if algorithm == "auto" else (algorithm,)
+    protocols = tuple(allowed) if protocol == "auto" else (protocol,)
+    algorithm, chosen, nchannels = model.best(
+        spec.name, nbytes, nranks, algorithms, protocols or ("simple",), max_channels
+    )
     if algorithm == HIERARCHICAL:
         return Plan(HIERARCHICAL, 0, protocol)
-    if (
-        algorithm == "auto"
-        and symmetric
-        and protocol in ("auto", "simple")
-        and "direct" in spec.algorithms
-        and nbytes >= DIRECT_MIN_BYTES
-    ):
-        algorithm = "direct"
-    if algorithm == "auto":
-        algorithm = "tree" if "tree" in spec.algorithms and nranks > 2 and nbytes <= TREE_MAX_BYTES else "ring"
-    if device == "cuda":
-        nchannels = max(1, min(max_channels, nbytes // (512 * 1024)))
-    else:
-        nchannels = max(1, min(max_channels, nbytes // BYTES_PER_CHANNEL))
     if algorithm == "tree" and max_channels >= 2:
         nchannels = max(2, nchannels)  # both trees of the double binary tree
     variant = nvls.variant(nbytes, nvls_variant) if algorithm == nvls.NVLS else None
-    return Plan(algorithm, nchannels, choose_protocol(protocol, algorithm, nbytes, device, allowed), variant)
+    return Plan(algorithm, nchannels, chosen if algorithm in PROTOCOL_ALGORITHMS else "simple", variant)
 
 
 # ---- streamed stores on the CPU (CollArgs.streamStores, include/commref/move.h) ----

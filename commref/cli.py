@@ -2,11 +2,12 @@
 
   commref check [collective ...] [--np N] [--dtype ...] [--op ...] [--algorithm ...] [--protocol ...] [--count ...]
   commref bench <collective> [-b 8] [-e 64M] [-f 2] [-n 20] ... [--np N]   (bench/arguments.py: its flags)
+  commref model [collective] [--nodes N] [--gpus-per-node G] [--intra nvlink|pcie] [--*-rate ...] [--*-latency ...]
   commref study [--protocol ...] [--transport ...] [--bound PxS] [--json] [--plot FILE]
                 [--stress [--explore] [--np 2] [--network shm|mpi]]
 
-Every argument (and COMMREF_TIMEOUT, COMMREF_CPU_BIND, COMMREF_GIN_ENGINE, COMMREF_PROTO) is parsed and validated here,
-before any rank starts, with the typed options' own checks and messages (collectives/options.py,
+Every argument (and COMMREF_TIMEOUT, COMMREF_CPU_BIND, COMMREF_GIN_ENGINE, COMMREF_PROTO, COMMREF_MODEL) is parsed
+and validated here, before any rank starts, with the typed options' own checks and messages (collectives/options.py,
 transports/gin/options.py); a bad one ends the command with one line
 `commref <command>: error: ...` on stderr and exit status 2.
 
@@ -31,9 +32,10 @@ import re
 import sys
 import time
 
-from commref.bench import footprint, harness, programs
+from commref.bench import cluster_model, footprint, harness, programs
 from commref.bench.flags import add_np, add_option, int_type
 from commref.collectives import catalogue, group_check, tuner
+from commref.collectives.calibration import model_source
 from commref.collectives.catalogue import NAMES
 from commref.collectives.group_check import GROUP
 from commref.collectives.hierarchical import HIERARCHICAL, NodeShape, node_shape
@@ -451,6 +453,7 @@ COMMANDS = {
     "check": (add_check_arguments, validate_check, run_check),
     "bench": (harness.add_arguments, validate_bench, run_bench),
     "study": (add_study_arguments, validate_study, run_study),
+    "model": (cluster_model.add_arguments, cluster_model.validate, cluster_model.run),
 }
 # command -> one rank's footprint (host_limits.Footprint) for --np N
 FOOTPRINTS = {"check": check_footprint, "bench": bench_footprint, "study": study_footprint}
@@ -459,6 +462,8 @@ HELP = {
     "bench": "nccl-tests-style sweep with baselines and a bound, or a bench program "
     f"({', '.join(programs.NAMES)}; commref bench NAME -h for its flags)",
     "study": "ordering study: protocol x transport model x signal strength -> safe/unsafe (docs/ordering.md)",
+    "model": "the performance model on a described cluster: predicted time and busbw per size, published "
+    "NCCL figures beside it (docs/performance.md)",
 }
 
 
@@ -466,7 +471,7 @@ def build_parser(program: programs.Program | None = None) -> argparse.ArgumentPa
     """The command line; with `program` (bench_program), `commref bench` takes that
     program's flags instead of the collective sweep's."""
     p = Parser(prog="commref", description="Collective-communication kernels: reference and tests.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{check,bench,study}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{check,bench,study,model}")
     p.commands = {name: sub.add_parser(name, help=HELP[name], description=HELP[name]) for name in COMMANDS}
     for name, (add_arguments, _, _) in COMMANDS.items():
         if name == "bench" and program is not None:
@@ -483,8 +488,9 @@ def validate(args) -> None:
     gin_engine()  # COMMREF_GIN_ENGINE: auto, native or python (transports/gin/engines.py)
     kernels_help_enabled()  # COMMREF_GIN_KERNELS_HELP: 0 or 1 (transports/gin/native.py)
     default_protocol()  # COMMREF_PROTO: auto, simple, ll or ll128 (collectives/options.py)
+    model_source()  # COMMREF_MODEL: probe or reference (collectives/calibration.py)
     COMMANDS[args.command][1](args)
-    if args.np is not None and not MPIWorld.launched_under_mpi():  # the job must fit this host
+    if getattr(args, "np", None) is not None and not MPIWorld.launched_under_mpi():  # the job must fit this host
         host_limits.check_ranks(args.np, FOOTPRINTS[args.command](args, args.np), args.oversubscribe)
 
 
@@ -519,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate(args)
         export_nodes(args)
-        if args.np is not None and args.np > 1 and not MPIWorld.launched_under_mpi():
+        if getattr(args, "np", None) is not None and args.np > 1 and not MPIWorld.launched_under_mpi():
             return relaunch(args, argv)
     except (ValueError, CapabilityError, launcher.LaunchError) as e:  # OptionError, NotAvailable: ValueErrors
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)

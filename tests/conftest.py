@@ -28,10 +28,15 @@ import time
 import pytest
 from stand_ins import FakeCuda, FakeKernels
 
-from commref.collectives import launch_record, tuner
+from commref.collectives import launch_record
 from commref.device_kernels import gpu_loader
 from commref.transports import launcher
 from commref.transports.mpi_world import _MPI_LAUNCHER_VARS
+
+# The tuner's choices in tests are the reference calibration's (collectives/calibration.py),
+# the same on every host, so a test that needs a size "auto" runs a given way finds it
+# there (tests/test_model.py probes and plants calibrations of its own).
+os.environ.setdefault("COMMREF_MODEL", "reference")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
@@ -156,8 +161,11 @@ def shm_leak_check():
 
 @pytest.fixture
 def many_channels(monkeypatch):
-    """Lets the CPU tuner split even small calls across channels (one per 256 bytes)."""
-    monkeypatch.setattr(tuner, "BYTES_PER_CHANNEL", 256)
+    """Lets the CPU tuner split even small calls across channels: a calibration whose
+    channels start for nothing on a host of many cores (the model then takes them all)."""
+    from commref.collectives import calibration
+
+    monkeypatch.setattr(calibration, "REFERENCE", calibration.REFERENCE.replace(channel_s=0.0, cores=1024))
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ a GPU's CuPy, driver and arrays in stand_ins.py."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -71,10 +72,22 @@ CHECK_MODULE = ["commref.cli", "check"]
 SMALL_CHECK = ["allreduce", "--dtype", "float32", "--op", "sum", "--count", "7"]
 
 
+def many_channels_env(folder) -> dict[str, str]:
+    """What a job's environment adds so that its tuner takes every channel it may
+    (COMMREF_MODEL: a calibration file in `folder` whose channels start for nothing on
+    many cores); pass it to conftest.clean_env."""
+    from commref.collectives import calibration
+
+    path = folder / "many-channels.json"
+    planted = calibration.REFERENCE.replace(channel_s=0.0, cores=1024, source="planted")
+    path.write_text(json.dumps(planted.to_json()))
+    return {"COMMREF_MODEL": str(path)}
+
+
 def multi_channel_check(channels: int, slot_bytes: int) -> list[str]:
     """`commref check`'s arguments for ring allreduce and reduce_scatter on 2100001 float32
-    elements (8.4 MB per rank: the CPU tuner splits from 4 MiB per channel) on at most
-    `channels` channels of `slot_bytes` slots."""
+    elements (8.4 MB per rank) on at most `channels` channels of `slot_bytes` slots (with
+    many_channels_env, on all of them)."""
     return [
         *("allreduce", "reduce_scatter", "--dtype", "float32", "--op", "sum", "--algorithm", "ring"),
         *("--count", "2100001", "--channels", str(channels), "--slot-bytes", str(slot_bytes)),

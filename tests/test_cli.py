@@ -117,6 +117,15 @@ PROBES = [
     (["study", "--stress", "--np", "2", "--seeds", "0"], {}, "--seeds and --messages must be at least 1"),
     (["study", "--stress", "--network", "mpi"], {}, "--network mpi needs --np 2"),
     (["study", "--protocol", "nope"], {}, "argument --protocol: invalid choice: 'nope'"),
+    (["model", "--nodes", "0"], {}, "argument --nodes: must be in [1, 65536], got 0"),
+    (["model", "--nvlink-rate", "fast"], {}, "--nvlink-rate must be a number >= 0 in bytes/s, e.g. 450G"),
+    (["model", "--network-rate", "0"], {}, "--network-rate must be above 0 bytes/s, not '0'"),
+    (["model", "--pcie-latency=-2us"], {}, "--pcie-latency must be a number >= 0 in seconds"),
+    (["model", "sendrecv"], {}, "the model describes all_reduce, all_gather"),
+    (["model", "--gpus-per-node", "1"], {}, "the cluster needs at least 2 GPUs"),
+    (["model", "-f", "1"], {}, "need a step factor > 1"),
+    (["model", "-b", "8K", "-e", "8"], {}, "need 0 <= minbytes <= maxbytes, got -b 8192 -e 8"),
+    (["bench", "all_reduce", "-b", "8", "-e", "8"], {"COMMREF_MODEL": "fast"}, "COMMREF_MODEL must be one of"),
 ]
 
 

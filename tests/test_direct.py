@@ -14,12 +14,15 @@ import time
 import numpy as np
 import pytest
 
-from commref.collectives import catalogue, check, tuner, verify
+from commref.collectives import catalogue, check, model, tuner, verify
 from commref.collectives.communicator import Communicator
 from commref.collectives.symmetric import SymmetricArena
 from commref.transports.errors import CommMismatch
 from commref.transports.nodes import NODES_ENV
 from commref.transports.thread_world import ThreadWorld
+
+# A size at which the reference model takes the direct kernels on 2 to 4 ranks (test_model.py).
+DIRECT_SIZE = 1 << 16
 
 TIMEOUT = 20.0
 
@@ -38,12 +41,12 @@ def _kernel_of(comm, coll, buf) -> str:
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
 def test_auto_takes_direct_for_symmetric_buffers_only(nranks):
-    """From tuner.DIRECT_MIN_BYTES on; below it the ring's few steps are faster."""
+    """At DIRECT_SIZE, where the reference model takes direct (tests/test_model.py)."""
 
     def body(world):
         comm = _comm(world)
         r, n = world.rank, world.size
-        count = tuner.DIRECT_MIN_BYTES // 4 + 3
+        count = DIRECT_SIZE // 4 + 3
         x = verify.make_input("allreduce", np.float32, "sum", 5, r, n, count)
         exp = verify.expected_output("allreduce", np.float32, "sum", 5, r, n, count)
         sym_in, sym_out = comm.alloc_symmetric(x.size, x.dtype), comm.alloc_symmetric(x.size, x.dtype)
@@ -72,7 +75,7 @@ def test_which_buffers_must_be_symmetric(nranks):
     def body(world):
         comm = _comm(world)
         r, n = world.rank, world.size
-        per = tuner.DIRECT_MIN_BYTES // 4 + 5  # elements per rank, "auto" picks direct
+        per = DIRECT_SIZE // 4 + 5  # elements per rank, "auto" picks direct
         results = {}
         for coll, send_sym, recv_sym in [
             ("allgather", False, True),
@@ -113,11 +116,10 @@ def test_which_buffers_must_be_symmetric(nranks):
         }
 
 
-def test_back_to_back_direct_calls_with_changing_counts(monkeypatch):
+def test_back_to_back_direct_calls_with_changing_counts(many_channels):
     """A rank may start call k+1 while a peer still leaves call k's last barrier; the
     first barrier's call check must not read the next call's count as a mismatch
     (it did, before checks moved to first barriers only)."""
-    monkeypatch.setattr(tuner, "BYTES_PER_CHANNEL", 256)  # several channels
 
     def body(world):
         comm = _comm(world, max_channels=3)
@@ -163,7 +165,7 @@ def test_free_symmetric_releases_the_window():
     def body(world):
         comm = _comm(world)
         r, n = world.rank, world.size
-        count = tuner.DIRECT_MIN_BYTES // 4 * 2
+        count = DIRECT_SIZE // 4 * 2
         x = verify.make_input("allreduce", np.int32, "sum", 4, r, n, count)
         exp = verify.expected_output("allreduce", np.int32, "sum", 4, r, n, count)
         a, b = comm.alloc_symmetric(count, np.int32), comm.alloc_symmetric(count, np.int32)
@@ -213,7 +215,7 @@ def test_symmetric_on_some_ranks_only_is_a_mismatch(nranks):
 
     def body(world):
         comm = _comm(world)
-        n = tuner.DIRECT_MIN_BYTES // 4 * 2  # large enough for "auto" to pick direct
+        n = DIRECT_SIZE // 4 * 2  # large enough for "auto" to pick direct
         sym_in, sym_out = comm.alloc_symmetric(n, np.float32), comm.alloc_symmetric(n, np.float32)
         if world.rank == 0:
             sym_in, sym_out = np.ones(n, np.float32), np.zeros(n, np.float32)
@@ -263,7 +265,7 @@ def _pushed_calls(world, comm):
             spec.call(comm, send, recv, "sum" if spec.reducing else None, 0, **kw)
         out.append((coll, what, _kernel_of(comm, coll, send), verify.count_wrong(recv, exp)))
 
-    big = tuner.DIRECT_MIN_BYTES // 4 * n  # "auto" takes direct from here, and a multiple of n
+    big = DIRECT_SIZE // 4 * n  # "auto" takes direct from here, and a multiple of n
     run("allreduce", "even", big)
     run("allreduce", "uneven", big + 1)
     run("allreduce", "in place", big + n, in_place=True)
@@ -374,10 +376,15 @@ def test_check_sweep_lists_direct_cases_only_where_they_can_run():
     assert not any(c.algorithm == "direct" for c in without)
 
 
-def test_tuner_takes_direct_from_its_threshold():
-    big, small = tuner.DIRECT_MIN_BYTES, tuner.DIRECT_MIN_BYTES - 4
-    assert tuner.plan("allreduce", "auto", big, 2, "cpu", 1, symmetric=True).algorithm == "direct"
-    assert tuner.plan("allreduce", "auto", small, 2, "cpu", 1, symmetric=True).algorithm == "ring"
+def test_tuner_takes_direct_where_the_model_says_it_is_faster():
+    m = model.Model.default(model.Paths(local_ranks=2))
+    for size in (8, 4096, DIRECT_SIZE, 1 << 20):
+        ring, direct = (m.time("allreduce", a, "simple", size, 2) for a in ("ring", "direct"))
+        want = "direct" if direct <= ring else "ring"
+        assert tuner.plan("allreduce", "auto", size, 2, "cpu", 1, symmetric=True).algorithm == want, size
+    assert tuner.plan("allreduce", "auto", 8, 2, "cpu", 1, symmetric=True).algorithm == "ring"
+    assert tuner.plan("allreduce", "auto", DIRECT_SIZE, 2, "cpu", 1, symmetric=True).algorithm == "direct"
+    big = DIRECT_SIZE
     assert tuner.plan("allreduce", "auto", big, 2, "cpu", 1, symmetric=False).algorithm == "ring"
     assert tuner.plan("broadcast", "auto", 1 << 20, 2, "cpu", 1, symmetric=True).algorithm == "ring"
     assert tuner.plan("allgather", "direct", 8, 2, "cpu", 1, symmetric=True).algorithm == "direct"

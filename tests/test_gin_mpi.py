@@ -10,8 +10,8 @@ names the missing capability. No /dev/shm/commref-* file may be left behind.
 from __future__ import annotations
 
 import pytest
-from conftest import run_mpi
-from helpers import CHECK_MODULE, SMALL_CHECK, assert_check_clean, multi_channel_check
+from conftest import clean_env, run_mpi
+from helpers import CHECK_MODULE, SMALL_CHECK, assert_check_clean, many_channels_env, multi_channel_check
 
 from commref.collectives.catalogue import KERNEL_NAMES
 
@@ -64,11 +64,12 @@ def test_check_over_gin(nranks, network, wire, shm_leak_check):
     assert f"# commref check: {nranks} ranks, device cpu" in proc.stdout
 
 
-def test_check_over_gin_rc_two_channels(shm_leak_check):
+def test_check_over_gin_rc_two_channels(shm_leak_check, tmp_path):
     """rc (every signal strong, ordered wire) over MPI with the work split across two
-    channels (8.4 MB per rank; the CPU tuner splits from 4 MiB per channel)."""
+    channels (8.4 MB per rank; a planted calibration has the tuner take both)."""
     args = [*CHECK, *multi_channel_check(2, 65536), "--backend", "rc", "--network", "mpi"]
-    _assert_clean(run_mpi(2, args, timeout=90, module=True), 4 + 2)  # + 2 on denormal inputs
+    env = clean_env(**many_channels_env(tmp_path))
+    _assert_clean(run_mpi(2, args, timeout=90, module=True, env=env), 4 + 2)  # + 2 on denormal inputs
 
 
 def test_no_backend_qualifies_fails_at_setup(shm_leak_check):

@@ -24,7 +24,7 @@ import pytest
 from conftest import clean_env, run_mpi
 from helpers import CHECK_MODULE, WORLD_TIMEOUT, assert_check_clean
 
-from commref.collectives import check, tuner
+from commref.collectives import check, model, tuner
 from commref.collectives.communicator import Communicator
 from commref.collectives.hierarchical import NodeShape, node_shape
 from commref.transports.errors import CommAborted
@@ -79,11 +79,15 @@ def test_node_shape_needs_several_equal_nodes_of_consecutive_ranks():
     assert "consecutive" in node_shape(["a", "b", "a", "b"], 0)
 
 
-def test_tuner_takes_hierarchical_from_its_threshold_and_refuses_it_where_it_cannot_run():
+def test_tuner_takes_hierarchical_where_the_model_says_and_refuses_it_where_it_cannot_run():
     shape = NodeShape(2, 2, 0, 0)
-    big, small = tuner.HIERARCHICAL_MIN_BYTES, tuner.HIERARCHICAL_MIN_BYTES - 4
+    big, small = 1 << 20, 64
+    slow = model.Model.default(model.Paths(gin=True, nodes=2, local_ranks=4, between_hosts=True))
+    for size in (small, 1 << 16, big):
+        times = {a: slow.time("allreduce", a, "simple", size, 4) for a in ("ring", "tree", "hierarchical")}
+        want = min(times, key=times.get)
+        assert tuner.plan("allreduce", "auto", size, 4, "cpu", 2, False, shape, True).algorithm == want, size
     assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, shape, True).algorithm == "hierarchical"
-    assert tuner.plan("allreduce", "auto", small, 4, "cpu", 2, False, shape, True).algorithm != "hierarchical"
     assert tuner.plan("broadcast", "auto", big, 4, "cpu", 2, False, shape, True).algorithm == "ring"
     assert tuner.plan("allreduce", "auto", big, 4, "cpu", 2, False, "why not", True).algorithm == "ring"
     # GIN at memory speed (simulated nodes, no wire model): the flat ring.

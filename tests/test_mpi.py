@@ -1,7 +1,7 @@
 """`commref check` under mpiexec: one process per rank, windows in POSIX shared memory.
 
 Reduced sweeps with 2, 3 and 4 ranks, the full default sweep with 4 ranks (about 3 s
-here), a multi-channel run (the CPU tuner splits from 4 MiB per channel), and the
+here), a multi-channel run (a planted calibration has the tuner take every channel), and the
 `--np` relaunch path. No /dev/shm/commref-* file may be left behind.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from conftest import clean_env, mpiexec, run_cmd, run_mpi
-from helpers import CHECK_MODULE, assert_check_clean, check_summary, multi_channel_check
+from helpers import CHECK_MODULE, assert_check_clean, check_summary, many_channels_env, multi_channel_check
 
 pytestmark = pytest.mark.mpi
 
@@ -71,10 +71,10 @@ def test_check_full_default_sweep(shm_leak_check):
     )
 
 
-def test_check_multi_channel(shm_leak_check):
-    """8.4 MB per rank: the CPU tuner uses two channels of shared-memory FIFOs."""
+def test_check_multi_channel(shm_leak_check, tmp_path):
+    """8.4 MB per rank on three channels of shared-memory FIFOs."""
     args = [*CHECK, *multi_channel_check(3, 4096)]
-    _assert_clean(run_mpi(2, args, timeout=120, module=True), min_cases=4)
+    _assert_clean(run_mpi(2, args, timeout=120, module=True, env=clean_env(**many_channels_env(tmp_path))), min_cases=4)
 
 
 def test_check_threads_per_block(shm_leak_check):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers import GEOMETRIES, QUICK_BENCH, WORLD_TIMEOUT, bench_args, check_summary
 
-from commref.collectives import check, protocols, tuner
+from commref.collectives import calibration, check, model, protocols, tuner
 from commref.collectives.catalogue import KERNEL_NAMES as COLLECTIVES
 from commref.collectives.communicator import Communicator
 from commref.collectives.options import CommOptions
@@ -205,7 +205,8 @@ def _without_avx(world):
 
 def test_a_cpu_without_atomic_16_byte_accesses_refuses_ll(monkeypatch):
     monkeypatch.setattr(cpu_loader.CpuKernels, "protocol_support", property(lambda self: abi.CPU_STORE_ORDER))
-    monkeypatch.setattr(tuner, "LL_MAX_BYTES", 1 << 20)  # auto would take LL for this call
+    # Hops so slow that the model has auto take LL (it saves part of each) for this call.
+    monkeypatch.setattr(calibration, "REFERENCE", calibration.REFERENCE.replace(hop_s=1e-3))
     with pytest.raises(CapabilityError, match="protocol 'll' cannot run on this communicator: rank 0: LL needs"):
         ThreadWorld.run(2, lambda w: Communicator(w, "cpu", protocol="ll"), timeout=10.0)
     for picked, error in ThreadWorld.run(2, _without_avx, timeout=10.0):
@@ -408,15 +409,18 @@ def test_commref_proto_is_the_default(monkeypatch):
         CommOptions(protocol="fast")
 
 
-def test_the_tuner_picks_the_protocol_by_size(monkeypatch):
-    monkeypatch.setattr(tuner, "LL_MAX_BYTES", 1024)
-    monkeypatch.setattr(tuner, "LL128_MAX_BYTES", 65536)
-    pick = {n: tuner.plan("allreduce", "ring", n, 2, "cpu", 4).protocol for n in (8, 1024, 1025, 65536, 65537)}
-    assert pick == {8: "ll", 1024: "ll", 1025: "ll128", 65536: "ll128", 65537: "simple"}
+def test_the_tuner_picks_the_protocol_the_model_says_is_fastest():
+    m = model.Model.default(model.Paths(local_ranks=2))
+    for n in (8, 64, 128, 256, 4096, 1 << 20):
+        times = {p: m.time("allreduce", "ring", p, n, 2) for p in tuner.PROTOCOLS}
+        assert tuner.plan("allreduce", "ring", n, 2, "cpu", 4).protocol == min(times, key=times.get), n
+    pick = {n: tuner.plan("allreduce", "ring", n, 2, "cpu", 4).protocol for n in (8, 128, 65536)}
+    assert pick == {8: "ll", 128: "ll128", 65536: "simple"}
     assert tuner.plan("allreduce", "ring", 8, 2, "cpu", 4, allowed=("simple", "ll128")).protocol == "ll128"
-    assert tuner.plan("allreduce", "ring", 8, 2, "cuda", 4).protocol == "simple"  # not measured on GPUs
-    assert tuner.auto_protocols({"ll": "why"}, gin=False) == ("simple", "ll128")
-    assert tuner.auto_protocols({}, gin=True) == ("simple",)  # not measured over GIN
+    assert tuner.plan("allreduce", "ring", 8, 2, "cuda", 4).protocol == "simple"  # no edge on GPUs: not measured
+    assert tuner.auto_protocols({"ll": "why"}) == ("simple", "ll128")
+    gin = model.Model.default(model.Paths(gin=True, local_ranks=2))  # a line step posts two descriptors
+    assert tuner.plan("allreduce", "ring", 8, 2, "cpu", 4, model=gin).protocol == "simple"
     assert tuner.plan("allreduce", "ring", 1 << 20, 2, "cpu", 4, protocol="ll").protocol == "ll"
     # Symmetric buffers: auto takes direct (no protocol) unless a line protocol is asked for.
     assert tuner.plan("allreduce", "auto", 1 << 20, 2, "cpu", 4, symmetric=True) == tuner.Plan("direct", 1, "simple")

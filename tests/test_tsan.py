@@ -49,12 +49,12 @@ RUN_TIMEOUT_S = 600
 
 # Runs in the TSan subprocess: argv = library path, threads per block, connection path.
 SCRIPT = r"""
-import ctypes, json, sys, threading
+import ctypes, json, os, sys, threading
 from pathlib import Path
 
 import numpy as np
 
-from commref.collectives import catalogue, communicator, tuner, verify
+from commref.collectives import calibration, catalogue, communicator, tuner, verify
 from commref.collectives.symmetric import SymmetricArena
 from commref.device_kernels import abi, cpu_loader
 from commref.transports.thread_world import ThreadWorld
@@ -65,8 +65,10 @@ tsan_kernels = cpu_loader.CpuKernels(lib)
 # The Communicator takes its kernels from cpu_loader.cpu_kernels(): hand it the TSan build
 # (the uninstrumented library is never built nor loaded in this process).
 cpu_loader.cpu_kernels = lambda defines=(): tsan_kernels
-# Small messages on several channels, so that blocks also run on the engine's workers.
-tuner.BYTES_PER_CHANNEL = 1024
+# Small messages on several channels, so that blocks also run on the engine's workers: a
+# calibration whose channels start for nothing on many cores (the model then takes them all).
+os.environ["COMMREF_MODEL"] = "reference"
+calibration.REFERENCE = calibration.REFERENCE.replace(channel_s=0.0, cores=1024)
 assert tuner.plan("allreduce", "ring", 3001 * 4, 3, "cpu", 3).nchannels == 3, "small messages are not split"
 
 arenas = {}
