@@ -20,7 +20,11 @@
 // the counters stay zero (commref_cpu_profile returns 0: not a profile build).
 #pragma once
 
-#include <stdint.h>
+#ifdef COMMREF_CPU
+#include <stdint.h>  // port.h includes this header from its CPU part
+#else
+#include "port.h"  // uint32_t under NVRTC
+#endif
 
 namespace commref {
 
