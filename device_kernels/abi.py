@@ -435,10 +435,12 @@ GIN_REFUSAL = np.dtype(
 
 
 def devcomm_reserved_signals(nranks: int, contexts: int = 1) -> int:
-    """The barriers' signal words after a device communicator's own (device.h): a word
-    per peer in each word set (the world barrier's fence on each of its `contexts`, the
-    world barrier without fence, the LSA barrier), and an epoch per set."""
-    return (contexts + 2) * (nranks + 1)
+    """The barriers' signal words after a device communicator's own (device.h,
+    impl/barrier__funcs.h): a word per peer in each word set (the world barrier's fence
+    on each of its `contexts`, the world barrier without fence, the LSA barrier, the
+    rail barrier's fence on each context, the rail barrier without fence), and an epoch
+    per set."""
+    return (2 * contexts + 3) * (nranks + 1)
 
 
 KERNEL_ARGS = np.dtype(

@@ -33,7 +33,8 @@ def _refused(reqs, error, match, ranked=True, **options):
     [
         ("barriers", 2, r"2 world barriers \(barrier\(\)\) required; the device API offers 1 "),
         ("lsa_barriers", 3, r"3 LSA barriers \(lsaBarrier\(\)\) required; the device API offers 1 "),
-        ("rail_barriers", 1, r"1 rail barriers required; the device API offers 0 "),
+        ("rail_barriers", 2, r"2 rail barriers \(railBarrier\(\)\) required; the device API offers 1 "),
+        ("hybrid_barriers", 2, r"2 hybrid barriers \(hybridBarrier\(\)\) required; the device API offers 1 "),
     ],
 )
 def test_what_the_device_api_does_not_offer_is_refused(field, value, match):
@@ -144,7 +145,7 @@ def test_properties_of_an_lsa_communicator():
     assert (p.lsa_rank, p.lsa_size, p.lsa_teams, p.nranks, p.device) == (1, 2, 1, 2, "cpu")
     assert (p.signals, p.counters, p.contexts) == (3, 2, 2)
     assert p.strong_signals and p.counted_writes and p.multimem and not p.va_signals
-    assert (p.barriers, p.lsa_barriers, p.rail_barriers) == (1, 1, 0)
+    assert (p.barriers, p.lsa_barriers, p.rail_barriers, p.hybrid_barriers) == (1, 1, 1, 1)
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,8 @@ class DeviceComm(_EndsOwned):
             self._lsa_teams = len(set(world.allgather(tuple(self.lsa_ranks), "device communicator LSA teams")))
             self.strict_ordering = strict_ordering
             self.strided_teams = self._strided_teams(world)
+            if requirements is not None:
+                req.refuse(self.rank, requirements.refusal_teams(self.strided_teams))
             flags = (abi.DEVCOMM_STRICT_ORDERING if strict_ordering else 0) | (
                 abi.DEVCOMM_STRIDED_TEAMS if self.strided_teams else 0
             )
@@ -227,7 +229,8 @@ class DeviceComm(_EndsOwned):
             counters=self.counters,
             barriers=req.WORLD_BARRIERS,
             lsa_barriers=req.LSA_BARRIERS,
-            rail_barriers=req.RAIL_BARRIERS,
+            rail_barriers=req.RAIL_BARRIERS if self.strided_teams else 0,
+            hybrid_barriers=req.HYBRID_BARRIERS if self.strided_teams else 0,
             queue_depth=comm.gin.options.queue if used else 0,
         )
 

@@ -19,12 +19,15 @@ from dataclasses import dataclass, fields
 from commref.device_kernels import abi
 from commref.transports.errors import CapabilityError
 
-# What device.h offers users' kernels in this version: one GIN barrier over the world
-# (barrier(fence, ctx): hybrid, LSA peers by stores and GIN peers by signals) and one
-# LSA barrier (lsaBarrier()), each taken part in by one block of every rank; no rail
-# barrier; indexed signals, VA signals with strict ordering; a multimem handle over the LSA team (multimem.h: LSA loads
-# and stores in rank order, no NVLink multicast object bound in this version).
-WORLD_BARRIERS, LSA_BARRIERS, RAIL_BARRIERS = 1, 1, 0
+# What device.h offers users' kernels in this version: one world barrier (barrier(fence,
+# ctx): LSA peers by stores and GIN peers by signals), one LSA barrier (lsaBarrier()),
+# one rail barrier (railBarrier(fence, ctx): the rail team over GIN) and one hybrid
+# barrier (hybridBarrier(fence, ctx): LSA x rail), each taken part in by one block (or
+# scope) of every rank; the rail and hybrid ones only where the teams are strided;
+# indexed signals, VA signals with strict ordering; a multimem handle over the LSA team
+# (multimem.h: LSA loads and stores in rank order, no NVLink multicast object bound in
+# this version).
+WORLD_BARRIERS, LSA_BARRIERS, RAIL_BARRIERS, HYBRID_BARRIERS = 1, 1, 1, 1
 USER_VA_SIGNALS = True
 MULTIMEM = True
 
@@ -39,8 +42,9 @@ def _count(value, what: str) -> int:
 class DeviceRequirements:
     """What a kernel needs of its device communicator (NCCL's ncclDevCommRequirements):
 
-    - barriers, lsa_barriers, rail_barriers: barrier sessions used at once, per kind
-      (world: barrier(); LSA team: lsaBarrier(); rail: ranks of one local index);
+    - barriers, lsa_barriers, rail_barriers, hybrid_barriers: barrier sessions used at
+      once, per kind (world: barrier(); LSA team: lsaBarrier(); rail: railBarrier(), the
+      ranks of one local index; hybrid: hybridBarrier(), LSA x rail);
     - signals, counters: signal and counter ids 0 .. n-1;
     - contexts: GIN contexts 0 .. n-1 (1 to abi.DEVCOMM_MAX_CONTEXTS);
     - strong_signals, va_signals, counted_writes: required GIN abilities;
@@ -50,6 +54,7 @@ class DeviceRequirements:
     barriers: int = 0
     lsa_barriers: int = 0
     rail_barriers: int = 0
+    hybrid_barriers: int = 0
     signals: int = 0
     counters: int = 0
     contexts: int = 1
@@ -76,7 +81,8 @@ class DeviceRequirements:
         for what, asked, offered in (
             ("world barriers (barrier())", self.barriers, WORLD_BARRIERS),
             ("LSA barriers (lsaBarrier())", self.lsa_barriers, LSA_BARRIERS),
-            ("rail barriers", self.rail_barriers, RAIL_BARRIERS),
+            ("rail barriers (railBarrier())", self.rail_barriers, RAIL_BARRIERS),
+            ("hybrid barriers (hybridBarrier())", self.hybrid_barriers, HYBRID_BARRIERS),
         ):
             if asked > offered:
                 return (
@@ -90,6 +96,17 @@ class DeviceRequirements:
         queue = options.get("gin_queue")
         if queue is not None and self.queue_depth > queue:
             return f"queue depth {self.queue_depth} required, but gin_queue={queue} was asked for"
+        return None
+
+    def refusal_teams(self, strided: bool) -> str | None:
+        """Why a communicator whose teams are (not) `strided` cannot meet them: the rail
+        and hybrid barriers need every node to hold lsaSize consecutive ranks."""
+        for kind, asked in (("rail", self.rail_barriers), ("hybrid", self.hybrid_barriers)):
+            if asked and not strided:
+                return (
+                    f"{asked} {kind} barriers required; the nodes do not each hold lsaSize consecutive "
+                    f"ranks, so the communicator has no rail team"
+                )
         return None
 
     def refusal_after(self, backend) -> str | None:
@@ -111,8 +128,9 @@ class DeviceProperties:
     local_completion_orders_later_writes: the backend declares it (gda);
     multimem: a multimem handle is offered; lsa_rank, lsa_size: this rank's LSA team;
     lsa_teams: how many LSA teams the world has; contexts, signals, counters: what the
-    communicator was made with; barriers, lsa_barriers, rail_barriers: what the device
-    API offers; queue_depth: descriptors in this rank's GIN queue (0 without GIN)."""
+    communicator was made with; barriers, lsa_barriers, rail_barriers, hybrid_barriers:
+    what the device API offers this communicator (rail and hybrid: 0 where its teams are
+    not strided); queue_depth: descriptors in this rank's GIN queue (0 without GIN)."""
 
     rank: int
     nranks: int
@@ -136,6 +154,7 @@ class DeviceProperties:
     barriers: int
     lsa_barriers: int
     rail_barriers: int
+    hybrid_barriers: int
     queue_depth: int
 
 

@@ -204,7 +204,7 @@ struct CollArgs {
 //     connection window, addressed by offsets from windowOff (puts, gets, LSA pointers);
 //   - signals: indexed GIN signals [signalBase, signalBase + nsignals) of every rank's
 //     window (ginSignalsOff), the same words over LSA and GIN; after them the barriers'
-//     (ncontexts + 2) * (nranks + 1) words (device.h);
+//     (2 * ncontexts + 3) * (nranks + 1) words (device.h);
 //   - counters: local-completion counters [0, ncounters) at `counters`;
 //   - the LSA team: the ranks reached by load and store (lsaRanks -> int32_t[lsaSize]).
 // `launch`: 1 for the first launch of a kernel on this device communicator, then 2, ...

@@ -51,6 +51,9 @@
 //     (kDevCommCountedWrites; not where a write may be placed twice).
 //   - barrier(fence, ctx): every rank, with a fence level (GinFenceLevel: None, Puts,
 //     Gets) over one context or GinAllContexts; barrier() fences puts on every context.
+//     railBarrier(fence, ctx): the rail team's members alone; hybridBarrier(fence, ctx):
+//     the LSA team's barrier x the rail barrier (their declarations say what each makes
+//     visible). Each takes a scope first as well.
 //   - waitSignal, waitCounter, barrier and lsaBarrier wait with the communicator's
 //     deadline and abort word, as the collectives do; on failure the whole block leaves
 //     the kernel and the host raises CommTimeout / CommAborted naming rank and peer.
@@ -109,8 +112,8 @@ static constexpr int GinAllContexts = -1;
 //   caller must not dereference it, and the block leaves at its next device-API call.
 //   comm.put(peer, dst, src, count, action, counter) with SymPtrs moves count elements.
 //
-// Cooperative scopes (coop.h): put, signal, flush, flushAsync, wait,
-//   waitSignal, waitCounter and waitVaSignal take a scope as their first argument
+// Cooperative scopes (coop.h): put, putValue, countedPut, get, signal, flush,
+//   flushAsync, wait, waitSignal, waitCounter, waitVaSignal and the four barriers take a scope as their first argument
 //   (CoopThread, CoopWarp, CoopTile<N>, CoopCta); without one they are block-collective
 //   (CoopCta), as every other call. Every thread of the scope calls with the same
 //   arguments; over LSA the scope's threads copy together, over GIN its leader posts; a
@@ -203,6 +206,12 @@ struct DeviceGin {
   template <typename Coop, typename Coop::CoopTag* = nullptr>
   __device__ void signal(Coop c, int peer, RemoteAction r) const;
   template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void putValue(Coop c, int peer, uint64_t dst, uint64_t value, RemoteAction r = NoSignal()) const;
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void countedPut(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t id) const;
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void get(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes) const;
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
   __device__ void flush(Coop c) const;
   template <typename Coop, typename Coop::CoopTag* = nullptr>
   __device__ GinRequest flushAsync(Coop c) const;
@@ -260,7 +269,14 @@ struct DeviceComm {
   // failure, whom the signal was expected from (-1: any). Every thread of the block gets
   // the value thread 0 saw.
   __device__ uint64_t waitSignal(uint32_t id, uint64_t least, int peer = -1);
-  // Only when no peer can still be signalling `id`.
+  // Stores 0 into signal `id`: meant for when no peer can still be signalling it. Raced
+  // by a peer's increments (the word is one 64-bit word, every increment an atomic add,
+  // the reset a store), each increment lands whole either before the reset, and is
+  // erased, or after it, and is counted: afterwards the signal holds the increments that
+  // landed after the reset, from 0 up to those still in flight, never a torn value; which
+  // ones is not defined, so targets derived from launch() no longer hold. A readSignal or
+  // wait racing increments (no reset) sees a count some of them made: never more than
+  // were sent, never less than an earlier read.
   __device__ void resetSignal(uint32_t id);
   __device__ uint64_t readCounter(uint32_t id);
   __device__ uint64_t waitCounter(uint32_t id, uint64_t least);
@@ -281,6 +297,36 @@ struct DeviceComm {
   // The LSA team only, by loads and stores: every store or put to an LSA peer made
   // before a peer's lsaBarrier is visible after it.
   __device__ void lsaBarrier();
+  // The rail team (railTeam(): the ranks of this rank's local index on every node) with
+  // a fence over the contexts `ctx` names, as barrier(fence, ctx) but among the rail's
+  // members only: every member calls it with the same fence and contexts; afterwards, at
+  // GinFenceLevel::Puts, every put a member posted before its rail barrier to this rank
+  // on a fenced context is visible here (Gets: this rank's gets there have landed).
+  // Ranks outside the rail neither take part nor are covered. Only where every node holds
+  // lsaSize consecutive ranks (strided teams): elsewhere it fails the launch (ValueError,
+  // "the team is not a strided team here") before anything is posted.
+  __device__ void railBarrier(GinFenceLevel fence = GinFenceLevel::Puts, int ctx = GinAllContexts);
+  // The hybrid barrier (NCCL's ncclBarrierSession over the world): the LSA team's
+  // barrier, then the rail barrier(fence, ctx), then (fence not None) the LSA team's
+  // again. Every rank calls it with the same fence and contexts; it returns once every
+  // rank has reached it. Afterwards every store or put to an LSA peer made before a
+  // peer's hybrid barrier is visible here; at Puts, every GIN put a member of this
+  // rank's rail posted to it before its barrier on a fenced context too (the puts of the
+  // rail phase's fence). A GIN put to a rank outside the poster's rail is not covered:
+  // a strong signal fences one peer's puts, and the rail phase signals rail members
+  // only (barrier() signals every GIN peer). Strided teams only, as railBarrier.
+  __device__ void hybridBarrier(GinFenceLevel fence = GinFenceLevel::Puts, int ctx = GinAllContexts);
+  // The barriers in a scope (coop.h): the scope's threads call it (one scope of each
+  // rank takes part); its leader signals and waits; the stores of the scope's threads
+  // before it are published as the block's are by the block-wide barrier.
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void barrier(Coop c, GinFenceLevel fence = GinFenceLevel::Puts, int ctx = GinAllContexts);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void lsaBarrier(Coop c);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void railBarrier(Coop c, GinFenceLevel fence = GinFenceLevel::Puts, int ctx = GinAllContexts);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void hybridBarrier(Coop c, GinFenceLevel fence = GinFenceLevel::Puts, int ctx = GinAllContexts);
 
   // ---- a connection per peer: the flow primitives between any two ranks ----
   // The link from rank s to rank r, d = (r - s) mod n, is channel (d - 1) / 4's outbound
@@ -320,6 +366,12 @@ struct DeviceComm {
                       int counter = -1);
   template <typename Coop, typename Coop::CoopTag* = nullptr>
   __device__ void signal(Coop c, int peer, RemoteAction r);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void putValue(Coop c, int peer, uint64_t dst, uint64_t value, RemoteAction r = NoSignal());
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void countedPut(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t id);
+  template <typename Coop, typename Coop::CoopTag* = nullptr>
+  __device__ void get(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes);
   template <typename Coop, typename Coop::CoopTag* = nullptr>
   __device__ void flush(Coop c);
   template <typename Coop, typename Coop::CoopTag* = nullptr>
@@ -367,7 +419,15 @@ struct DeviceComm {
   __device__ bool fenceOk(GinFenceLevel fence, int ctx);
   __device__ uint64_t* barrierWord(int r, int set, int from) const;
   __device__ uint64_t* epochWord(int set) const;
-  __device__ void barrierOver(bool lsaOnly, GinFenceLevel fence, int ctx);
+  enum BarrierTeam { kBarrierWorld = 0, kBarrierLsa = 1, kBarrierRail = 2 };
+  __device__ int barrierSets() const;
+  __device__ int barrierSet(int team, bool fenced, int c) const;
+  __device__ bool barrierMember(int team, int peer) const;
+  __device__ bool railOk();  // strided teams, else the launch fails
+  template <typename Coop>
+  __device__ void teamBarrier(const Coop& c, int team, GinFenceLevel fence, int ctx);
+  template <typename Coop>
+  __device__ void hybridOver(const Coop& c, GinFenceLevel fence, int ctx);
   // The section above DeviceGin.
   __device__ bool refuse(bool ok, int32_t reason, uint64_t limit, uint64_t value);  // argumentOk with a reason
   __device__ bool bitsOk(int bits);
@@ -384,3 +444,4 @@ struct DeviceComm {
 
 #include "impl/device__funcs.h"
 #include "impl/device_ext__funcs.h"
+#include "impl/barrier__funcs.h"

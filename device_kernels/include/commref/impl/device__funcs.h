@@ -165,9 +165,6 @@ __device__ inline void DeviceComm::resetCounter(uint32_t id) {
   sync();
 }
 
-__device__ inline void DeviceComm::barrier(GinFenceLevel fence, int ctx) { barrierOver(false, fence, ctx); }
-__device__ inline void DeviceComm::lsaBarrier() { barrierOver(true, GinFenceLevel::None, 0); }
-
 __device__ inline int DeviceComm::sendChannel(int peer) const { return (distance(a.rank, peer) - 1) / 4; }
 __device__ inline int DeviceComm::recvChannel(int peer) const { return (distance(peer, a.rank) - 1) / 4; }
 template <typename T, typename Op>
@@ -250,71 +247,4 @@ __device__ inline bool DeviceComm::fenceOk(GinFenceLevel fence, int ctx) {
                     (uint32_t)fence) &&
          (ctx == GinAllContexts || contextOk(ctx));
 }
-// Barrier words (args.h): after the user's signals, nranks words of each of
-// ncontexts + 2 word sets, then an epoch per set. Sets 0 .. ncontexts - 1: the world
-// barrier's fence on that context; set ncontexts: the world barrier of
-// GinFenceLevel::None; set ncontexts + 1: the LSA barrier. Word j of a set of rank r
-// counts the barriers of that set rank j reached (its signals to r); the set's epoch,
-// those this rank reached. A set per context keeps the contexts apart: they are
-// independent ordering domains, so a peer's signal of its next barrier on one context
-// may land before this barrier's on another, and must not stand in for it; and an
-// unfenced signal must not stand in for a fencing one. Inside one set a later signal
-// may stand in for an earlier one: the peer sent it after leaving this barrier, and a
-// fence (a strong signal, or a weak one after a flush) covers every earlier put of its
-// context too.
-__device__ inline uint64_t* DeviceComm::barrierWord(int r, int set, int from) const {
-  return signalWord(r, dc.nsignals + set * a.nranks + from);
-}
-__device__ inline uint64_t* DeviceComm::epochWord(int set) const {
-  return signalWord(a.rank, dc.nsignals + (dc.ncontexts + 2) * a.nranks + set);
-}
-__device__ inline void DeviceComm::barrierOver(bool lsaOnly, GinFenceLevel fence, int ctx) {
-  ringBlock();
-  __syncthreads();
-  if (threadIdx.x == 0 && fenceOk(fence, ctx)) {
-    const bool fenced = !lsaOnly && fence != GinFenceLevel::None;
-    // Contexts first .. last carry the barrier's signals, each into a set of its own.
-    const int first = ctx == GinAllContexts ? 0 : ctx;
-    const int last = fenced && ctx == GinAllContexts ? (int)dc.ncontexts - 1 : first;
-    const int noFenceSet = lsaOnly ? (int)dc.ncontexts + 1 : (int)dc.ncontexts;
-    uint64_t epoch[COMMREF_DEVCOMM_MAX_CONTEXTS];
-    for (int c = first; c <= last; c++) {
-      const int set = fenced ? c : noFenceSet;
-      epoch[c] = load_relaxed(epochWord(set)) + 1;
-      store_relaxed(epochWord(set), epoch[c]);
-    }
-    const bool strong = dc.flags & kDevCommStrongSignals;
-    if (!lsaOnly && a.gin.peerMask && (fence == GinFenceLevel::Gets || (fenced && !strong))) {
-      // Gets: this rank's gets have landed. Weak only: this rank's puts of a context land
-      // before the weak signal that follows the flush there.
-      ringDoorbells();
-      for (int c = first; c <= last && !env.failed; c++) ginOn(c).flush();
-    }
-    for (int k = 1; k < a.nranks; k++) {
-      const int peer = (a.rank + k) % a.nranks;
-      for (int c = first; c <= last; c++) {
-        const int set = fenced ? c : noFenceSet;
-        if (isLsaPeer(peer))
-          fetch_add_release(barrierWord(peer, set, a.rank), 1);
-        else if (!lsaOnly) {
-          const uint64_t id = dc.signalBase + dc.nsignals + set * a.nranks + a.rank;
-          ginOn(c).signal(peer, fenced && strong ? StrongSignalInc(id) : WeakSignalInc(id));
-          pending[c] |= 1ull << peer;
-        }
-      }
-    }
-    ringDoorbells();
-    for (int k = 1; k < a.nranks && !env.failed; k++) {
-      const int peer = (a.rank + a.nranks - k) % a.nranks;
-      if (lsaOnly && !isLsaPeer(peer)) continue;
-      for (int c = first; c <= last && !env.failed; c++) {
-        if (a.gin.capacity) ginOn(0).wakeEngine();
-        waitReached(barrierWord(a.rank, fenced ? c : noFenceSet, peer), epoch[c], env, kWaitBarrier, peer, blockIdx.x,
-                    help());
-      }
-    }
-  }
-  sync();
-}
-
 }  // namespace commref
