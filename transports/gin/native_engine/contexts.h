@@ -76,8 +76,8 @@ class IndependentContexts {
   // A get on (peer, ctx): what the link holds lands first.
   template <typename Whole, typename Seg, typename Release>
   bool forced(int32_t peer, int32_t ctx, Whole whole, Seg seg, Release release) {
-    auto it = links_.find(key(peer, ctx));
-    return it == links_.end() || it->second.queued.empty() || releaseLink(it->second, 1, whole, seg, release);
+    Link* l = links_.find(peer, ctx);
+    return l == nullptr || l->queued.empty() || releaseLink(*l, 1, whole, seg, release);
   }
 
   // The takers found the queue empty: every held link lands, in an order drawn from the
@@ -103,17 +103,7 @@ class IndependentContexts {
   }
 
  private:
-  static uint64_t key(int32_t peer, int32_t ctx) { return ((uint64_t)(uint32_t)peer << 32) | (uint32_t)ctx; }
-
-  Link& link(int32_t peer, int32_t ctx) {
-    auto it = links_.find(key(peer, ctx));
-    if (it == links_.end()) {
-      it = links_.emplace(key(peer, ctx), Link{}).first;
-      it->second.peer = peer;
-      it->second.ctx = ctx;
-    }
-    return it->second;
-  }
+  Link& link(int32_t peer, int32_t ctx) { return links_.at(peer, ctx); }
 
   Pending& pushQueued(Link& l, Pending&& p) {
     if (p.landed.empty()) {
@@ -161,7 +151,7 @@ class IndependentContexts {
 
   const CommrefGinEngineConfig& cfg_;
   const uint64_t sb_;
-  std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (taker only)
+  LinkMap<Link> links_;
   uint64_t held_ = 0, pending_ = 0, idleReleases_ = 0;
 };
 

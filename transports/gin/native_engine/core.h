@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "commref/gin.h"
@@ -97,6 +98,42 @@ inline struct timespec timespecOf(uint64_t ns) { return {(time_t)(ns / 100000000
 inline uint64_t nowNs() {
   return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
+
+// The links (peer, ctx) of one part of the engine (the unordered wire, the lossy link,
+// independent contexts), keyed by both numbers; a link is made on first use with its
+// `peer` and `ctx` set. Nodes do not move, so a link's address stays valid. Taker only.
+template <typename L>
+class LinkMap {
+ public:
+  static uint64_t key(int32_t peer, int32_t ctx) { return ((uint64_t)(uint32_t)peer << 32) | (uint32_t)ctx; }
+
+  // The link (peer, ctx); `made(link)` runs once, on a link just made.
+  template <typename Made>
+  L& at(int32_t peer, int32_t ctx, Made made) {
+    auto it = map_.find(key(peer, ctx));
+    if (it == map_.end()) {
+      it = map_.emplace(key(peer, ctx), L{}).first;
+      it->second.peer = peer;
+      it->second.ctx = ctx;
+      made(it->second);
+    }
+    return it->second;
+  }
+  L& at(int32_t peer, int32_t ctx) {
+    return at(peer, ctx, [](L&) {});
+  }
+  // The link (peer, ctx), or null where none was made.
+  L* find(int32_t peer, int32_t ctx) {
+    auto it = map_.find(key(peer, ctx));
+    return it == map_.end() ? nullptr : &it->second;
+  }
+  // (key, link) pairs, in no particular order.
+  auto begin() { return map_.begin(); }
+  auto end() { return map_.end(); }
+
+ private:
+  std::unordered_map<uint64_t, L> map_;
+};
 
 class Core {
  public:

@@ -36,7 +36,6 @@
 
 #include <map>
 #include <queue>
-#include <unordered_map>
 
 #include "core.h"
 #include "unordered.h"
@@ -172,16 +171,7 @@ class Lossy {
     return d;
   }
 
-  Link& link(int32_t peer, int32_t ctx) {
-    const uint64_t key = ((uint64_t)(uint32_t)peer << 32) | (uint32_t)ctx;
-    auto it = links_.find(key);
-    if (it == links_.end()) {
-      it = links_.emplace(key, Link{}).first;
-      it->second.peer = peer;
-      it->second.ctx = ctx;
-    }
-    return it->second;
-  }
+  Link& link(int32_t peer, int32_t ctx) { return links_.at(peer, ctx); }
 
   void arriveLater(Link& l, uint64_t seq, uint64_t now, const Draw& d, int copy) {
     arriving_.push({now + (d.late[copy] ? d.delayNs[copy] : 0), tiebreak_++, &l, seq});
@@ -230,7 +220,7 @@ class Lossy {
   const CommrefGinEngineConfig& cfg_;
   const bool active_;
   Stream rng_;
-  std::unordered_map<uint64_t, Link> links_;  // (peer, ctx) -> its link (taker only; nodes do not move)
+  LinkMap<Link> links_;
   std::priority_queue<Arrival, std::vector<Arrival>, std::greater<Arrival>> arriving_;  // late copies
   uint64_t tiebreak_ = 0, outstanding_ = 0, nextCheckNs_ = 0;
   std::atomic<uint64_t> stats_[6] = {};

@@ -43,7 +43,6 @@
 
 #include <deque>
 #include <tuple>
-#include <unordered_map>
 
 #include "core.h"
 
@@ -143,17 +142,11 @@ class UnorderedWire {
   };
 
   Link& link(int32_t peer, int32_t ctx) {
-    const uint64_t key = ((uint64_t)(uint32_t)peer << 32) | (uint32_t)ctx;
-    auto it = links_.find(key);
-    if (it == links_.end()) {
-      it = links_.emplace(key, Link{}).first;
-      it->second.peer = peer;
-      it->second.ctx = ctx;
-      it->second.rung = cfg_.batched != 0;
+    return links_.at(peer, ctx, [this](Link& l) {
+      l.rung = cfg_.batched != 0;
       for (int32_t f : flushedCtx_)
-        if (f == ctx) it->second.afterFlush = true;
-    }
-    return it->second;
+        if (f == l.ctx) l.afterFlush = true;
+    });
   }
 
   uint64_t held() const { return held_; }
@@ -408,7 +401,7 @@ class UnorderedWire {
   const CommrefGinEngineConfig& cfg_;
   const uint64_t sb_;
   const bool strongAlways_;
-  std::unordered_map<uint64_t, Link> links_;         // (peer, ctx) -> its link (taker only)
+  LinkMap<Link> links_;
   std::vector<int32_t> flushedCtx_;                  // contexts flushed since their last put
   uint64_t held_ = 0, pending_ = 0, overtaken_ = 0;  // puts held; not fully landed; held and overtaken
   bool unrung_ = false;

@@ -72,7 +72,7 @@ class Delivery {
   // The link (peer, ctx), created on first use (as the Python scheduler's link()); the
   // last one is cached (unordered_map nodes do not move).
   Link& link(int32_t peer, int32_t ctx) {
-    const uint64_t key = ((uint64_t)(uint32_t)peer << 32) | (uint32_t)ctx;
+    const uint64_t key = LinkMap<Link>::key(peer, ctx);
     if (lastLink_ == nullptr || key != lastKey_) {
       lastLink_ = &links_[key];
       lastKey_ = key;
