@@ -206,12 +206,16 @@ def traced_sweep(
     slot_bytes=TRACE_SLOT_BYTES,
     segment_bytes=SEGMENT_BYTES,
     max_channels=1,
+    collectives=COLLECTIVES,
+    on_comm=None,
     **gin,
 ):
-    """One reduced sweep of every GIN collective (float32 sum, `count` elements, out of
-    place) with the proxy's trace on, over `max_channels` channels (a connection's
-    context is its channel); `gin`: the Communicator's GIN keywords. Returns (this rank's
-    proxy trace, wrong elements here, strong flags the proxy received)."""
+    """One reduced sweep of `collectives` (every GIN collective unless told; float32 sum,
+    `count` elements, out of place) with the proxy's trace on, over `max_channels`
+    channels (a connection's context is its channel); `gin`: the Communicator's GIN
+    keywords; `on_comm(comm)` runs on the communicator before the sweep (a caller's
+    assertions, or to keep its proxy). Returns (this rank's proxy trace, wrong elements
+    here, strong flags the proxy received)."""
     comm = Communicator(
         world,
         "cpu",
@@ -224,9 +228,11 @@ def traced_sweep(
         **gin,
     )
     try:
+        if on_comm is not None:
+            on_comm(comm)
         comm.proxy.trace = {}
         cases = check.cases(
-            list(COLLECTIVES),
+            list(collectives),
             ["float32"],
             ["sum"],
             [],
@@ -243,6 +249,19 @@ def traced_sweep(
     finally:
         comm.close()  # quiesces the proxy: everything posted has landed
     return {k: list(v) for k, v in proxy.trace.items()}, wrong, getattr(proxy, "strong_seen", 0)
+
+
+def fault_counts(stdout: str) -> tuple[str, tuple[int, ...]]:
+    """The "# GIN faults" line that `commref check --fault` prints: (its spec and seed as
+    printed, (packets, dropped, duplicated, delayed, retransmitted, duplicates dropped))."""
+    f = re.search(
+        r"^# GIN faults (.*): (\d+) packets: (\d+) dropped, (\d+) duplicated, (\d+) delayed; "
+        r"(\d+) retransmitted, (\d+) duplicates dropped",
+        stdout,
+        re.M,
+    )
+    assert f, stdout[-2000:]
+    return f.group(1), tuple(map(int, f.groups()[1:]))
 
 
 def collectives_run(world, backend, wire, protocol, seeds, timeout=30.0, network="shm", **more):

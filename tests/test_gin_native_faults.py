@@ -23,10 +23,9 @@ import time
 
 import pytest
 from conftest import clean_env, run_mpi
-from helpers import CHECK_MODULE, WORLD_TIMEOUT, assert_check_clean
+from helpers import CHECK_MODULE, WORLD_TIMEOUT, assert_check_clean, fault_counts, traced_sweep
 
 from commref import Communicator
-from commref.collectives import check
 from commref.transports.errors import CapabilityError, CommrefError
 from commref.transports.gin import faults
 from commref.transports.gin import native as nat
@@ -58,43 +57,30 @@ def test_a_lossy_unordered_wire_runs_native_and_an_ordered_one_python(monkeypatc
 
 
 def _traced_faulty_sweep(world, seed, timeout, fault, backend, protocol, count=3001, slot_bytes=1024, network="shm"):
-    """Every GIN collective (float32 sum, out of place) over the native unordered wire
-    with `fault` on `network`, traced: (trace, wrong elements here, the engine's stats)."""
-    comm = Communicator(
+    """The collectives but alltoall (float32 sum, out of place) over the native unordered
+    wire with `fault` on `network`, traced: (trace, wrong elements here, the engine's stats)."""
+    proxies = []
+
+    def native_only(comm):
+        assert isinstance(comm.proxy, NativeProxy)
+        proxies.append(comm.proxy)
+
+    trace, wrong, _ = traced_sweep(
         world,
-        "cpu",
-        timeout=timeout,
-        path="gin",
+        seed,
+        timeout,
+        count,
+        slot_bytes,
+        256,
+        collectives=["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"],
+        on_comm=native_only,
         network=network,
         wire="unordered",
         backend=backend,
         gin_protocol=protocol,
         fault=fault,
-        seed=seed,
-        slot_bytes=slot_bytes,
-        segment_bytes=256,
     )
-    try:
-        assert isinstance(comm.proxy, NativeProxy)
-        comm.proxy.trace = {}
-        cases = check.cases(
-            ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"],
-            ["float32"],
-            ["sum"],
-            [],
-            [count],
-            world.size,
-            seed,
-            direct=False,
-            in_place=(False,),
-            denormals=False,
-        )
-        wrong = sum(check.run_case(comm, c) for c in cases)
-        world.barrier(what="faulty sweep done")
-        proxy = comm.proxy
-    finally:
-        comm.close()
-    return {k: list(v) for k, v in proxy.trace.items()}, wrong, proxy.stats
+    return trace, wrong, proxies[0].stats
 
 
 @pytest.mark.parametrize(
@@ -182,14 +168,7 @@ def test_check_with_faults_on_the_native_engine_under_mpiexec(np_, network, shm_
     ]
     proc = run_mpi(np_, args, timeout=180, module=True, env=clean_env(COMMREF_GIN_ENGINE="native"))
     assert_check_clean(proc)
-    f = re.search(
-        r"^# GIN faults .*: (\d+) packets: (\d+) dropped, (\d+) duplicated, (\d+) delayed; "
-        r"(\d+) retransmitted, (\d+) duplicates dropped",
-        proc.stdout,
-        re.M,
-    )
-    assert f, proc.stdout[-2000:]
-    packets, dropped, duplicated, delayed, retransmitted, dup_dropped = map(int, f.groups())
+    _, (packets, dropped, duplicated, delayed, retransmitted, dup_dropped) = fault_counts(proc.stdout)
     assert packets > 500 and retransmitted >= dropped > 0 and dup_dropped >= duplicated > 0 and delayed > 0
 
 
