@@ -90,6 +90,15 @@ def _collective(text: str) -> str:
     return name
 
 
+# The links a described cluster has: (name, default bytes/s one direction, its help,
+# default latency in seconds); each gives --NAME-rate and --NAME-latency.
+LINKS = (
+    ("nvlink", 450e9, "bytes/s of a GPU's NVLink, one direction (default 450G: NVLink 4's 900 GB/s both ways)", 1e-6),
+    ("pcie", 64e9, "bytes/s, one direction (default 64G: Gen5 x16)", 2e-6),
+    ("network", 50e9, "bytes/s of each GPU's NIC (default 50G: 400 Gb/s)", 5e-6),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("collective", nargs="?", default="all_reduce", type=_collective, help=", ".join(COLLECTIVES))
     p.add_argument("--nodes", type=int_type(1, 1 << 16), default=1, help="nodes (default 1)")
@@ -97,24 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--intra", choices=("nvlink", "pcie"), default="nvlink", help="the GPUs' link inside a node (default nvlink)"
     )
-    p.add_argument(
-        "--nvlink-rate",
-        type=_rate("--nvlink-rate"),
-        default=450e9,
-        help="bytes/s of a GPU's NVLink, one direction (default 450G: NVLink 4's 900 GB/s both ways)",
-    )
-    p.add_argument("--nvlink-latency", type=_latency("--nvlink-latency"), default=1e-6, help="default 1us")
-    p.add_argument(
-        "--pcie-rate", type=_rate("--pcie-rate"), default=64e9, help="bytes/s, one direction (default 64G: Gen5 x16)"
-    )
-    p.add_argument("--pcie-latency", type=_latency("--pcie-latency"), default=2e-6, help="default 2us")
-    p.add_argument(
-        "--network-rate",
-        type=_rate("--network-rate"),
-        default=50e9,
-        help="bytes/s of each GPU's NIC (default 50G: 400 Gb/s)",
-    )
-    p.add_argument("--network-latency", type=_latency("--network-latency"), default=5e-6, help="default 5us")
+    for link, rate, rate_help, latency in LINKS:
+        p.add_argument(f"--{link}-rate", type=_rate(f"--{link}-rate"), default=rate, help=rate_help)
+        default_us = f"default {latency * 1e6:g}us"
+        p.add_argument(f"--{link}-latency", type=_latency(f"--{link}-latency"), default=latency, help=default_us)
     p.add_argument(
         "--memory-rate", type=_rate("--memory-rate"), default=3e12, help="bytes/s of a GPU's memory (default 3T)"
     )
