@@ -122,6 +122,15 @@ class CallPlanner:
             plan = self.plans[call.signature] = self.plan(call.spec, call.signature, call.route.refusal)
         return plan
 
+    def packs(self, members: list, packed) -> bool:
+        """Whether a group's collectives (RepeatedCalls) run faster packed into one
+        (`packed`: packing.Packing): the model's kernel times of the members, each call's
+        Python side left out (every member pays it either way), against the packed
+        call's and its copies in and out."""
+        call_s = self.model.call_s
+        alone = sum(m.plan.predicted_s - call_s for m in members)
+        return packed.plan.predicted_s - call_s + self.model.pack_s(packed.nbytes) < alone
+
     def planned(self, coll: str | None = None, count: int | None = None, symmetric: bool | None = None):
         """The plans made so far, in the order they were made, of the calls of `coll`
         with `count` elements on buffers routed to a direct kernel or not (None: any)."""

@@ -164,6 +164,7 @@ class Communicator:
     kept_calls = property(lambda self: len(self._scheduler.repeated), doc="CPU calls kept (RepeatedCall)")
     kept_groups = property(lambda self: len(self._scheduler.groups), doc="CPU groups kept (FusedLaunch)")
     launches = property(lambda self: self._scheduler.launches, doc="kernel launches so far (a fused group: 1)")
+    packed_groups = property(lambda self: self._scheduler.packed, doc="CPU groups run packed into one (packing.py)")
     symmetric_windows = property(lambda self: len(self._symmetric), doc="windows from alloc_symmetric held")
 
     # ---- collectives (nccl4py names and argument order) ----

@@ -25,6 +25,7 @@ from commref.device_kernels.build import KernelError
 from commref.transports.errors import CommAborted, CommMismatch, CommTimeout, format_seconds
 from commref.transports.host_memory import CUDA_HOST_PORTABLE_MAPPED, mapped_device_pointer
 
+PACK_KERNEL = "commref_pack"  # a packed group's copies (kernels/pack.cu)
 # The int32 fields a call sets, consecutive in CollArgs (checked below).
 _INT32_FIELDS = ("root", "dtype", "op", "nchannels", "elemSize", "avgDivisor", "streamStores", "protocol")
 _STREAM_STORES = _INT32_FIELDS.index("streamStores")
@@ -142,6 +143,7 @@ class RepeatedCall:
         "timed",
         "in_place",
         "what",
+        "signature",
     )
 
     def __init__(
@@ -157,8 +159,10 @@ class RepeatedCall:
         in_place: bool,
         keep: bool = True,
         what: tuple = ("call", 0, ""),
+        signature=None,
     ):
         self.kept, self.what = False, what  # what: (collective, count, dtype) for describe()
+        self.signature = signature  # calls.CallSignature: what packing.py compares
         self.matches = self._never
         if keep:
             extension = cpu_loader.pycall()
@@ -212,40 +216,66 @@ class RepeatedCall:
 class FusedLaunch:
     """A group's launches on one CPU communicator as one entry of the engine
     (commref_cpu_launch_group): the kernel of each collective `members` (RepeatedCalls,
-    in call order), then, given `p2p` ((ops table, blocks, kernel entry): the group's
-    sends and receives), their one launch, one after the other, each reading a CollArgs
-    record of its own: the communicator's record `template` (its constant fields, as
-    they are now) with the member's per-call fields. It holds everything its launch
-    reads but the members' arrays, which the RepeatedCalls match before it runs.
-    `positions`: each member's index in the group's calls (the p2p launch's: None).
-    call() returns 0, or (i << 8) | the status of launch i, the first that failed (the
-    later ones did not run)."""
+    in call order), or, given a `packing` of them (packing.Packing), its copies in, its
+    one AllReduce and its copies out; then, given `p2p` ((ops table, blocks, kernel
+    entry): the group's sends and receives), their one launch; one after the other,
+    each collective reading a CollArgs record of its own: the communicator's record
+    `template` (its constant fields, as they are now) with the call's per-call fields.
+    It holds everything its launch reads but the members' arrays, which the
+    RepeatedCalls match before it runs. `positions`: each member's index in the group's
+    calls. call() returns 0, or (i << 8) | the status of launch i, the first that failed
+    (the later ones did not run); owner(i) is the member that launch i runs (a packing:
+    the packing; the sends and receives: None)."""
 
-    __slots__ = ("members", "positions", "records", "descs", "ops", "call")
+    __slots__ = ("members", "positions", "packing", "records", "descs", "owners", "ops", "call")
 
-    def __init__(self, kernels, template: LaunchRecord, members: list, positions: list, threads: int, p2p=None):
-        n = len(members) + (p2p is not None)
-        self.members, self.positions = members, positions
+    def __init__(
+        self, kernels, template: LaunchRecord, members: list, positions: list, threads: int, p2p=None, packing=None
+    ):
+        self.members, self.positions, self.packing = members, positions, packing
+        calls = members if packing is None else [packing.call]
+        n = len(calls) + (p2p is not None)
         self.records = np.zeros(n, dtype=abi.COLL_ARGS)
         self.records[:] = template.args[0]
-        self.descs = np.zeros(n, dtype=abi.LAUNCH_DESC)
-        for i, member in enumerate(members):
+        descs, self.owners = [], []
+        if packing is not None:
+            descs.append((kernels.entry(PACK_KERNEL), packing.args_in.ctypes.data, 1, 1))
+            self.owners.append(packing)
+        for i, call in enumerate(calls):
             record = LaunchRecord(self.records[i : i + 1])
-            member.load(record)
-            self.descs[i] = member.plan.launch.record[0]
-            self.descs[i]["args"] = record.address
+            call.load(record)
+            prepared = call.plan.launch.record[0]
+            descs.append((prepared["kernel"], record.address, prepared["grid"], prepared["block"]))
+            self.owners.append(packing or call)
+        if packing is not None:
+            descs.append((kernels.entry(PACK_KERNEL), packing.args_out.ctypes.data, 1, 1))
+            self.owners.append(packing)
         self.ops = None
         if p2p is not None:
             self.ops, nblocks, plan, entry = p2p
             record = LaunchRecord(self.records[n - 1 : n])
             record.set_call(plan, self.ops.ctypes.data, 0)
-            self.descs[n - 1] = (entry, record.address, nblocks, threads)
-        self.call = kernels.bind(True, self.descs.ctypes.data, n)
+            descs.append((entry, record.address, nblocks, threads))
+            self.owners.append(None)
+        self.descs = np.zeros(len(descs), dtype=abi.LAUNCH_DESC)
+        for i, desc in enumerate(descs):
+            self.descs[i] = desc
+        self.call = kernels.bind(True, self.descs.ctypes.data, len(descs))
+
+    def position(self, i: int) -> int:
+        """The group index of launch `i`'s member (a packing: its first member's)."""
+        owner = self.owners[i]
+        return self.positions[0 if owner is self.packing else self.members.index(owner)]
 
     def refused(self, i: int):
         """The KernelError of launch `i`'s refusal (a function, as end_launch takes it)."""
-        d = self.descs[i]
-        what = self.members[i].plan.kernel if i < len(self.members) else "the group's sends and receives"
+        d, owner = self.descs[i], self.owners[i]
+        if owner is None:
+            what = "the group's sends and receives"
+        elif owner is self.packing:
+            what = f"a packed group's launch {i}"
+        else:
+            what = owner.plan.kernel
         return lambda: KernelError(f"the CPU engine could not run {what} with grid={d['grid']} block={d['block']}")
 
 

@@ -117,6 +117,11 @@ class Model:
     def call_s(self) -> float:
         return CALL_PY_UNITS * self.calibration.py_unit_s
 
+    def pack_s(self, nbytes: int) -> float:
+        """Copying `nbytes` of a packed group's inputs into its staging buffer and its
+        result out (packing.py): each byte loaded and stored twice, in the cache."""
+        return 4 * nbytes / self.memory_rate(2 * nbytes)
+
     def share(self, local_ranks: int | None = None) -> float:
         """Ranks per core on this host (at least 1)."""
         ranks = self.paths.local_ranks if local_ranks is None else local_ranks

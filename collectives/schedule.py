@@ -8,7 +8,8 @@ On the CPU a group of several calls runs as one launch of the engine
 (launch_record.FusedLaunch: its collectives' kernels one after the other, then its sends
 and receives), unless a member cannot join one: a hierarchical call, a call whose
 streamStores the tuner times per call, or a collective whose preparation fails (then
-each member launches alone, as on a GPU). A fused group whose members are all kept calls
+each member launches alone, as on a GPU). A group of AllReduces of one signature may
+run as one AllReduce of all their elements instead (packing.py). A fused group whose members are all kept calls
 is kept too, keyed by them: the same calls on the same arrays again go straight to its
 launch; a kept call or group is dropped when the symmetric windows change (forget()).
 """
@@ -20,8 +21,9 @@ import time
 import numpy as np
 
 from commref.device_kernels import abi
+from commref.transports.errors import CapabilityError
 
-from . import tuner
+from . import packing, tuner
 from .calls import Call
 from .launch_record import CallPlan, FusedLaunch, RepeatedCall
 from .p2p import P2pCall, P2pLauncher
@@ -41,6 +43,7 @@ class Scheduler:
         self.repeated: dict = {}  # CPU: a call's arguments (buffers by id) -> RepeatedCall, kept
         self.groups: dict = {}  # CPU: a group's members (RepeatedCalls, in order) -> FusedLaunch, kept
         self.launches = 0  # launches of this communicator's kernels so far (a fused group: one)
+        self.packed = 0  # fused groups whose collectives ran packed into one (packing.py)
         # p2p keeps its operations' buffers, groups and sendrecvs in `repeated` (forget() drops them)
         self.p2p = P2pLauncher(comm, host, self.stores, self.repeated, REPEATED_CALLS)
 
@@ -86,7 +89,8 @@ class Scheduler:
     def fuse(self, calls: list) -> FusedLaunch | None:
         """The FusedLaunch of a CPU group's `calls`, kept when every member is a kept
         call; None where a member cannot join one, or no collective would (the module
-        docstring)."""
+        docstring). A group of collectives alone packs where packing.py says it can and
+        the model says it is faster."""
         members, positions, p2p = [], [], []
         for at, call in enumerate(calls):
             if isinstance(call, P2pCall):
@@ -107,7 +111,13 @@ class Scheduler:
         if not members:
             return None
         fused = FusedLaunch(
-            self.kernels, self.record, members, positions, self.threads, self.p2p.prepare(p2p) if p2p else None
+            self.kernels,
+            self.record,
+            members,
+            positions,
+            self.threads,
+            self.p2p.prepare(p2p) if p2p else None,
+            None if p2p else self.pack(members),
         )
         if not p2p and all(member.kept for member in members):
             if len(self.groups) >= REPEATED_GROUPS:
@@ -115,15 +125,38 @@ class Scheduler:
             self.groups[tuple(members)] = fused
         return fused
 
+    def pack(self, members: list) -> packing.Packing | None:
+        """The Packing of a group's collectives where they pack (packing.py) and the model
+        predicts it faster (CallPlanner.packs); else None."""
+        if not packing.same_signature(members):
+            return None
+        try:
+            packed = packing.Packing(self.comm, members, self.planner.prepare, self.keep)
+        except (ValueError, CapabilityError):  # the packed call cannot be planned: the members run one by one
+            return None
+        if packed.call is None or packed.call.timed or not self.planner.packs(members, packed):
+            return None
+        return packed
+
     def run_fused(self, fused: FusedLaunch, calls: list) -> None:
-        """Runs a FusedLaunch of `calls`; a failure as launch() raises it."""
+        """Runs a FusedLaunch of `calls`; a failure as launch() raises it. A packed one
+        whose flag says some rank could not pack runs its members one by one instead
+        (packing.py), on every rank alike."""
         status = fused.call()
         self.launches += 1
         if not status:
+            packed = fused.packing
+            if packed is not None and not packed.packed():
+                if packed.unpacked is None:
+                    members, positions = fused.members, fused.positions
+                    packed.unpacked = FusedLaunch(self.kernels, self.record, members, positions, self.threads)
+                self.run_fused(packed.unpacked, calls)
+                return
+            self.packed += packed is not None
             self.comm.end_launch(0)
             return
         at, status = status >> 8, status & 0xFF
-        if at == len(fused.members):  # the sends and receives
+        if fused.owners[at] is None:  # the sends and receives
             p2p = [call for call in calls if isinstance(call, P2pCall)]
             try:
                 if status == abi.LAUNCH_REFUSED:
@@ -138,7 +171,7 @@ class Scheduler:
         try:
             self.comm.end_launch(status, fused.refused(at))
         except Exception as e:
-            e.member, e.member_at = fused.members[at], fused.positions[at]
+            e.member, e.member_at = fused.owners[at], fused.position(at)
             raise
 
     def launch_one(self, call: Call) -> None:
@@ -161,8 +194,9 @@ class Scheduler:
         streamed = 0 if timed else self.stores.choose(plan.kernel, s.nbytes)[0]  # the same every call
         keep = call.repeat is not None and s.obj is call.sendbuf and r.obj is call.recvbuf
         what = (call.spec.name, call.signature.count, s.dtype)
+        sig = call.signature
         kept = RepeatedCall(
-            call.sendbuf, call.recvbuf, plan, s, r, call.route.sym, streamed, timed, in_place, keep, what
+            call.sendbuf, call.recvbuf, plan, s, r, call.route.sym, streamed, timed, in_place, keep, what, sig
         )
         if kept.kept:
             if len(self.repeated) >= REPEATED_CALLS:

@@ -136,8 +136,9 @@ NVLS_VARIANTS = {"one_shot": 0, "two_shot": 1}
 PROTOCOL_CODES = {"simple": 0, "ll": 1, "ll128": 2}
 
 # Kernel entry points (COMMREF_KERNEL names in kernels/*.cu): the collectives, which
-# take CollArgs, and the CPU engine's own self-test and benchmark kernels
-# (kernels/selftest.cu), which take the struct ENGINE_KERNELS names.
+# take CollArgs, and the CPU engine's own kernels, which take the struct ENGINE_KERNELS
+# names: self-test and benchmark (kernels/selftest.cu), a packed group's copies
+# (kernels/pack.cu).
 KERNEL_NAMES = (
     "commref_ring_allreduce",
     "commref_tree_allreduce",
@@ -158,6 +159,7 @@ ENGINE_KERNELS = {
     "commref_empty": "CopyArgs",
     "commref_engine_selftest": "CopyArgs",
     "commref_stream": "StreamArgs",
+    "commref_pack": "PackArgs",
 }
 ENGINE_KERNEL_NAMES = tuple(ENGINE_KERNELS)
 
@@ -370,6 +372,10 @@ P2P_OP = np.dtype(
 )
 
 COPY_ARGS = np.dtype([("src", "<u8"), ("dst", "<u8"), ("bytes", "<u8")], align=True)
+# commref_pack's arguments: a table of `n` COPY_ARGS, and the flag that skips them (args.h).
+PACK_ARGS = np.dtype(
+    [("copies", "<u8"), ("n", "<u4"), ("flagBytes", "<u4"), ("flag", "<u8"), ("clear", "<u8")], align=True
+)
 # commref_stream's arguments (bench/bound.py): nin input and nout output arrays of `words`
 # 32-bit words from `base`, the first `shared` outputs being the first inputs.
 STREAM_ARGS = np.dtype(
@@ -455,6 +461,7 @@ STRUCTS = {
     "CopyArgs": COPY_ARGS,
     "LaunchDesc": LAUNCH_DESC,
     "StreamArgs": STREAM_ARGS,
+    "PackArgs": PACK_ARGS,
     "GinArgs": GIN_ARGS,
     "GinDescriptor": GIN_DESCRIPTOR,
     "GinRefusal": GIN_REFUSAL,

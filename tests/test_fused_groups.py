@@ -155,17 +155,19 @@ def test_a_changed_buffer_leaves_the_kept_group():
 
 def test_a_failing_member_is_named_and_its_successors_not_run():
     """Member #2 differs between the ranks (its op): both ranks raise CommMismatch at
-    group_end naming it; member #1 ran, member #3 did not."""
+    group_end naming it; members #0 and #1 ran, member #3 did not. (A group of
+    AllReduces alone would pack into one call on the rank where they agree:
+    test_packed_groups.py names that failure.)"""
 
     def body(world):
         comm = Communicator(world, "cpu", timeout=3.0)
         r = world.rank
         x = np.ones(4, np.int32)
-        first, second, last = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32)
+        first, second, last = np.zeros(4, np.int32), np.zeros(8, np.int32), np.zeros(4, np.int32)
         try:
             with comm.group():
                 comm.allreduce(x, first)
-                comm.allreduce(x, second)
+                comm.allgather(x, second)
                 comm.allreduce(x, np.zeros(4, np.int32), "sum" if r == 0 else "max")
                 comm.allreduce(x, last)
             message = None

@@ -32,7 +32,7 @@ namespace {
 // clang-format off: the X-macro tables keep one entry per line or group by hand
 #define COMMREF_ABI_STRUCTS(S) \
   S(WindowLayout) S(ChannelPeers) S(ErrorRecord) S(GinArgs) S(GinDescriptor) S(GinRefusal) S(SymBuffer) S(CollArgs) S(CopyArgs) S(DevComm) S(P2pOp) \
-  S(KernelArgs) S(LaunchDesc) S(StreamArgs)
+  S(KernelArgs) S(LaunchDesc) S(StreamArgs) S(PackArgs)
 
 // Every field of every struct above, in declaration order.
 #define COMMREF_ABI_FIELDS(F)                                                                                   \
@@ -62,6 +62,7 @@ namespace {
   F(CollArgs, op) F(CollArgs, nchannels) F(CollArgs, elemSize) F(CollArgs, avgDivisor) F(CollArgs, streamStores) \
   F(CollArgs, protocol) F(CollArgs, gin) F(CollArgs, symSend) F(CollArgs, symRecv) F(CollArgs, peers)               \
   F(CopyArgs, src) F(CopyArgs, dst) F(CopyArgs, bytes)                                                           \
+  F(PackArgs, copies) F(PackArgs, n) F(PackArgs, flagBytes) F(PackArgs, flag) F(PackArgs, clear)                \
   F(P2pOp, buf) F(P2pOp, count) F(P2pOp, callDesc) F(P2pOp, bytes) F(P2pOp, symOffset) F(P2pOp, symWindows)     \
   F(P2pOp, peer) F(P2pOp, send) F(P2pOp, channel) F(P2pOp, conn) F(P2pOp, block) F(P2pOp, done)                 \
   F(P2pOp, symWindow) F(P2pOp, pad)                                                                             \

@@ -280,6 +280,15 @@ struct CopyArgs {  // engine self-test and benchmark kernels
   uint64_t src, dst, bytes;
 };
 
+// commref_pack (kernels/pack.cu): the `n` copies of the CopyArgs table at `copies`, one
+// after the other; none where `flagBytes` > 0 and the `flagBytes` bytes at `flag` differ
+// from the low bytes of `clear` (a packed group's unpacking, collectives/packing.py).
+struct PackArgs {
+  uint64_t copies;
+  uint32_t n, flagBytes;
+  uint64_t flag, clear;
+};
+
 // commref_stream (kernels/selftest.cu, bench/bound.py): nin input and nout output arrays
 // of `words` 32-bit words each, one after the other from `base` (inputs first); the
 // first `shared` outputs are the first `shared` inputs (in place). words: a multiple of 16.
