@@ -16,15 +16,13 @@ from helpers import WORLD_TIMEOUT, nvcc_sm90, user_kernel
 
 from commref import CapabilityError, DeviceRequirements, ThreadWorld
 from commref.collectives.device_api import DeviceComm, Kernel
+from commref.collectives.device_api import conformance as cf
 from commref.transports.gin.engines import ENGINE_ENV
 from commref.transports.nodes import NODES_ENV
 
 HERE = Path(__file__).resolve().parent
 SOURCE = (HERE / "kernels" / "team_barriers.cu").read_text()
 KERNEL = Kernel(SOURCE, "team_barriers", filename="team_barriers.cu")
-NONE, PUTS, GETS = 0, 1, 2
-ALL = -1
-RAIL, HYBRID, HYBRID_WARP, RAIL_WARP = 0, 1, 2, 3
 ROUNDS = 150
 LAYOUTS = {
     "lsa-2": (2, None, dict(path="lsa")),
@@ -54,43 +52,40 @@ def _stale(layout, wire, kind, fence, fenced, monkeypatch, rounds=ROUNDS):
 
 
 CASES = [(layout, wire) for layout in LAYOUTS for wire in WIRES if not (layout.startswith("lsa") and wire != "ordered")]
+COLUMNS = {f"{layout}-{wire}" if not layout.startswith("lsa") else layout: (layout, wire) for layout, wire in CASES}
+# Every row of docs/device-api.md's team-barrier table (conformance.TEAM_BARRIERS) in
+# every column, and each cell where an uncovered stale read is shown.
+ROWS = {b.name: b for b in cf.TEAM_BARRIERS}
+SHOWN = [(b.name, c) for b in cf.TEAM_BARRIERS for c in b.shown]
 
 
-@pytest.mark.parametrize("layout, wire", CASES, ids=[f"{a}-{b}" for a, b in CASES])
-@pytest.mark.parametrize(
-    "kind, fence, fenced",
-    [
-        (RAIL, PUTS, ALL),
-        (RAIL, GETS, ALL),
-        (HYBRID, PUTS, ALL),
-        (HYBRID, PUTS, 1),
-        (HYBRID_WARP, PUTS, ALL),
-        (HYBRID_WARP, PUTS, 0),
-    ],
-    ids=["rail-puts", "rail-gets", "hybrid-puts", "hybrid-puts-ctx1", "hybrid-warp", "hybrid-warp-ctx0"],
-)
-def test_what_the_barrier_promises_is_never_stale(layout, wire, kind, fence, fenced, monkeypatch):
-    out = _stale(layout, wire, kind, fence, fenced, monkeypatch)
+def test_the_columns_are_the_tables():
+    assert tuple(COLUMNS) == cf.TEAM_BARRIER_COLUMNS
+    assert all(c in COLUMNS for _, c in SHOWN)
+
+
+@pytest.mark.parametrize("column", list(COLUMNS))
+@pytest.mark.parametrize("row", list(ROWS))
+def test_what_the_barrier_promises_is_never_stale(row, column, monkeypatch):
+    b = ROWS[row]
+    assert b.cls("covered", column) == cf.FORBIDDEN
+    out = _stale(*COLUMNS[column], b.kind, b.fence, b.fenced, monkeypatch)
     assert [covered for covered, _ in out] == [0] * len(out), out
 
 
-@pytest.mark.parametrize(
-    "layout, kind, fence, fenced",
-    [
-        ("gin-4", RAIL, NONE, ALL),
-        ("gin-4", HYBRID, NONE, ALL),
-        ("gin-4", RAIL_WARP, PUTS, 0),
-        ("gin-4", HYBRID_WARP, PUTS, 0),
-        ("nodes-2x2", HYBRID, PUTS, ALL),
-    ],
-    ids=["rail-none", "hybrid-none", "rail-warp-ctx0", "hybrid-warp-ctx0", "hybrid-cross-rail"],
-)
-def test_what_it_leaves_out_is_shown_stale_on_the_unordered_wire(layout, kind, fence, fenced, monkeypatch):
+@pytest.mark.parametrize("row, column", SHOWN, ids=[f"{r}-{c}" for r, c in SHOWN])
+def test_what_it_leaves_out_is_shown_stale(row, column, monkeypatch):
     """Past a fence of level None, on a context it does not fence, or (hybrid on 2x2
     nodes) a GIN put to a rank outside the poster's rail: some read is stale."""
-    out = _stale(layout, "unordered", kind, fence, fenced, monkeypatch, rounds=300)
+    b = ROWS[row]
+    out = _stale(*COLUMNS[column], b.kind, b.fence, b.fenced, monkeypatch, rounds=300)
     assert [covered for covered, _ in out] == [0] * len(out), out
     assert sum(other for _, other in out) > 0, out
+
+
+def test_the_docs_team_barrier_table_is_the_data_structure():
+    doc = (HERE.parent / "docs" / "device-api.md").read_text()
+    assert cf.team_barrier_table() in doc, "docs/device-api.md's team-barrier table differs from conformance's"
 
 
 # Round i: every rank putValues its stamp of the round to every peer's word 16 + 8 r on
