@@ -1,7 +1,8 @@
 """The device API's teams, symmetric pointers, cooperative scopes, flush requests,
 rolling compares and VA signals (device.h's section of those names; team.h, coop.h):
 each used by a kernel of device_kernels/examples/device_api_tour.cu on LSA and on GIN
-over the ordered and unordered wires, and each refusal a clear error."""
+over the ordered and unordered wires; the scoped putValue, countedPut and get each by a
+kernel of its own (SCOPED_OPS) in every scope; and each refusal a clear error."""
 
 from __future__ import annotations
 
@@ -167,6 +168,152 @@ def test_va_signals_land_after_their_data_on_strict_ordering(path):
     assert set(_run(n, body)) == {None if path == "lsa" else "rc" if path == "gin-ordered" else "proxy"}
 
 
+# The scoped putValue, countedPut and get (device.h's scopes), one kernel each. Argument
+# 0 names the scope every thread of the 64-thread block calls with: 0 CoopThread, 1
+# CoopWarp, 2 CoopTile<8>, 3 CoopCta; group g (thread t's, t / the scope's size) acts
+# alone on its own slice, with peer next = rank + 1. Byte k of group g's 24-byte source
+# slice at rank p in launch L is (7 p + 3 g + k + 11 L) % 256 (scopedBytes).
+SCOPED_OPS = (
+    PREAMBLE
+    + r"""
+__device__ int scopeSize(int scope) { return scope == 0 ? 1 : scope == 1 ? 32 : scope == 2 ? 8 : (int)blockDim.x; }
+__device__ uint8_t scopedByte(int p, int g, int k, uint64_t launch) {
+  return (uint8_t)((7 * p + 3 * g + k + 11 * launch) % 256);
+}
+// Thread 0 stamps this rank's source slices at 2048 + 24 g for every group.
+__device__ void stampSources(DeviceComm& comm, int groups) {
+  if (threadIdx.x == 0)
+    for (int g = 0; g < groups; g++)
+      for (int k = 0; k < 24; k++) comm.local<uint8_t>(2048 + 24 * g)[k] = scopedByte(comm.rank(), g, k, comm.launch());
+  __syncthreads();
+}
+
+// Group g putValues (launch << 32 | rank << 16 | g) to next's word 8 g with a weak
+// increment of signal 0; every rank waits for the previous rank's groups, copies its
+// words into out[0 .. groups) and, after a barrier (every put has landed), out[64] the
+// signal: one increment per group and launch, not one per thread.
+COMMREF_KERNEL(scoped_put_value, KernelArgs, args) {
+  DeviceComm comm(args);
+  const int scope = (int)comm.u64(0), groups = (int)blockDim.x / scopeSize(scope);
+  uint64_t* out = comm.ptr<uint64_t>(1);
+  const int next = (comm.rank() + 1) % comm.nranks(), g = (int)threadIdx.x / scopeSize(scope);
+  const uint64_t value = comm.launch() << 32 | (uint64_t)comm.rank() << 16 | (uint64_t)g;
+  if (scope == 0) comm.putValue(CoopThread(), next, 8 * g, value, WeakSignalInc(0));
+  if (scope == 1) comm.gin(0).putValue(CoopWarp(), next, 8 * g, value, WeakSignalInc(0));
+  if (scope == 2) comm.gin(0).putValue(CoopTile<8>(), next, 8 * g, value, WeakSignalInc(0));
+  if (scope == 3) comm.gin(0).putValue(CoopCta(), next, 8 * g, value, WeakSignalInc(0));
+  comm.waitSignal(0, comm.launch() * groups);
+  if (threadIdx.x == 0)
+    for (int j = 0; j < groups; j++) out[j] = comm.local<uint64_t>(0)[j];
+  comm.barrier();
+  if (threadIdx.x == 0) out[64] = comm.readSignal(0);
+  comm.barrier();  // nobody's next launch writes a word before it is read
+}
+
+// Group g countedPuts its 24 source bytes to next's 512 + 24 g (counting on signal 1);
+// every rank waits for the previous rank's groups, copies what landed into out and,
+// after a barrier, the signal into count[0]: one per group and launch.
+COMMREF_KERNEL(scoped_counted_put, KernelArgs, args) {
+  DeviceComm comm(args);
+  const int scope = (int)comm.u64(0), groups = (int)blockDim.x / scopeSize(scope);
+  uint8_t* out = comm.ptr<uint8_t>(1);
+  const int next = (comm.rank() + 1) % comm.nranks(), g = (int)threadIdx.x / scopeSize(scope);
+  stampSources(comm, groups);
+  const uint64_t dst = 512 + 24 * g, src = 2048 + 24 * g;
+  if (scope == 0) comm.countedPut(CoopThread(), next, dst, src, 24, 1);
+  if (scope == 1) comm.gin(0).countedPut(CoopWarp(), next, dst, src, 24, 1);
+  if (scope == 2) comm.gin(0).countedPut(CoopTile<8>(), next, dst, src, 24, 1);
+  if (scope == 3) comm.gin(0).countedPut(CoopCta(), next, dst, src, 24, 1);
+  comm.waitSignal(1, comm.launch() * groups);
+  if (threadIdx.x == 0)
+    for (int i = 0; i < 24 * groups; i++) out[i] = comm.local<uint8_t>(512)[i];
+  comm.barrier();
+  if (threadIdx.x == 0) comm.ptr<uint64_t>(2)[0] = comm.readSignal(1);
+  comm.barrier();
+}
+
+// After a barrier (every source is stamped), group g gets next's 24 source bytes into
+// its 512 + 24 g, flushes in its scope (its get has landed) and its threads copy the
+// slice into out together.
+COMMREF_KERNEL(scoped_get, KernelArgs, args) {
+  DeviceComm comm(args);
+  const int scope = (int)comm.u64(0), size = scopeSize(scope), groups = (int)blockDim.x / size;
+  uint8_t* out = comm.ptr<uint8_t>(1);
+  const int next = (comm.rank() + 1) % comm.nranks(), g = (int)threadIdx.x / size;
+  stampSources(comm, groups);
+  comm.barrier();
+  const uint64_t dst = 512 + 24 * g, src = 2048 + 24 * g;
+  if (scope == 0) comm.get(CoopThread(), next, dst, src, 24), comm.gin(0).flush(CoopThread());
+  if (scope == 1) comm.gin(0).get(CoopWarp(), next, dst, src, 24), comm.gin(0).flush(CoopWarp());
+  if (scope == 2) comm.gin(0).get(CoopTile<8>(), next, dst, src, 24), comm.gin(0).flush(CoopTile<8>());
+  if (scope == 3) comm.gin(0).get(CoopCta(), next, dst, src, 24), comm.gin(0).flush(CoopCta());
+  for (int k = (int)threadIdx.x % size; k < 24; k += size) out[24 * g + k] = comm.local<uint8_t>(dst)[k];
+  comm.barrier();  // nobody's next launch stamps a source before it is read
+}
+"""
+)
+SCOPE_SIZES = {"thread": 1, "warp": 32, "tile8": 8, "cta": 64}
+SCOPE_IDS = {"thread": 0, "warp": 1, "tile8": 2, "cta": 3}
+
+
+def _scoped_bytes(p: int, groups: int, launch: int) -> list[int]:
+    return [(7 * p + 3 * g + k + 11 * launch) % 256 for g in range(groups) for k in range(24)]
+
+
+@pytest.mark.parametrize("scope", list(SCOPE_SIZES))
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_scoped_put_value_posts_once_per_scope(path, scope):
+    """Each scope's putValue lands its own word, once: the signal counts one increment
+    per scope and launch (a scope whose every thread posted would count more)."""
+    kernel, n, groups = Kernel(SCOPED_OPS, "scoped_put_value"), 3, 64 // SCOPE_SIZES[scope]
+
+    def body(world):
+        prev = (world.rank - 1) % n
+        with DeviceComm(world, window_bytes=4096, signals=2, device="cpu", **PATHS[path]) as dc:
+            for launch in (1, 2):
+                out = np.zeros(65, np.uint64)
+                kernel.launch(dc, 1, 64, args=(SCOPE_IDS[scope], out))
+                assert out[:groups].tolist() == [launch << 32 | prev << 16 | g for g in range(groups)], out
+                assert int(out[64]) == launch * groups, out[64]
+
+    _run(n, body)
+
+
+@pytest.mark.parametrize("scope", list(SCOPE_SIZES))
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_scoped_counted_put_lands_its_bytes_and_counts_once(path, scope):
+    kernel, n, groups = Kernel(SCOPED_OPS, "scoped_counted_put"), 3, 64 // SCOPE_SIZES[scope]
+
+    def body(world):
+        prev = (world.rank - 1) % n
+        with DeviceComm(world, window_bytes=4096, signals=2, counted_writes=True, device="cpu", **PATHS[path]) as dc:
+            for launch in (1, 2):
+                out, count = np.zeros(24 * 64, np.uint8), np.zeros(1, np.uint64)
+                kernel.launch(dc, 1, 64, args=(SCOPE_IDS[scope], out, count))
+                assert out[: 24 * groups].tolist() == _scoped_bytes(prev, groups, launch), (world.rank, launch)
+                assert not out[24 * groups :].any()
+                assert int(count[0]) == launch * groups, count
+
+    _run(n, body)
+
+
+@pytest.mark.parametrize("scope", list(SCOPE_SIZES))
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_scoped_get_lands_after_its_scopes_flush(path, scope):
+    kernel, n, groups = Kernel(SCOPED_OPS, "scoped_get"), 3, 64 // SCOPE_SIZES[scope]
+
+    def body(world):
+        nxt = (world.rank + 1) % n
+        with DeviceComm(world, window_bytes=4096, device="cpu", **PATHS[path]) as dc:
+            for launch in (1, 2):
+                out = np.zeros(24 * 64, np.uint8)
+                kernel.launch(dc, 1, 64, args=(SCOPE_IDS[scope], out))
+                assert out[: 24 * groups].tolist() == _scoped_bytes(nxt, groups, launch), (world.rank, launch)
+                assert not out[24 * groups :].any()
+
+    _run(n, body)
+
+
 REFUSALS = (
     PREAMBLE
     + r"""
@@ -186,6 +333,10 @@ COMMREF_KERNEL(refusals, KernelArgs, args) {
   if (which == 6) comm.gin(1).wait(comm.gin(0).flushAsync());
   if (which == 7) comm.railTeam();
   if (which == 8) comm.put(CoopWarp(), next, 4096, 0, 8);
+  if (which == 9) comm.putValue(CoopWarp(), next, 12, 1);
+  if (which == 10) comm.countedPut(CoopTile<8>(), next, 0, 8, 8, 3);
+  if (which == 11) comm.get(CoopWarp(), next, 0, 508, 8);
+  if (which == 12) comm.putValue(CoopThread(), next, 0, 1, WeakSignalInc(3));
   comm.flush();
 }
 """
@@ -214,6 +365,10 @@ REFUSAL_CASES = {
     ),
     "rail-team-on-unequal-nodes": (7, dict(path="auto"), 5, r"8: the team is not a strided team here"),
     "warp-put-outside": (8, {}, 2, r"512 \(ids"),
+    "warp-put-value-unaligned": (9, {}, 2, r"8 \(ids.*putValue's destination a multiple of it"),
+    "tile-counted-put-signal-outside": (10, dict(path="gin", signals=1), 2, r"1 \(ids"),
+    "warp-get-outside": (11, {}, 2, r"512 \(ids"),
+    "thread-put-value-signal-outside": (12, dict(path="gin", signals=1), 2, r"1 \(ids"),
 }
 
 

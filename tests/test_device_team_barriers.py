@@ -16,14 +16,13 @@ from helpers import WORLD_TIMEOUT, nvcc_sm90, user_kernel
 
 from commref import CapabilityError, DeviceRequirements, ThreadWorld
 from commref.collectives.device_api import DeviceComm, Kernel
+from commref.collectives.device_api import conformance as cf
+from commref.transports.gin.engines import ENGINE_ENV
 from commref.transports.nodes import NODES_ENV
 
 HERE = Path(__file__).resolve().parent
 SOURCE = (HERE / "kernels" / "team_barriers.cu").read_text()
 KERNEL = Kernel(SOURCE, "team_barriers", filename="team_barriers.cu")
-NONE, PUTS, GETS = 0, 1, 2
-ALL = -1
-RAIL, HYBRID, HYBRID_WARP, RAIL_WARP = 0, 1, 2, 3
 ROUNDS = 150
 LAYOUTS = {
     "lsa-2": (2, None, dict(path="lsa")),
@@ -53,35 +52,96 @@ def _stale(layout, wire, kind, fence, fenced, monkeypatch, rounds=ROUNDS):
 
 
 CASES = [(layout, wire) for layout in LAYOUTS for wire in WIRES if not (layout.startswith("lsa") and wire != "ordered")]
+COLUMNS = {f"{layout}-{wire}" if not layout.startswith("lsa") else layout: (layout, wire) for layout, wire in CASES}
+# Every row of docs/device-api.md's team-barrier table (conformance.TEAM_BARRIERS) in
+# every column, and each cell where an uncovered stale read is shown.
+ROWS = {b.name: b for b in cf.TEAM_BARRIERS}
+SHOWN = [(b.name, c) for b in cf.TEAM_BARRIERS for c in b.shown]
 
 
-@pytest.mark.parametrize("layout, wire", CASES, ids=[f"{a}-{b}" for a, b in CASES])
-@pytest.mark.parametrize(
-    "kind, fence, fenced",
-    [(RAIL, PUTS, ALL), (RAIL, GETS, ALL), (HYBRID, PUTS, ALL), (HYBRID, PUTS, 1), (HYBRID_WARP, PUTS, ALL)],
-    ids=["rail-puts", "rail-gets", "hybrid-puts", "hybrid-puts-ctx1", "hybrid-warp"],
-)
-def test_what_the_barrier_promises_is_never_stale(layout, wire, kind, fence, fenced, monkeypatch):
-    out = _stale(layout, wire, kind, fence, fenced, monkeypatch)
+def test_the_columns_are_the_tables():
+    assert tuple(COLUMNS) == cf.TEAM_BARRIER_COLUMNS
+    assert all(c in COLUMNS for _, c in SHOWN)
+
+
+@pytest.mark.parametrize("column", list(COLUMNS))
+@pytest.mark.parametrize("row", list(ROWS))
+def test_what_the_barrier_promises_is_never_stale(row, column, monkeypatch):
+    b = ROWS[row]
+    assert b.cls("covered", column) == cf.FORBIDDEN
+    out = _stale(*COLUMNS[column], b.kind, b.fence, b.fenced, monkeypatch)
     assert [covered for covered, _ in out] == [0] * len(out), out
 
 
-@pytest.mark.parametrize(
-    "layout, kind, fence, fenced",
-    [
-        ("gin-4", RAIL, NONE, ALL),
-        ("gin-4", HYBRID, NONE, ALL),
-        ("gin-4", RAIL_WARP, PUTS, 0),
-        ("nodes-2x2", HYBRID, PUTS, ALL),
-    ],
-    ids=["rail-none", "hybrid-none", "rail-warp-ctx0", "hybrid-cross-rail"],
-)
-def test_what_it_leaves_out_is_shown_stale_on_the_unordered_wire(layout, kind, fence, fenced, monkeypatch):
+@pytest.mark.parametrize("row, column", SHOWN, ids=[f"{r}-{c}" for r, c in SHOWN])
+def test_what_it_leaves_out_is_shown_stale(row, column, monkeypatch):
     """Past a fence of level None, on a context it does not fence, or (hybrid on 2x2
     nodes) a GIN put to a rank outside the poster's rail: some read is stale."""
-    out = _stale(layout, "unordered", kind, fence, fenced, monkeypatch, rounds=300)
+    b = ROWS[row]
+    out = _stale(*COLUMNS[column], b.kind, b.fence, b.fenced, monkeypatch, rounds=300)
     assert [covered for covered, _ in out] == [0] * len(out), out
     assert sum(other for _, other in out) > 0, out
+
+
+def test_the_docs_team_barrier_table_is_the_data_structure():
+    doc = (HERE.parent / "docs" / "device-api.md").read_text()
+    assert cf.team_barrier_table() in doc, "docs/device-api.md's team-barrier table differs from conformance's"
+
+
+# Round i: every rank putValues its stamp of the round to every peer's word 16 + 8 r on
+# context i % 2, then a barrier fencing context 0 (`kind` 0: the world barrier, 1: the
+# rail barrier, 2: the hybrid barrier in a warp scope); in the rounds on context 0, every
+# rank reads the word of every peer; then barrier() (every context). The put of round
+# i - 1, on context 1, came before that barrier(): it must not land over round i's.
+# Arguments: kind, rounds, the counts (int64[2]: [0] the reads in rounds on context 0
+# that are not the round's value, [1] the reads).
+OVERWRITE = user_kernel(
+    "overwrite",
+    r"""  const uint64_t kind = comm.u64(0), rounds = comm.u64(1);
+  int64_t* stale = comm.ptr<int64_t>(2);
+  const int n = comm.nranks(), r = comm.rank();
+  for (uint64_t i = 0; i < rounds; i++) {
+    const uint64_t stamp = comm.launch() << 40 | (i + 1) << 8 | (uint64_t)r;
+    for (int k = 1; k < n; k++) comm.gin((int)(i % 2)).putValue(CoopWarp(), (r + k) % n, 16 + 8 * r, stamp);
+    if (kind == 0) comm.barrier(CoopWarp(), GinFenceLevel::Puts, 0);
+    if (kind == 1) comm.railBarrier(CoopWarp(), GinFenceLevel::Puts, 0);
+    if (kind == 2) comm.hybridBarrier(CoopWarp(), GinFenceLevel::Puts, 0);
+    __syncthreads();
+    if (threadIdx.x == 0 && i % 2 == 0)
+      for (int j = 0; j < n; j++) {
+        if (j == r) continue;
+        stale[1]++;
+        if (load_relaxed(comm.local<uint64_t>(16 + 8 * j)) != (comm.launch() << 40 | (i + 1) << 8 | (uint64_t)j))
+          stale[0]++;
+      }
+    comm.barrier();
+  }
+""",
+)
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["world", "rail", "hybrid"])
+def test_a_put_before_a_fenced_barrier_never_lands_over_one_after_it(kind, engine, monkeypatch):
+    """A rank's putValue on context 1 before barrier() (every context fenced), and its
+    putValue to the same word on context 0 after it: after a barrier fencing context 0,
+    every peer reads the later value (the first barrier orders the earlier put before
+    everything after it, on every rank), on the unordered wire, where contexts overtake
+    each other."""
+    monkeypatch.setenv(ENGINE_ENV, engine)
+    kernel = Kernel(OVERWRITE, "overwrite")
+    rounds = 300 if engine == "native" else 100
+
+    def body(world):
+        with DeviceComm(world, window_bytes=64, contexts=2, device="cpu", path="gin", wire="unordered", seed=7) as dc:
+            stale = np.zeros(2, np.int64)
+            for _ in range(2):
+                kernel.launch(dc, 1, block=32, args=(kind, rounds, stale))
+            return stale.tolist()
+
+    out = ThreadWorld.run(4, body, timeout=WORLD_TIMEOUT)
+    print(f"kind {kind} on the {engine} engine: (stale, reads) per rank {out}")
+    assert out == [[0, 2 * (rounds // 2) * 3]] * 4, out
 
 
 def test_a_rail_barrier_on_scattered_nodes_fails_the_launch(monkeypatch):

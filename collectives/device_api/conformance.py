@@ -316,4 +316,145 @@ def table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CLASSES", "LITMUS", "WIRES", "Litmus", "Wire", "mask", "study_column", "table"]
+# ---- the rail and hybrid barriers ----
+#
+# tests/test_device_team_barriers.py runs tests/kernels/team_barriers.cu (every rank puts
+# to every peer, a team barrier, every rank reads every peer's word) in each column
+# below: a layout (ranks, simulated nodes, path) and a wire. A read is covered when the
+# barrier promises that put visible (rail: a member's put on a fenced context at fence
+# Puts or Gets; hybrid: every LSA peer's, and a rail member's as the rail barrier's) and
+# uncovered otherwise. A covered stale read is FORBIDDEN in every cell; an uncovered one
+# is SHOWN where the suite must observe it (the freedom it leaves), ALLOWED elsewhere
+# (the contract allows it; this run need not produce it).
+ALLOWED = "allowed"
+TEAM_BARRIER_COLUMNS = (
+    "lsa-2",
+    "gin-2-ordered",
+    "gin-2-unordered",
+    "gin-4-ordered",
+    "gin-4-unordered",
+    "nodes-2x2-ordered",
+    "nodes-2x2-unordered",
+)
+
+
+@dataclass(frozen=True)
+class TeamBarrier:
+    """One row: the call team_barriers.cu makes (`kind`: its code, 0 rail, 1 hybrid, 2
+    hybrid in a warp scope with putValue, 3 rail in a warp scope; `fence` a
+    GinFenceLevel, `fenced` a context or -1 for GinAllContexts), what it promises, and
+    the columns where its uncovered stale reads are SHOWN."""
+
+    name: str
+    call: str
+    kind: int
+    fence: int
+    fenced: int
+    promise: str
+    shown: tuple = ()
+
+    def cls(self, outcome: str, column: str) -> str:
+        """ "covered" or "uncovered" stale reads in `column`."""
+        if outcome == "covered":
+            return FORBIDDEN
+        return SHOWN if column in self.shown else ALLOWED
+
+
+_PUTS_TEXT = "every put a member posted to this rank before its barrier on a fenced context is visible"
+TEAM_BARRIERS: tuple[TeamBarrier, ...] = (
+    TeamBarrier("rail-puts", "railBarrier(Puts, GinAllContexts)", 0, 1, -1, f"among the rail: {_PUTS_TEXT}"),
+    TeamBarrier(
+        "rail-gets",
+        "railBarrier(Gets, GinAllContexts)",
+        0,
+        2,
+        -1,
+        f"among the rail: {_PUTS_TEXT}, and this rank's gets there have landed",
+    ),
+    TeamBarrier("rail-none", "railBarrier(None, GinAllContexts)", 0, 0, -1, "only meets", shown=("gin-4-unordered",)),
+    TeamBarrier(
+        "rail-warp-ctx0",
+        "railBarrier(CoopWarp(), Puts, 0), puts in a warp scope",
+        3,
+        1,
+        0,
+        f"among the rail: {_PUTS_TEXT}; puts on context 1 are not covered",
+        shown=("gin-4-unordered",),
+    ),
+    TeamBarrier(
+        "hybrid-puts",
+        "hybridBarrier(Puts, GinAllContexts)",
+        1,
+        1,
+        -1,
+        "every LSA peer's store or put is visible, and every GIN put of a rail member on a fenced context; "
+        "a GIN put from outside the rail is not covered",
+        shown=("nodes-2x2-unordered",),
+    ),
+    TeamBarrier(
+        "hybrid-puts-ctx1",
+        "hybridBarrier(Puts, 1)",
+        1,
+        1,
+        1,
+        "as hybrid-puts, for context 1 only",
+        shown=("gin-4-unordered",),
+    ),
+    TeamBarrier(
+        "hybrid-none",
+        "hybridBarrier(None, GinAllContexts)",
+        1,
+        0,
+        -1,
+        "only meets (and the LSA peers' stores are visible)",
+        shown=("gin-4-unordered",),
+    ),
+    TeamBarrier(
+        "hybrid-warp",
+        "hybridBarrier(CoopWarp(), Puts, GinAllContexts), putValue in a warp scope",
+        2,
+        1,
+        -1,
+        "as hybrid-puts",
+    ),
+    TeamBarrier(
+        "hybrid-warp-ctx0",
+        "hybridBarrier(CoopWarp(), Puts, 0), putValue in a warp scope",
+        2,
+        1,
+        0,
+        "as hybrid-puts, for context 0 only",
+        shown=("gin-4-unordered",),
+    ),
+)
+
+
+def team_barrier_table() -> str:
+    """docs/device-api.md's table of the rail and hybrid barriers (Markdown): a row per
+    call, a column per layout and wire, each cell the class of a covered stale read and
+    of an uncovered one."""
+    lines = [
+        "| barrier (stale read: covered / uncovered) | " + " | ".join(TEAM_BARRIER_COLUMNS) + " |",
+        "| --- | " + " | ".join("---" for _ in TEAM_BARRIER_COLUMNS) + " |",
+    ]
+    for b in TEAM_BARRIERS:
+        cells = [f"{b.cls('covered', c)} / {b.cls('uncovered', c)}" for c in TEAM_BARRIER_COLUMNS]
+        lines.append(f"| `{b.name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "ALLOWED",
+    "CLASSES",
+    "LITMUS",
+    "TEAM_BARRIERS",
+    "TEAM_BARRIER_COLUMNS",
+    "WIRES",
+    "Litmus",
+    "TeamBarrier",
+    "Wire",
+    "mask",
+    "study_column",
+    "table",
+    "team_barrier_table",
+]

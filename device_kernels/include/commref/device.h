@@ -84,7 +84,8 @@ enum class GinFenceLevel : uint32_t {
   // barrier may land after this rank leaves it (the unordered wire shows it).
   None = 0,
   // Also: every put a peer posted before its barrier on a fenced context is visible
-  // here after it (data and signals). Puts on contexts it does not fence may not be.
+  // here after it (data and signals), and none of them lands over a put the peer posts
+  // after its barrier, on any context. Puts on contexts it does not fence may not be.
   Puts = 1,
   // Also: every get this rank posted before the barrier on a fenced context has landed
   // here (and the sources of its puts there are reusable).

@@ -11,14 +11,13 @@ namespace commref {
 // GinFenceLevel::None; set ncontexts + 1: the LSA barrier (and a hybrid barrier's LSA
 // phases); sets ncontexts + 2 + c: the rail barrier's fence on context c (and a hybrid
 // barrier's rail phase); set 2 * ncontexts + 2: the rail barrier of GinFenceLevel::None.
-// Word j of a set of rank r counts the barriers of that set rank j reached (its signals
-// to r); the set's epoch, those this rank reached. A set per context keeps the contexts
-// apart: they are independent ordering domains, so a peer's signal of its next barrier
-// on one context may land before this barrier's on another, and must not stand in for
-// it; and an unfenced signal must not stand in for a fencing one. Inside one set a later
-// signal may stand in for an earlier one: the peer sent it after leaving this barrier,
-// and a fence (a strong signal, or a weak one after a flush) covers every earlier put of
-// its context too.
+// Word j of a set of rank r counts rank j's signals to r in that set: one per barrier of
+// the set rank j reached, two where j is a GIN member of a fenced barrier (arrive and
+// acknowledge, teamBarrier); the set's epoch counts the barriers this rank reached. A set per context keeps the
+// contexts apart: they are independent ordering domains, so a peer's signal of its next barrier on one context may land
+// before this barrier's on another, and must not stand in for it; and an unfenced signal must not stand in for a
+// fencing one. Inside one set a later signal may stand in for an earlier one: the peer sent it after leaving this
+// barrier, and a fence (a strong signal, or a weak one after a flush) covers every earlier put of its context too.
 __device__ inline int DeviceComm::barrierSets() const { return 2 * (int)dc.ncontexts + 3; }
 __device__ inline uint64_t* DeviceComm::barrierWord(int r, int set, int from) const {
   return signalWord(r, dc.nsignals + set * a.nranks + from);
@@ -43,6 +42,17 @@ __device__ inline bool DeviceComm::railOk() {
 }
 // The scope's leader signals every member of the team and waits for each; the scope's
 // threads meet before (their stores, then the leader's release adds) and after.
+//
+// A fenced barrier over GIN has two phases. Arrive: this rank signals every GIN member
+// on each fenced context, behind its puts there (a strong signal, or a weak one after a
+// flush), and waits for every member's arrival. Acknowledge: it signals every GIN member
+// again, now that each member's puts have landed here, and waits for every member's
+// acknowledgement, which says this rank's puts have landed there. So a rank leaves only
+// once its own fenced puts have landed at every member: none of them can land over a
+// put it posts after the barrier, on any context. A GIN member's word therefore counts
+// two signals per barrier of a fenced set (an LSA member's, one: its stores are there
+// at once); a count of 2 e - 1 means the member reached barrier e, 2 e that it also saw
+// this rank reach it.
 template <typename Coop>
 __device__ inline void DeviceComm::teamBarrier(const Coop& coop, int team, GinFenceLevel fence, int ctx) {
   ringDoorbells();  // every thread: what it posted as a leader
@@ -60,34 +70,39 @@ __device__ inline void DeviceComm::teamBarrier(const Coop& coop, int team, GinFe
       store_relaxed(epochWord(set), epoch[c]);
     }
     const bool strong = dc.flags & kDevCommStrongSignals;
+    const bool acked = fenced && a.gin.peerMask;  // GIN members acknowledge
     if (!lsaOnly && a.gin.peerMask && (fence == GinFenceLevel::Gets || (fenced && !strong))) {
       // Gets: this rank's gets have landed. Weak only: this rank's puts of a context land
       // before the weak signal that follows the flush there.
       ringDoorbells();
       for (int c = first; c <= last && !env.failed; c++) ginOn(c).flush();
     }
-    for (int k = 1; k < a.nranks; k++) {
-      const int peer = (a.rank + k) % a.nranks;
-      if (!barrierMember(team, peer)) continue;
-      for (int c = first; c <= last; c++) {
-        const int set = barrierSet(team, fenced, c);
-        if (isLsaPeer(peer))
-          fetch_add_release(barrierWord(peer, set, a.rank), 1);
-        else if (!lsaOnly) {
-          const uint64_t id = dc.signalBase + dc.nsignals + set * a.nranks + a.rank;
-          ginOn(c).signal(peer, fenced && strong ? StrongSignalInc(id) : WeakSignalInc(id));
-          pending[c] |= 1ull << peer;
+    for (int phase = 0; phase < (acked ? 2 : 1) && !env.failed; phase++) {
+      for (int k = 1; k < a.nranks; k++) {
+        const int peer = (a.rank + k) % a.nranks;
+        if (!barrierMember(team, peer) || (phase == 1 && isLsaPeer(peer))) continue;
+        for (int c = first; c <= last; c++) {
+          const int set = barrierSet(team, fenced, c);
+          if (isLsaPeer(peer))
+            fetch_add_release(barrierWord(peer, set, a.rank), 1);
+          else if (!lsaOnly) {
+            const uint64_t id = dc.signalBase + dc.nsignals + set * a.nranks + a.rank;
+            ginOn(c).signal(peer, fenced && strong ? StrongSignalInc(id) : WeakSignalInc(id));
+            pending[c] |= 1ull << peer;
+          }
         }
       }
-    }
-    ringDoorbells();
-    for (int k = 1; k < a.nranks && !env.failed; k++) {
-      const int peer = (a.rank + a.nranks - k) % a.nranks;
-      if (!barrierMember(team, peer)) continue;
-      for (int c = first; c <= last && !env.failed; c++) {
-        if (a.gin.capacity) ginOn(0).wakeEngine();
-        waitReached(barrierWord(a.rank, barrierSet(team, fenced, c), peer), epoch[c], env, kWaitBarrier, peer,
-                    blockIdx.x, help());
+      ringDoorbells();
+      for (int k = 1; k < a.nranks && !env.failed; k++) {
+        const int peer = (a.rank + a.nranks - k) % a.nranks;
+        if (!barrierMember(team, peer) || (phase == 1 && isLsaPeer(peer))) continue;
+        const bool twice = acked && !isLsaPeer(peer);
+        for (int c = first; c <= last && !env.failed; c++) {
+          if (a.gin.capacity) ginOn(0).wakeEngine();
+          const uint64_t least = twice ? 2 * epoch[c] - 1 + (uint64_t)phase : epoch[c];
+          waitReached(barrierWord(a.rank, barrierSet(team, fenced, c), peer), least, env, kWaitBarrier, peer,
+                      blockIdx.x, help());
+        }
       }
     }
   }
@@ -129,54 +144,6 @@ __device__ inline void DeviceComm::railBarrier(Coop c, GinFenceLevel fence, int 
 template <typename Coop, typename Coop::CoopTag*>
 __device__ inline void DeviceComm::hybridBarrier(Coop c, GinFenceLevel fence, int ctx) {
   hybridOver(c, fence, ctx);
-}
-
-// ---- scopes of putValue, countedPut, get ----
-template <typename Coop, typename Coop::CoopTag*>
-__device__ inline void DeviceGin::putValue(Coop c, int peer, uint64_t dst, uint64_t value, RemoteAction r) const {
-  if (c.thread_rank() == 0 && comm.checkPut(peer, dst, 0, 8, r, -1, ctx) && comm.argumentOk(dst % 8 == 0, 8, dst)) {
-    if (comm.isLsaPeer(peer)) {
-      store_relaxed(comm.lsaPtr<uint64_t>(peer, dst), value);
-      if (r.flags) fetch_add_release(comm.actionWord(peer, r), r.value);
-    } else {
-      comm.ginOn(ctx).putValue(peer, comm.dc.windowOff + dst, value, comm.ginAction(r));
-      comm.pending[ctx] |= 1ull << peer;
-    }
-  }
-  comm.settle(c);
-}
-template <typename Coop, typename Coop::CoopTag*>
-__device__ inline void DeviceGin::countedPut(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes,
-                                             uint32_t id) const {
-  if (c.thread_rank() == 0 && !comm.isLsaPeer(peer))
-    comm.argumentOk(comm.dc.flags & kDevCommCountedWrites, kDevCommCountedWrites, comm.dc.flags);
-  comm.settle(c);
-  if (!comm.env.failed) put(c, peer, dst, src, bytes, WeakSignalInc(id), -1);
-}
-template <typename Coop, typename Coop::CoopTag*>
-__device__ inline void DeviceGin::get(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes) const {
-  if (comm.checkPut(peer, src, dst, bytes, NoSignal(), -1, ctx)) {
-    if (comm.isLsaPeer(peer))
-      coopCopy(c, comm.local<uint8_t>(dst), comm.lsaPtr<const uint8_t>(peer, src), bytes);
-    else if (c.thread_rank() == 0) {
-      comm.ginOn(ctx).get(peer, comm.dc.windowOff + dst, comm.dc.windowOff + src, bytes);
-      comm.pending[ctx] |= 1ull << peer;
-    }
-  }
-  comm.settle(c);
-}
-template <typename Coop, typename Coop::CoopTag*>
-__device__ inline void DeviceComm::putValue(Coop c, int peer, uint64_t dst, uint64_t value, RemoteAction r) {
-  gin(0).putValue(c, peer, dst, value, r);
-}
-template <typename Coop, typename Coop::CoopTag*>
-__device__ inline void DeviceComm::countedPut(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes,
-                                              uint32_t id) {
-  gin(0).countedPut(c, peer, dst, src, bytes, id);
-}
-template <typename Coop, typename Coop::CoopTag*>
-__device__ inline void DeviceComm::get(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes) {
-  gin(0).get(c, peer, dst, src, bytes);
 }
 
 }  // namespace commref

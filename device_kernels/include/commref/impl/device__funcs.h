@@ -5,62 +5,21 @@
 namespace commref {
 
 // ---- DeviceGin ----
+// put, countedPut, putValue, signal and get are the scoped ones (device_ext__funcs.h) in
+// the block's scope.
 __device__ inline void DeviceGin::put(int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r,
                                       int counter) const {
-  if (comm.checkPut(peer, dst, src, bytes, r, counter, ctx)) {
-    if (comm.isLsaPeer(peer)) {
-      copyOwnShare<uint8_t>(comm.lsaPtr<uint8_t>(peer, dst), comm.local<uint8_t>(src), bytes);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        if (r.flags) fetch_add_release(comm.actionWord(peer, r), r.value);
-        if (counter >= 0) fetch_add_release(comm.counterWord(counter), 1);
-      }
-    } else if (threadIdx.x == 0) {
-      comm.ginOn(ctx).put(peer, comm.dc.windowOff + dst, comm.dc.windowOff + src, bytes, comm.ginAction(r), counter);
-      comm.pending[ctx] |= 1ull << peer;
-    }
-  }
-  comm.sync();
+  put(CoopCta(), peer, dst, src, bytes, r, counter);
 }
 __device__ inline void DeviceGin::countedPut(int peer, uint64_t dst, uint64_t src, uint64_t bytes, uint32_t id) const {
-  if (threadIdx.x == 0 && !comm.isLsaPeer(peer))
-    comm.argumentOk(comm.dc.flags & kDevCommCountedWrites, kDevCommCountedWrites, comm.dc.flags);
-  put(peer, dst, src, bytes, WeakSignalInc(id), -1);
+  countedPut(CoopCta(), peer, dst, src, bytes, id);
 }
 __device__ inline void DeviceGin::putValue(int peer, uint64_t dst, uint64_t value, RemoteAction r) const {
-  if (threadIdx.x == 0 && comm.checkPut(peer, dst, 0, 8, r, -1, ctx) && comm.argumentOk(dst % 8 == 0, 8, dst)) {
-    if (comm.isLsaPeer(peer)) {
-      store_relaxed(comm.lsaPtr<uint64_t>(peer, dst), value);
-      if (r.flags) fetch_add_release(comm.actionWord(peer, r), r.value);
-    } else {
-      comm.ginOn(ctx).putValue(peer, comm.dc.windowOff + dst, value, comm.ginAction(r));
-      comm.pending[ctx] |= 1ull << peer;
-    }
-  }
-  comm.sync();
+  putValue(CoopCta(), peer, dst, value, r);
 }
-__device__ inline void DeviceGin::signal(int peer, RemoteAction r) const {
-  __syncthreads();
-  if (threadIdx.x == 0 && comm.checkPut(peer, 0, 0, 0, r, -1, ctx)) {
-    if (comm.isLsaPeer(peer))
-      fetch_add_release(comm.actionWord(peer, r), r.value);
-    else {
-      comm.ginOn(ctx).signal(peer, comm.ginAction(r));
-      comm.pending[ctx] |= 1ull << peer;
-    }
-  }
-  comm.sync();
-}
+__device__ inline void DeviceGin::signal(int peer, RemoteAction r) const { signal(CoopCta(), peer, r); }
 __device__ inline void DeviceGin::get(int peer, uint64_t dst, uint64_t src, uint64_t bytes) const {
-  if (comm.checkPut(peer, src, dst, bytes, NoSignal(), -1, ctx)) {
-    if (comm.isLsaPeer(peer))
-      copyOwnShare<uint8_t>(comm.local<uint8_t>(dst), comm.lsaPtr<const uint8_t>(peer, src), bytes);
-    else if (threadIdx.x == 0) {
-      comm.ginOn(ctx).get(peer, comm.dc.windowOff + dst, comm.dc.windowOff + src, bytes);
-      comm.pending[ctx] |= 1ull << peer;
-    }
-  }
-  comm.sync();
+  get(CoopCta(), peer, dst, src, bytes);
 }
 __device__ inline void DeviceGin::flush() const {
   comm.ringBlock();

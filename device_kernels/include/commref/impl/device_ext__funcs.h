@@ -49,12 +49,21 @@ __device__ inline T* SymPtr<T>::peerPtr(Team team, int teamRank) const {
 }
 
 // ---- DeviceGin: scopes, requests, symmetric pointers ----
+// The scope's share of an LSA copy: the block's is the collectives' copy (move.h), a
+// narrower scope's coop.h's.
+template <typename Coop>
+static __device__ __forceinline__ void scopeCopy(const Coop& c, uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  coopCopy(c, dst, src, bytes);
+}
+static __device__ __forceinline__ void scopeCopy(const CoopCta&, uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  copyOwnShare<uint8_t>(dst, src, bytes);
+}
 template <typename Coop, typename Coop::CoopTag*>
 __device__ inline void DeviceGin::put(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes, RemoteAction r,
                                       int counter) const {
   if (comm.checkPut(peer, dst, src, bytes, r, counter, ctx)) {
     if (comm.isLsaPeer(peer)) {
-      coopCopy(c, comm.lsaPtr<uint8_t>(peer, dst), comm.local<uint8_t>(src), bytes);
+      scopeCopy(c, comm.lsaPtr<uint8_t>(peer, dst), comm.local<uint8_t>(src), bytes);
       c.sync();
       if (c.thread_rank() == 0) {
         if (r.flags) fetch_add_release(comm.actionWord(peer, r), r.value);
@@ -75,6 +84,39 @@ __device__ inline void DeviceGin::signal(Coop c, int peer, RemoteAction r) const
       fetch_add_release(comm.actionWord(peer, r), r.value);
     else {
       comm.ginOn(ctx).signal(peer, comm.ginAction(r));
+      comm.pending[ctx] |= 1ull << peer;
+    }
+  }
+  comm.settle(c);
+}
+template <typename Coop, typename Coop::CoopTag*>
+__device__ inline void DeviceGin::putValue(Coop c, int peer, uint64_t dst, uint64_t value, RemoteAction r) const {
+  if (c.thread_rank() == 0 && comm.checkPut(peer, dst, 0, 8, r, -1, ctx) && comm.argumentOk(dst % 8 == 0, 8, dst)) {
+    if (comm.isLsaPeer(peer)) {
+      store_relaxed(comm.lsaPtr<uint64_t>(peer, dst), value);
+      if (r.flags) fetch_add_release(comm.actionWord(peer, r), r.value);
+    } else {
+      comm.ginOn(ctx).putValue(peer, comm.dc.windowOff + dst, value, comm.ginAction(r));
+      comm.pending[ctx] |= 1ull << peer;
+    }
+  }
+  comm.settle(c);
+}
+template <typename Coop, typename Coop::CoopTag*>
+__device__ inline void DeviceGin::countedPut(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes,
+                                             uint32_t id) const {
+  if (c.thread_rank() == 0 && !comm.isLsaPeer(peer))
+    comm.argumentOk(comm.dc.flags & kDevCommCountedWrites, kDevCommCountedWrites, comm.dc.flags);
+  comm.settle(c);
+  if (!comm.env.failed) put(c, peer, dst, src, bytes, WeakSignalInc(id), -1);
+}
+template <typename Coop, typename Coop::CoopTag*>
+__device__ inline void DeviceGin::get(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes) const {
+  if (comm.checkPut(peer, src, dst, bytes, NoSignal(), -1, ctx)) {
+    if (comm.isLsaPeer(peer))
+      scopeCopy(c, comm.local<uint8_t>(dst), comm.lsaPtr<const uint8_t>(peer, src), bytes);
+    else if (c.thread_rank() == 0) {
+      comm.ginOn(ctx).get(peer, comm.dc.windowOff + dst, comm.dc.windowOff + src, bytes);
       comm.pending[ctx] |= 1ull << peer;
     }
   }
@@ -172,6 +214,20 @@ __device__ inline void DeviceComm::put(int peer, SymPtr<T> dst, SymPtr<T> src, u
                                        int counter) {
   gin(0).put(peer, dst, src, count, r, counter);
 }
+template <typename Coop, typename Coop::CoopTag*>
+__device__ inline void DeviceComm::putValue(Coop c, int peer, uint64_t dst, uint64_t value, RemoteAction r) {
+  gin(0).putValue(c, peer, dst, value, r);
+}
+template <typename Coop, typename Coop::CoopTag*>
+__device__ inline void DeviceComm::countedPut(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes,
+                                              uint32_t id) {
+  gin(0).countedPut(c, peer, dst, src, bytes, id);
+}
+template <typename Coop, typename Coop::CoopTag*>
+__device__ inline void DeviceComm::get(Coop c, int peer, uint64_t dst, uint64_t src, uint64_t bytes) {
+  gin(0).get(c, peer, dst, src, bytes);
+}
+
 template <typename Coop, typename Coop::CoopTag*>
 __device__ inline void DeviceComm::signal(Coop c, int peer, RemoteAction r) {
   gin(0).signal(c, peer, r);
