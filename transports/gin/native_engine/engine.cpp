@@ -294,36 +294,12 @@ class Engine : public Core {
       emptyPolls_ = 0;
       return true;
     }
-    const bool overtaken = uw_.overtaken() || ch_.held();
-    const bool acted = uw_.overtaken() && peerActed();
-    if (!acted && ++emptyPolls_ < (uint64_t)(overtaken ? cfg_.overtakenPolls : cfg_.releasePolls)) return true;
+    if (++emptyPolls_ < (uint64_t)(uw_.overtaken() || ch_.held() ? cfg_.overtakenPolls : cfg_.releasePolls))
+      return true;
     emptyPolls_ = 0;
-    actedStamp_.assign(actedStamp_.size(), kNoStamp);
     auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
     if (cfg_.independentContexts) return ch_.releaseIdle(wholeFn(), segFn(), release);
     return uw_.releaseHeld(release, landing(), &why) || failUnordered(why);
-  }
-
-  // Network shm, while held puts are overtaken: whether a peer they go to has posted since
-  // this was first asked for it (its queue's claimed counter, gin.h, read from its window
-  // mapped here): a receiver that has acted on the overtaking signal. Never on network
-  // mpi (no peer window is mapped there): the polls alone release.
-  bool peerActed() {
-    const uint64_t* peers = reinterpret_cast<const uint64_t*>(cfg_.peerWindows);
-    const uint64_t at =
-        cfg_.queueBase - cfg_.windowBase + cfg_.capacity * sizeof(GinDescriptor) + COMMREF_GIN_QUEUE_CLAIMED;
-    if (actedStamp_.empty()) actedStamp_.assign((size_t)cfg_.nranks, kNoStamp);
-    bool acted = false;
-    uw_.overtakenPeers([&](int32_t peer) {
-      if (acted || peer < 0 || peer >= cfg_.nranks || !peers[peer]) return;
-      const uint64_t claimed = __atomic_load_n(reinterpret_cast<const uint64_t*>(peers[peer] + at), __ATOMIC_ACQUIRE);
-      uint64_t& stamp = actedStamp_[(size_t)peer];
-      if (stamp == kNoStamp)
-        stamp = claimed;
-      else if (claimed != stamp)
-        acted = true;
-    });
-    return acted;
   }
 
   // ---- independent contexts on the ordered wire (contexts.h) ----
@@ -630,8 +606,6 @@ class Engine : public Core {
   std::atomic<uint64_t> lossyOut_{0};   // packets the lossy link has not delivered (lossy_'s, mirrored)
   std::atomic<uint64_t> overtaken_{0};  // unordered: held puts a later signal overtook (uw_'s, mirrored)
   uint64_t emptyPolls_ = 0;  // unordered: the takers found the queue empty this many times in a row, puts held
-  static constexpr uint64_t kNoStamp = ~0ull;
-  std::vector<uint64_t> actedStamp_;  // peerActed(): each peer's claimed counter when first asked (kNoStamp: not yet)
   GinDescriptor* ring_;
   uint64_t* consumed_;
   const uint64_t* claimed_;

@@ -29,10 +29,9 @@
 // held (an event count: the waiting kernels' help calls and the engine thread's polls),
 // every held put is released, per link in sequence order, each in its pre-drawn order.
 // A held put that a later signal to its peer has overtaken (applied while the held one
-// waits, on any context: what a receiver can be fooled by) is held until that receiver
-// has acted on the signal (engine.cpp's peerActed: network shm, its kernel has posted
-// since) or for overtakenPolls empty polls at the latest; a held put nothing overtook
-// only delays its own signal, and goes after releasePolls.
+// waits, on any context: what a receiver can be fooled by) is held for overtakenPolls
+// empty polls instead, so that a receiver has time to act on that signal; a held put
+// nothing overtook only delays its own signal, and goes after releasePolls.
 // Links that ring no doorbells (raw device API use, host producers) are served at the
 // end of each pass over the queue, as one batch with no holds; where the kernels ring
 // doorbells (config `batched`) every link is served at its doorbells from its first put,
@@ -148,18 +147,6 @@ class UnorderedWire {
       for (int32_t f : flushedCtx_)
         if (f == l.ctx) l.afterFlush = true;
     });
-  }
-
-  // f(peer) for each link holding a put that a later signal overtook (a peer may come twice).
-  template <typename F>
-  void overtakenPeers(F f) {
-    if (!overtaken_) return;
-    for (auto& kv : links_)
-      for (const Pending& q : kv.second.puts)
-        if (q.overtaken) {
-          f(kv.second.peer);
-          break;
-        }
   }
 
   uint64_t held() const { return held_; }
