@@ -127,8 +127,9 @@ def precompile(cc: int) -> int:
         rmsnorm.kernel(),
         *{ep_buffer.kernel(name).path: ep_buffer.kernel(name) for name in ep_buffer.KERNELS}.values(),
     ]
-    with concurrent.futures.ProcessPoolExecutor(len(kernels)) as pool:
-        for image in pool.map(gpu_loader.build_user_gpu_image, [k.path for k in kernels], [cc] * len(kernels)):
+    paths = [k.path for k in kernels] + [Path(__file__).resolve().parents[1] / "kernels" / "multicast.cu"]
+    with concurrent.futures.ProcessPoolExecutor(len(paths)) as pool:  # multicast.cu: tests/test_gpu_multicast.py's
+        for image in pool.map(gpu_loader.build_user_gpu_image, paths, [cc] * len(paths)):
             print(image)
     return 0
 

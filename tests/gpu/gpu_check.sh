@@ -75,7 +75,8 @@ print("commref", commref.__version__, "from", commref.__file__)
 from commref.collectives import nvls
 why = nvls.multicast_support("cuda")
 print(f"NVLink multicast: {why or 'supported'}; {cupy.cuda.runtime.getDeviceCount()} GPU(s); algorithm nvls runs"
-      " its LSA emulation in the MPI check below (no multicast object is bound to the windows in this version)")
+      " its LSA emulation in the MPI check below; the GPU tests' multicast test runs multimem PTX over a multicast"
+      " object where the device has one (its skip says why not)")
 EOF
 CC=90
 [ "$DRY" = 1 ] || CC=$(timeout $PROBE_S python3 -c "import cupy; print(cupy.cuda.Device(0).compute_capability)") || CC=90
@@ -84,7 +85,7 @@ CC=90
 step "compile collectives and users' kernels for sm_$CC (NVRTC)" 45 bash -c \
   "python3 -m commref.device_kernels.loader --gpu $CC --dtype float32 bfloat16 int32 int8 --op sum max >/dev/null &
    python3 tests/gpu/device_api_gpu.py --precompile $CC >/dev/null; a=\$?; wait \$!; b=\$?; exit \$((a | b))"
-step "GPU tests (pytest -m gpu)" 20 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+step "GPU tests (pytest -m gpu; -rs: each skip says why)" 20 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider
 step "4 ranks as threads on one GPU" 15 python3 tests/gpu/thread_world_gpu.py --np 4 --dtype float32 bfloat16 int8 \
   --op sum max --count 0 7 1001 65537
 step "8 ranks as threads on one GPU" 15 python3 tests/gpu/thread_world_gpu.py --np 8 --channels 1 --dtype float32 \
