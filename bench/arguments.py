@@ -304,6 +304,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "the GIN wire model: seconds from send to effect, e.g. 5us (comma-separated)",
         many=True,
     )
+    add_option(
+        c,
+        "--wire-paths",
+        None,
+        "the unordered GIN wire's paths, its packets sprayed over them as SRD's (comma-separated; 1: none)",
+        many=True,
+    )
     c.add_argument(
         "--fault",
         type=_fault_type,

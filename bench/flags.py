@@ -34,6 +34,11 @@ def parse_size(text: str) -> int:
     return int(digits) * _SUFFIX[unit]
 
 
+# Options that only one setting of another takes, checked alone in that setting (the
+# whole combination is checked once every flag is read: CommOptions.from_kwargs).
+ALONE_WITH = {"wire_paths": {"wire": "unordered"}}
+
+
 def option_type(keyword: str, many: bool = False) -> Callable[[str], Any]:
     """An argparse type for Communicator option `keyword` (collectives.options.KEYWORDS):
     the value is checked by CommOptions itself, so a bad one gets the API's message.
@@ -46,7 +51,7 @@ def option_type(keyword: str, many: bool = False) -> Callable[[str], Any]:
         else:
             value = value.lower()
         try:
-            CommOptions.from_kwargs(**{keyword: value})
+            CommOptions.from_kwargs(**{**ALONE_WITH.get(keyword, {}), keyword: value})
         except OptionError as e:
             raise argparse.ArgumentTypeError(str(e) + (" (comma-separated for several)" if many else "")) from None
         return value

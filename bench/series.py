@@ -39,6 +39,7 @@ class Series:
     gin_protocol: str | None = None
     wire_rate: str | None = None  # the wire model (GinOptions.wire_rate, wire_latency)
     wire_latency: str | None = None
+    wire_paths: str | None = None  # the unordered wire's spraying (GinOptions.wire_paths)
     fault: str | None = None  # a lossy link under the wire (GinOptions.fault)
     register: int = 0  # -R: 0 plain buffers, 2 symmetric
     stores: str | None = None  # --stream-stores (None: Communicator's default, auto)
@@ -75,9 +76,10 @@ GIN_FLAGS = {
     "gin_protocol": "--gin-protocol",
     "wire_rate": "--wire-rate",
     "wire_latency": "--wire-latency",
+    "wire_paths": "--wire-paths",
     "fault": "--fault",
 }
-MODEL_FLAGS = ("wire_rate", "wire_latency", "fault")
+MODEL_FLAGS = ("wire_rate", "wire_latency", "wire_paths", "fault")
 
 
 def series_of(args) -> list[Series]:

@@ -180,6 +180,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "segment_bytes": ("gin", "segment_bytes"),
     "wire_rate": ("gin", "wire_rate"),
     "wire_latency": ("gin", "wire_latency"),
+    "wire_paths": ("gin", "wire_paths"),
     "fault": ("gin", "fault"),
     "independent_contexts": ("gin", "independent_contexts"),
     "gin_va_signals": ("gin", "va_signals"),

@@ -158,6 +158,7 @@ def add_check_arguments(c: argparse.ArgumentParser) -> None:
     )
     add_option(c, "--wire-rate", 0, "the GIN wire model: bytes/s of each rank's wire, e.g. 12.5G (0: unlimited)")
     add_option(c, "--wire-latency", 0, "the GIN wire model: seconds from send to effect, e.g. 5us")
+    add_option(c, "--wire-paths", 1, "the unordered GIN wire's paths: its packets sprayed over them, as SRD's")
     add_option(
         c,
         "--fault",
@@ -216,6 +217,7 @@ def check_options(args) -> dict:
         "gin_protocol": args.gin_protocol,
         "wire_rate": args.wire_rate,
         "wire_latency": args.wire_latency,
+        "wire_paths": args.wire_paths,
         "fault": args.fault,
     }
 
@@ -324,6 +326,8 @@ def run_check(args) -> int:
             if gin.wire_modeled and comm.peer_mask:
                 rate = f"{gin.wire_rate / 1e9:g} GB/s" if gin.wire_rate else "unlimited bytes/s"
                 print(f"# GIN wire model: {rate} per rank's wire, {gin.wire_latency * 1e6:g} us latency")
+            if gin.wire_paths > 1 and comm.peer_mask:
+                print(f"# GIN unordered wire: packets sprayed over {gin.wire_paths} paths, seed {gin.seed}")
             if gin.fault.active and comm.peer_mask:
                 print(f"# GIN faults {gin.fault}, seed {gin.seed}: {faults.summary(stats)}")
             if len(set(nodes)) > 1:

@@ -107,6 +107,11 @@ def start_engine(
             why_not = f"what another rank's engine speaks ({refusals[0]})"
     if engine == "native" and why_not is not None:
         raise CapabilityError(f"{ENGINE_ENV}=native: the native GIN engine cannot carry {why_not}")
+    if o.wire_paths > 1 and (engine == "python" or why_not is not None):
+        raise CapabilityError(
+            f"multi-path spraying (wire_paths) runs in the native GIN engine, which "
+            f"cannot carry {why_not or f'this run ({ENGINE_ENV}=python)'}"
+        )
     if o.wire_modeled and (engine == "python" or why_not is not None):
         raise CapabilityError(
             f"the wire model (wire_rate, wire_latency) runs in the native GIN engine, which "
@@ -125,6 +130,7 @@ def start_engine(
             independent_contexts=o.independent_contexts,
             batched=plan.rings_doorbells,
             fault=o.fault,
+            paths=o.wire_paths,
         )
     else:
         from commref.transports.gin.proxy import GinProxy

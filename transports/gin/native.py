@@ -110,6 +110,7 @@ class EngineConfig(ctypes.Structure):
         ("overtakenPolls", ctypes.c_int32),
         ("independentContexts", ctypes.c_int32),
         ("batched", ctypes.c_int32),
+        ("paths", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
         ("segmentBytes", ctypes.c_uint64),
         ("plant", ctypes.c_uint64),
@@ -347,6 +348,7 @@ class NativeProxy:
         independent_contexts: bool = False,
         batched: bool = False,
         fault=None,
+        paths: int = 1,
     ):
         world, window, layout, capacity, backend, transport, network = site
         why = supports(transport, network, observer, segment_bytes or 4096, independent_contexts, fault)
@@ -410,6 +412,7 @@ class NativeProxy:
             overtakenPolls=int(poll["overtaken_polls"]),
             independentContexts=int(independent_contexts and transport.ordered),
             batched=int(batched),
+            paths=int(paths),
             seed=int(seed) & (2**64 - 1),
             segmentBytes=int(segment_bytes or 4096),
             plant=int(PLANT),

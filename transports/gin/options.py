@@ -78,6 +78,9 @@ class GinProtocol(Choice):
     FLUSH_SIGNAL = "flush-signal"
 
 
+MAX_WIRE_PATHS = 64  # GinOptions.wire_paths' bound
+
+
 @dataclass(frozen=True)
 class GinOptions:
     """GIN options of a communicator. Strings are accepted for the choices and turned
@@ -98,6 +101,10 @@ class GinOptions:
     # after it is sent. Numbers, or words such as "12.5G" (bytes/s) and "5us".
     wire_rate: float = 0.0
     wire_latency: float = 0.0
+    # The unordered wire's packets sprayed over this many paths, as SRD's (native engine,
+    # unordered.h "Multi-path spraying": each path its latency and share of the rate, from
+    # the wire model where it is set); 1: no spraying.
+    wire_paths: int = 1
     # A lossy link under the wire, with SRD's reliability layer above it (faults.py): drop,
     # duplicate and delay probabilities, seeded by `seed`; "drop=0.05,dup=0.05,delay=0.05".
     fault: FaultSpec = FaultSpec()
@@ -125,6 +132,7 @@ class GinOptions:
         fix(self, "segment_bytes", bounded(self.segment_bytes, "segment_bytes", 1))
         fix(self, "wire_rate", quantity(self.wire_rate, "wire_rate", RATE_UNITS, "bytes/s, e.g. 12.5G"))
         fix(self, "wire_latency", quantity(self.wire_latency, "wire_latency", TIME_UNITS, "seconds, e.g. 5us"))
+        fix(self, "wire_paths", bounded(self.wire_paths, "wire_paths", 1, MAX_WIRE_PATHS))
         fix(self, "fault", FaultSpec.parse(self.fault))
         fix(self, "independent_contexts", flag(self.independent_contexts, "independent_contexts"))
         fix(self, "va_signals", flag(self.va_signals, "gin_va_signals"))
@@ -132,6 +140,11 @@ class GinOptions:
             raise OptionError(
                 f"independent_contexts is an option of the ordered wire; on the {self.wire.value} wire "
                 f"contexts are independent already"
+            )
+        if self.wire_paths > 1 and self.wire != Wire.UNORDERED:
+            raise OptionError(
+                f"wire_paths is an option of the unordered wire (SRD sprays packets over paths); the "
+                f"{self.wire.value} wire is one path per queue pair, as InfiniBand RC's"
             )
         if self.wire_modeled and self.fault.active and self.wire != Wire.UNORDERED:
             raise OptionError(

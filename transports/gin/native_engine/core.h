@@ -63,6 +63,7 @@ struct CommrefGinEngineConfig {
   int32_t overtakenPolls;          // ... this many times instead while a held put was overtaken by a later put's signal
   int32_t independentContexts;     // ordered: contexts as separate ordering domains (contexts.h)
   int32_t batched;                 // unordered: kernels ring doorbells; links served at them from the first put
+  int32_t paths;                   // unordered: packets sprayed over this many paths (unordered.h); 1: no spraying
   uint64_t seed;                   // the unordered wire's streams
   uint64_t segmentBytes;           // the unordered wire's unit of placement
   uint64_t plant;                  // tests only: planted bugs (kPlant*), 0 in every real run

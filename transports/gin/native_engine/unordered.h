@@ -39,6 +39,19 @@
 //
 // A flush of a context stages the sources of its puts not landed yet (they are reusable
 // when the flush returns) and marks the next put of each link of the context.
+//
+// Multi-path spraying (config `paths` > 1, GinOptions.wire_paths; SRD's paths): what a
+// set of puts lands (a doorbell's batch, a released put) is packets, each data segment,
+// each duplicate and each signal one, sent in post order, each on a path drawn from the
+// set's stream: path i takes (paths + i) / paths times the base latency (the wire model's
+// latency, else kPathLatencyNs) plus a jitter of up to a quarter of it, and sends at
+// 1 / paths of the rate (the wire model's, else kPathBytesPerNs), one packet after
+// another; a path delivers in the order it sends (SRD's disorder is between paths).
+// The set lands in arrival order among the events semantics.enabled() allows (a signal
+// not yet enabled when it arrives lands as soon as it is; a duplicate after its
+// original), instead of the uniform draw, so the disorder is the paths'. The times
+// order the landings only: they are the model's, not the clock's (the wire model paces
+// the wire as one link, wire.h).
 #pragma once
 
 #include <deque>
@@ -48,8 +61,10 @@
 
 namespace {
 
-constexpr uint32_t kHoldOneIn = 4;      // a put is held with probability 1/kHoldOneIn (scheduler.HOLD_PROBABILITY)
-constexpr uint64_t kHoldDoorbells = 4;  // ... for 1..this many later doorbells (scheduler.HOLD_DOORBELLS)
+constexpr uint32_t kHoldOneIn = 4;         // a put is held with probability 1/kHoldOneIn (scheduler.HOLD_PROBABILITY)
+constexpr uint64_t kHoldDoorbells = 4;     // ... for 1..this many later doorbells (scheduler.HOLD_DOORBELLS)
+constexpr uint64_t kPathLatencyNs = 2000;  // spraying without a wire model: a path's base latency
+constexpr double kPathBytesPerNs = 12.5;   // ... and the link's rate (100 Gb/s), shared by its paths
 
 // A seeded stream (splitmix64) keyed by the numbers that name it.
 class Stream {
@@ -103,6 +118,7 @@ struct Landing {
   Pending* put;
   int64_t segment;
   uint32_t copy;
+  uint64_t at = 0;  // spraying: its arrival, in the paths' time
 };
 
 // One landing as a network carries it (ShmNet::deliver, MpiNet::deliver), and the lossy
@@ -132,7 +148,17 @@ struct Packet {
 class UnorderedWire {
  public:
   explicit UnorderedWire(const CommrefGinEngineConfig& c)
-      : cfg_(c), sb_(c.segmentBytes ? c.segmentBytes : 4096), strongAlways_(c.strongAlways != 0) {}
+      : cfg_(c),
+        sb_(c.segmentBytes ? c.segmentBytes : 4096),
+        strongAlways_(c.strongAlways != 0),
+        paths_(c.paths > 1 ? (uint32_t)c.paths : 1),
+        pathFree_(paths_, 0),
+        pathLast_(paths_, 0) {
+    const uint64_t base = c.wireLatencyNs ? c.wireLatencyNs : kPathLatencyNs;
+    const double rate = (c.wireBytesPerS > 0 ? c.wireBytesPerS / 1e9 : kPathBytesPerNs) / paths_;
+    for (uint32_t i = 0; i < paths_; i++) pathLatencyNs_.push_back(base * (paths_ + i) / paths_);
+    pathNsPerByte_ = 1.0 / rate;
+  }
 
   struct Link {
     std::deque<Pending> puts;  // posted, not fully landed, in sequence order
@@ -333,49 +359,78 @@ class UnorderedWire {
   bool landSet(Link& l, std::vector<Pending*>& set, Stream& rng, Land land, std::string* why) {
     std::vector<Landing>& pool = pool_;  // data landings enabled now
     std::vector<Pending*>&blocked = blocked_, &signals = signals_;
+    std::vector<uint64_t>& signalAt = signalAt_;  // spraying: each of `signals`' arrival
     pool.clear();
     blocked.clear();
     signals.clear();
+    signalAt.clear();
+    const bool sprayed = paths_ > 1;
+    uint64_t now = 0;  // spraying: the arrival of the last landing
+    if (sprayed) {
+      std::fill(pathFree_.begin(), pathFree_.end(), 0);
+      std::fill(pathLast_.begin(), pathLast_.end(), 0);
+    }
+    auto segmentOf = [&](Pending* p, uint64_t k, uint32_t copy) {
+      Landing e{p, (int64_t)k, copy};
+      if (sprayed) {
+        uint64_t off, n;
+        p->segment(sb_, k, &off, &n);
+        e.at = std::max(send(rng, n), now);
+      }
+      return e;
+    };
     for (Pending* p : set) {
       if (p->afterFlush && !earlierLanded(l, p, false)) {
         blocked.push_back(p);
       } else {
         for (uint64_t k = 0; k < p->landed.size(); k++)
-          if (!p->landed[k]) pool.push_back({p, (int64_t)k, 0});
+          if (!p->landed[k]) pool.push_back(segmentOf(p, k, 0));
       }
-      if (p->hasSignal && !p->signalDone) signals.push_back(p);
+      if (p->hasSignal && !p->signalDone) {
+        signals.push_back(p);
+        signalAt.push_back(sprayed ? send(rng, 8) : 0);
+      }
     }
     std::vector<Pending*>& ready = ready_;
     for (;;) {
       for (size_t i = 0; i < blocked.size(); i++)
         if (earlierLanded(l, blocked[i], false)) {
           for (uint64_t k = 0; k < blocked[i]->landed.size(); k++)
-            if (!blocked[i]->landed[k]) pool.push_back({blocked[i], (int64_t)k, 0});
+            if (!blocked[i]->landed[k]) pool.push_back(segmentOf(blocked[i], k, 0));
           blocked.erase(blocked.begin() + (long)i--);
         }
       ready.clear();
-      for (Pending* p : signals)
+      readyAt_.clear();
+      for (size_t i = 0; i < signals.size(); i++) {
+        Pending* p = signals[i];
         if (!p->dataLeft && (!(p->strong || strongAlways_) || earlierLanded(l, p, true)) &&
-            (!p->afterFlush || earlierLanded(l, p, false)))
+            (!p->afterFlush || earlierLanded(l, p, false))) {
           ready.push_back(p);
+          readyAt_.push_back(std::max(signalAt[i], now));
+        }
+      }
       const uint64_t n = pool.size() + ready.size();
       if (n == 0) break;
-      const uint64_t r = rng.below(n);
+      const uint64_t r = sprayed ? earliest(pool, readyAt_) : rng.below(n);
       Landing e;
       if (r < pool.size()) {
         e = pool[r];
         pool[r] = pool.back();
         pool.pop_back();
       } else {
-        e = {ready[r - pool.size()], -1, 0};
+        e = {ready[r - pool.size()], -1, 0, readyAt_[r - pool.size()]};
         for (size_t i = 0; i < signals.size(); i++)
-          if (signals[i] == e.put) signals.erase(signals.begin() + (long)i);
+          if (signals[i] == e.put) {
+            signals.erase(signals.begin() + (long)i);
+            signalAt.erase(signalAt.begin() + (long)i);
+          }
       }
+      now = std::max(now, e.at);
       if (e.segment >= 0) {
         e.put->landed[(size_t)e.segment]++;
         if (e.copy == 0) {
           e.put->dataLeft--;
-          if (cfg_.duplicates) pool.push_back({e.put, e.segment, 1});
+          if (cfg_.duplicates) pool.push_back(segmentOf(e.put, (uint64_t)e.segment, 1));
         }
       } else {
         e.put->signalDone = true;
@@ -393,6 +448,27 @@ class UnorderedWire {
     return true;
   }
 
+  // Spraying: a packet of `bytes` sent on a path drawn from `rng` when that path is free;
+  // its arrival.
+  uint64_t send(Stream& rng, uint64_t bytes) {
+    const uint32_t path = (uint32_t)rng.below(paths_);
+    const uint64_t latency = pathLatencyNs_[path];
+    pathFree_[path] += (uint64_t)((double)bytes * pathNsPerByte_);
+    const uint64_t at = pathFree_[path] + latency + rng.below(latency / 4 + 1);
+    pathLast_[path] = std::max(pathLast_[path], at);  // a path delivers in the order it sends
+    return pathLast_[path];
+  }
+
+  // Spraying: the index (pool first, then the ready signals) of the earliest arrival.
+  static uint64_t earliest(const std::vector<Landing>& pool, const std::vector<uint64_t>& readyAt) {
+    uint64_t best = 0, at = ~0ull;
+    for (size_t i = 0; i < pool.size(); i++)
+      if (pool[i].at < at) at = pool[i].at, best = i;
+    for (size_t i = 0; i < readyAt.size(); i++)
+      if (readyAt[i] < at) at = readyAt[i], best = pool.size() + i;
+    return best;
+  }
+
   // Drops the fully landed prefix.
   static void prune(Link& l) {
     while (!l.puts.empty() && l.puts.front().done() && !l.puts.front().heldUntil) l.puts.pop_front();
@@ -404,10 +480,16 @@ class UnorderedWire {
   LinkMap<Link> links_;
   std::vector<int32_t> flushedCtx_;                  // contexts flushed since their last put
   uint64_t held_ = 0, pending_ = 0, overtaken_ = 0;  // puts held; not fully landed; held and overtaken
-  bool unrung_ = false;
+  bool unrung_ = false;                              // a put was posted on a link that rang no doorbell yet
   // Scratch (taker only, reused so that a doorbell allocates nothing once warm).
   std::vector<Pending*> batch_, released_, now_, one_, blocked_, signals_, ready_;
-  std::vector<Landing> pool_;  // a put was posted on a link that rang no doorbell yet
+  std::vector<Landing> pool_;
+  std::vector<uint64_t> signalAt_, readyAt_;
+  const uint32_t paths_;                 // spraying: the paths (1: none)
+  std::vector<uint64_t> pathFree_;       // ... when each is free again, in the set being landed
+  std::vector<uint64_t> pathLast_;       // ... and its last arrival (a path is FIFO)
+  std::vector<uint64_t> pathLatencyNs_;  // ... each one's latency
+  double pathNsPerByte_ = 0;             // ... and its time per byte
 };
 
 }  // namespace
