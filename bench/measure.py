@@ -161,7 +161,7 @@ def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, bas
     for label, runner, (x, expected, counts) in runners:
         rank, n = _team(runner, w)
         b = plugin.buffers(ctx.memory_of(label), x, counts, rank, n, args.root, in_place)
-        single = lambda b=b, runner=runner: plugin.run(runner, b, op, args.root)  # noqa: E731
+        single = plugin.bound(runner, b, op, args.root)
         restore = b.restore if (check and b.restore) else None
         variants.append(Timed(aggregated(runner, single, agg), runner.synchronize, restore if agg == 1 else None))
         checks.append((label, b, expected))
@@ -169,7 +169,7 @@ def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, bas
     if baseline is not None:
         base, x, counts = baseline
         bb = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, w.size, args.root, False)
-        call = aggregated(base, lambda: plugin.run(base, bb, op, args.root), agg)
+        call = aggregated(base, plugin.bound(base, bb, op, args.root), agg)
         variants.append(Timed(call, base.synchronize))
     times = time_interleaved(w, variants, args.iters, args.warmup_iters)
     if agg > 1:

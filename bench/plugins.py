@@ -29,6 +29,7 @@ a multiple of 4 per rank, algbw of the (n - 1) c t bytes a rank receives, bus fa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,6 @@ class Collective:
         self.reducing, self.rooted = spec.reducing, spec.rooted
         # The variants measured: out of place, and in place where NCCL defines it.
         self.placements = (False, True) if spec.in_place_ok else (False,)
-        self._form = spec.call_form  # run() is timed: no lookups beyond the method
 
     def counts(self, nbytes: int, itemsize: int, nranks: int) -> Counts:
         """The counts of a sweep size: the larger buffer holds at most `nbytes` (the
@@ -97,10 +97,12 @@ class Collective:
         return self.spec.buffers(mem, x, counts.param, rank, nranks, in_place)
 
     def run(self, comm, b: Buffers, op: str | None, root: int) -> None:
-        if self.spec.compose is not None:  # composed of sends and receives (p2p_collectives.py)
-            self.spec.compose(comm, b.send, b.recv, root)
-            return
-        self._form(getattr(comm, self.coll), b.send, b.recv, op, root)
+        self.bound(comm, b, op, root)()
+
+    def bound(self, comm, b: Buffers, op: str | None, root: int) -> Callable[[], None]:
+        """The call on `comm` with its arguments bound (catalogue.Collective.bound): what
+        the timed loops repeat."""
+        return self.spec.bound(comm, b.send, b.recv, op, root)
 
 
 PLUGINS: dict[str, Collective] = {c.nccl_tests_name: Collective(c) for c in catalogue.CATALOGUE.values()}

@@ -65,7 +65,7 @@ class Collective:
     gin_direct_even_out_of_place: bool = False
     # A collective composed of sends and receives (algorithm "p2p", p2p_collectives.py):
     # f(comm, sendbuf, recvbuf, root, **kwargs) runs one call on `comm` (a Communicator or
-    # a baseline) with nccl-tests' arguments; None: the method `name` in call_form's order.
+    # a baseline) with nccl-tests' arguments; None: the method `name` in nccl4py's order (bound).
     compose: Callable[..., None] | None = None
     # Why it cannot run on n ranks (hypercube: powers of two only), or None.
     rank_refusal: Callable[[int], str | None] | None = None
@@ -114,17 +114,16 @@ class Collective:
         """One call of this collective on `comm` (a Communicator, or anything with
         nccl4py's method names and argument order; a composed collective's
         `compose` says how to run it there)."""
-        if self.compose is not None:
-            self.compose(comm, sendbuf, recvbuf, root, **kwargs)
-            return
-        method = getattr(comm, self.name)
-        self.call_form(functools.partial(method, **kwargs) if kwargs else method, sendbuf, recvbuf, op, root)
+        self.bound(comm, sendbuf, recvbuf, op, root, **kwargs)()
 
-    @property
-    def call_form(self) -> Callable[..., None]:
-        """f(method, sendbuf, recvbuf, op, root) calls `method` with this collective's
-        arguments in nccl4py's order (sendbuf, recvbuf[, op][, root])."""
-        return _CALL_FORMS[self.reducing, self.rooted]
+    def bound(self, comm, sendbuf, recvbuf, op: str | None, root: int, **kwargs) -> Callable[[], None]:
+        """call()'s call with its arguments bound: calling it (no arguments) makes the
+        call, through no Python frame of commref's before the method's own (a timed
+        loop's repeated call)."""
+        if self.compose is not None:
+            return functools.partial(self.compose, comm, sendbuf, recvbuf, root, **kwargs)
+        args = _CALL_ARGS[self.reducing, self.rooted](sendbuf, recvbuf, op, root)
+        return functools.partial(getattr(comm, self.name), *args, **kwargs)
 
     def buffers(self, mem, x, count: int, rank: int, nranks: int, in_place: bool) -> CallBuffers:
         """One rank's buffers for a call on input `x` (host, sendbuf's count), in `mem`
@@ -149,11 +148,11 @@ class Collective:
 
 
 # nccl4py's argument order, by (reducing, rooted): (sendbuf, recvbuf[, op][, root]).
-_CALL_FORMS = {
-    (False, False): lambda f, s, r, op, root: f(s, r),
-    (True, False): lambda f, s, r, op, root: f(s, r, op),
-    (False, True): lambda f, s, r, op, root: f(s, r, root),
-    (True, True): lambda f, s, r, op, root: f(s, r, op, root),
+_CALL_ARGS = {
+    (False, False): lambda s, r, op, root: (s, r),
+    (True, False): lambda s, r, op, root: (s, r, op),
+    (False, True): lambda s, r, op, root: (s, r, root),
+    (True, True): lambda s, r, op, root: (s, r, op, root),
 }
 
 

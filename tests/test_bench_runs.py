@@ -48,6 +48,7 @@ def test_json_document_schema(tmp_path) -> None:
                 "gin_protocol": None,
                 "wire_rate": None,
                 "wire_latency": None,
+                "wire_paths": None,
                 "fault": None,
                 "register": 0,
                 "stores": None,
@@ -135,22 +136,27 @@ def test_bound_streams_before_and_after_each_size() -> None:
     from commref.bench import bound
 
     events: list[tuple] = []
-    measure, run = bound.StreamMeter.measure, plugins.Collective.run
+    measure, bind = bound.StreamMeter.measure, plugins.Collective.bound
 
     def spy_measure(self, traffic, size, iters, warmup=1):
         if self.world.rank == 0:
             events.append(("stream", size, traffic == plugins.get("all_gather").traffic(2, in_place=True)))
         return measure(self, traffic, size, iters, warmup)
 
-    def spy_run(self, comm, b, op, root):
-        if comm.rank == 0 and (not events or events[-1][0] != "call"):
-            events.append(("call",))
-        return run(self, comm, b, op, root)
+    def spy_bound(self, comm, b, op, root):
+        call = bind(self, comm, b, op, root)
+
+        def recorded():
+            if comm.rank == 0 and (not events or events[-1][0] != "call"):
+                events.append(("call",))
+            call()
+
+        return recorded
 
     a = bench_args("all_gather", "-b", "8K", "-e", "16K", "-n", "2", "-w", "1", "--no-baseline")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bound.StreamMeter, "measure", spy_measure)
-        mp.setattr(plugins.Collective, "run", spy_run)
+        mp.setattr(plugins.Collective, "bound", spy_bound)
         docs = ThreadWorld.run(2, run_rank, a, out=lambda s: None)
     assert events == [
         ("stream", 8 * K, False),
