@@ -469,7 +469,28 @@ def _timedelta(seconds: float):
     return datetime.timedelta(seconds=seconds)
 
 
-BASELINES = ("auto", "mpi", "nccl", "gloo", "none")  # --baseline: auto is MPI on the CPU, NCCL on a GPU
+BASELINES = ("auto", "mpi", "nccl", "gloo", "none")  # make_baseline's kinds: auto is MPI on the CPU, NCCL on a GPU
+INPROCESS = ("auto", "mpi", "nccl")  # --baseline's in-process baselines (gloo is a standalone peer there)
+PEERS = ("mpich", "openmpi", "gloo")  # --baseline's standalone peers, each timed as a job of its own (peers.py)
+
+
+def split_baselines(text: str) -> tuple[str, tuple[str, ...]]:
+    """--baseline's comma list as (the in-process baseline, or "none"; the standalone
+    peers in the order given). ValueError names what is wrong: an unknown name, two
+    in-process baselines, or none beside anything else."""
+    names = list(dict.fromkeys(w.strip().lower() for w in str(text).split(",")))
+    unknown = [w for w in names if w not in (*INPROCESS, *PEERS, "none")]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown baseline {', '.join(map(repr, unknown or ['']))}; give a comma list of at most one of "
+            f"{', '.join(INPROCESS)} (in-process) and any of {', '.join(PEERS)} (standalone jobs), or none"
+        )
+    if "none" in names and len(names) > 1:
+        raise ValueError("--baseline none measures no baseline: it takes no other name beside it")
+    inprocess = [w for w in names if w in INPROCESS]
+    if len(inprocess) > 1:
+        raise ValueError(f"at most one in-process baseline, got {', '.join(inprocess)}")
+    return (inprocess[0] if inprocess else "none"), tuple(w for w in names if w in PEERS)
 
 
 def make_baseline(world, device: str, device_id: int | None, kind: str = "auto"):
