@@ -465,10 +465,14 @@ def validate(args) -> None:
 
 def run_cycles(args) -> int:
     """-N: the sweeps (rounds, with standalone peers) to run; where it was left out, 1, or
-    ROUNDS when --baseline names a standalone peer."""
+    ROUNDS when --baseline names a standalone peer and this process can start jobs
+    (it runs in no MPI job)."""
     n = getattr(args, "run_cycles", 1)
     if n is None:
-        return ROUNDS if split_baselines(getattr(args, "baseline", "none"))[1] else 1
+        from commref.transports.mpi_world import MPIWorld
+
+        peers = split_baselines(getattr(args, "baseline", "none"))[1]
+        return ROUNDS if peers and not MPIWorld.launched_under_mpi() else 1
     return n
 
 

@@ -271,7 +271,8 @@ def _time(us) -> str:
 
 def table(args, rows: list[dict], peers: list[Peer], inprocess_label: str | None) -> list[str]:
     """The closing table's lines: a group line, the column heads, a row per size and series."""
-    groups = [("commref", 2)] + ([(inprocess_label + " in-process", 3)] if inprocess_label else [])
+    short = inprocess_label and inprocess_label.removeprefix("MPI (").removesuffix(")")
+    groups = [("commref", 2)] + ([(short + " in-process", 3)] if short else [])
     groups += [(p.label if not p.why_not else p.name, 3) for p in peers] + [("best peer", 2)]
     lines = [
         "#" + f"{'':>41}" + "".join(f"  {g[: 23 if n == 3 else 15]:^{25 if n == 3 else 16}}" for g, n in groups),
