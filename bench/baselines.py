@@ -1,5 +1,8 @@
-"""Baselines measured in the same run as commref: MPI on the CPU, NCCL on a GPU, and
-torch.distributed's gloo on the CPU where torch is installed (--baseline gloo).
+"""In-process baselines, timed in commref's own ranks (bench/measure.py: each size's
+in a phase of its own, commref quiesced): MPI on the CPU, NCCL on a GPU, and
+torch.distributed's gloo on the CPU where torch is installed (--baseline gloo under an
+mpiexec started by hand; from commref's launcher gloo is a standalone peer, peers.py).
+--baseline's comma list is split_baselines'.
 
 Each baseline has nccl4py's method names and argument order (the same as commref's
 Communicator), so a plugin's ``run`` drives either one:

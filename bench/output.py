@@ -233,7 +233,8 @@ def document(
     return {
         "schema": SCHEMA,
         "collective": plugin.name,
-        "params": {k: v for k, v in vars(args).items() if k not in ("json", "nccl_json", "plot")},
+        "params": {k: v for k, v in vars(args).items() if k not in ("json", "nccl_json", "plot")}
+        | {"run_cycles": run_cycles(args)},
         "environment": env,
         "series": [dataclasses.asdict(s) | {"label": s.label, "link": series_link(c, env["link"])} for s, c in runners],
         "skipped": [dataclasses.asdict(s) | {"label": s.label, "reason": why} for s, why in skipped],

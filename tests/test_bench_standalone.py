@@ -208,3 +208,33 @@ def test_the_cli_routes_standalone_baselines_to_the_rounds(monkeypatch):
     monkeypatch.setattr(peers, "run_rounds", lambda args, argv, n, env=None: calls.append((argv, n)) or 0)
     assert cli.main(["bench", *TINY, "--baseline", "mpich", "--np", "2"]) == 0
     assert calls == [(["bench", *TINY, "--baseline", "mpich", "--np", "2"], 2)]
+
+
+def test_an_interrupted_bench_leaves_no_peer_process(tmp_path):
+    import signal
+    import time
+
+    from conftest import start_commref
+
+    pidfile = tmp_path / "pid"
+    env = clean_env(**_fake_openmpi(tmp_path, f"echo $$ > {pidfile}; exec sleep 60"))
+    argv = ["bench", *TINY, "--np", "2", "--no-bound", "--baseline", "openmpi", "-N", "1"]
+    proc = start_commref(argv, env)
+    try:
+        seen = []
+        for line in proc.stdout:  # the bench prints each round's start as it begins
+            seen.append(line)
+            if line.startswith("# Round 1 of 1: openmpi"):
+                break
+        deadline = time.monotonic() + 30
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pidfile.exists(), "".join(seen)
+        pid = int(pidfile.read_text())
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, "".join(seen) + rest + err
+    gone = not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] in "ZX"
+    assert gone, f"the peer's process {pid} outlived the bench"
