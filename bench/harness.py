@@ -252,7 +252,7 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
     baseline, baseline_error = (
         setup_baseline(world, device, device_id, plugin, dtype, op, kind)
         if kind != "none"
-        else (None, "--baseline none")
+        else (None, "standalone peers only, after this job" if os.environ.get(ROUND_ENV) else "--baseline none")
     )
     meter = StreamMeter(world, xp, sync) if args.bound else None
     env = environment(world, device, device_id, baseline, baseline_error)

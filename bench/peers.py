@@ -12,7 +12,8 @@ mpi4py and, for gloo, torch; no commref) under the peer's own launcher:
 
     mpich    this environment's mpiexec and mpi4py (launcher.find_mpiexec)
     openmpi  $COMMREF_OPENMPI_PYTHON, a Python whose mpi4py runs on Open MPI, with the
-             mpirun beside it (--oversubscribe; --allow-run-as-root as root)
+             mpirun beside it (--oversubscribe, polling where the ranks fit the CPUs;
+             --allow-run-as-root as root)
     gloo     torch.distributed's gloo over loopback TCP under this environment's
              mpiexec, MPI only passing the rendezvous port
 
@@ -81,7 +82,12 @@ class Peer:
     failures: list[str] = dataclasses.field(default_factory=list)
 
     def argv(self, nranks: int, spec: str, out: str) -> list[str]:
-        return [*self.launch, "-n", str(nranks), self.python, "-I", "-m", "mpi4py", STANDALONE, spec, out]
+        launch = list(self.launch)
+        if self.name == "openmpi" and nranks <= len(os.sched_getaffinity(0)):
+            # --oversubscribe only lifts mpirun's slot count (cores, not hyperthreads), but it
+            # also makes Open MPI yield the CPU in every poll: ranks that fit poll, as without it.
+            launch += ["--mca", "mpi_yield_when_idle", "0"]
+        return [*launch, "-n", str(nranks), self.python, "-I", "-m", "mpi4py", STANDALONE, spec, out]
 
 
 def _has(python: str, module: str) -> bool:
@@ -106,8 +112,7 @@ def find_peer(name: str, environ=None) -> Peer:
         elif not os.access(mpirun, os.X_OK):
             peer.why_not = f"no mpirun beside ${OPENMPI_PYTHON_ENV} ({mpirun})"
         else:
-            root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-            peer.launch = [mpirun, *root, "--oversubscribe"]
+            peer.launch = [mpirun, *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "--oversubscribe"]
         return peer
     peer = Peer(name, "gloo" if name == "gloo" else "mpi", [], sys.executable, label=name)
     peer.label = "gloo" if name == "gloo" else "MPICH"
@@ -193,6 +198,9 @@ def run_peer(peer: Peer, args, nranks: int, workdir: str, deadline: float, say: 
         else:
             peer.library = doc["library"]
             peer.label = _label(peer, doc["library"])
+            expected = {"mpich": "MPICH", "openmpi": "Open MPI"}.get(peer.name)
+            if expected and expected not in peer.library:
+                peer.notes.append(f"its job ran on {peer.label}, not {expected}")
             peer.notes = sorted(set(peer.notes) | set(doc.get("notes", ())))
             return peer_rows(args, doc, nranks)
     peer.failures.append(why)
