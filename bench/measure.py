@@ -9,7 +9,7 @@ shared host (a neighbour's load, the vCPUs changing placement) hits them alike a
 their medians compare side by side. The in-process baseline (out of place) is timed
 right after the series of its size, in a phase of its own (`-w` untimed calls, a
 barrier, `-n` timed ones) with commref's communicators quiesced (quiesced): no GIN
-proxy of commref's polls while the baseline's calls are timed. Standalone baselines,
+engine of commref's polls while the baseline's calls are timed. Standalone baselines,
 each a job of its own, are peers.py's. Ranks are not
 re-synchronized between calls: a collective synchronizes them itself, as in
 nccl-tests. At the end of the size one allgather brings every rank's times together;
@@ -136,10 +136,11 @@ def time_calls(
 def quiesced(world, comms):
     """Around an in-process baseline's timed calls: nothing of `comms` (commref's
     communicators of this rank) runs meanwhile. Between calls the CPU engine's kernel
-    workers already block on a futex, and the native GIN engine, once its queue is
-    empty, sleeps on its idle word; what polls is the Python GIN proxy. So every GIN
-    engine is quiesced (everything posted has landed), the ranks meet, and each Python
-    proxy is parked (GinProxy.park) until the block ends."""
+    workers already block on a futex; what polls is each communicator's GIN engine (the
+    native one spins, yields, then sleeps up to 1 ms at a time; the Python proxy sleeps
+    50 us at a time). So every GIN engine is quiesced (everything posted has landed), the
+    ranks meet, and each engine is parked (blocked, NativeProxy.park, GinProxy.park)
+    until the block ends."""
     proxies = list({id(p): p for p in (getattr(c, "proxy", None) for c in comms) if p is not None}.values())
     for p in proxies:
         p.quiesce(world.timeout)

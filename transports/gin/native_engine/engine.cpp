@@ -114,6 +114,14 @@ class Engine : public Core {
     return took;
   }
 
+  // Parked, an idle engine sleeps on its idle word kParkedSleepNs at a time instead of
+  // polling (a ring still wakes it); park(false) wakes it.
+  static constexpr uint64_t kParkedSleepNs = 20'000'000;
+  void park(bool on) {
+    parked_.store(on, std::memory_order_seq_cst);
+    if (!on) wake();
+  }
+
   // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
   int stop(double timeoutS) {
     stop_.store(true, std::memory_order_seq_cst);
@@ -183,6 +191,11 @@ class Engine : public Core {
         continue;
       }
       heldPolls = 0;
+      if (parked_.load(std::memory_order_acquire) && !inFlight_.load(std::memory_order_relaxed)) {
+        // Bounded: a ring or unpark() between sleep()'s checks and its wait is not lost for long.
+        sleep(kParkedSleepNs);
+        continue;
+      }
       if (++idle <= spin) {
         cpuPause();
       } else if (idle <= yields || inFlight_.load(std::memory_order_relaxed)) {  // MPI needs polls to move data
@@ -619,6 +632,7 @@ class Engine : public Core {
   std::atomic<bool> taking_{false};
   uint64_t next_ = 0;  // the next slot to take (taker only)
   std::atomic<bool> stop_{false}, exited_{false};
+  std::atomic<bool> parked_{false};  // park(): idle, the thread sleeps until rung or unparked
   std::thread thread_;
 };
 
@@ -656,6 +670,7 @@ COMMREF_GIN_API int commref_gin_engine_stop(void* h, double timeoutS) {
   return static_cast<Engine*>(h)->stop(timeoutS);
 }
 COMMREF_GIN_API void commref_gin_engine_destroy(void* h) { delete static_cast<Engine*>(h); }
+COMMREF_GIN_API void commref_gin_engine_park(void* h, int on) { static_cast<Engine*>(h)->park(on != 0); }
 // out: ops (descriptors taken), events (puts and signals landed), claimed, running, failed,
 // doorbells (of the ops), in flight (MPI network: sends not complete, landings not finished),
 // by kernels (of the ops, taken by kernels through the help hook).
