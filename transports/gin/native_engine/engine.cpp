@@ -114,14 +114,8 @@ class Engine : public Core {
     return took;
   }
 
-  // Parked, an idle engine sleeps on its idle word kParkedSleepNs at a time instead of
-  // polling (a ring still wakes it); park(false) wakes it.
-  static constexpr uint64_t kParkedSleepNs = 20'000'000;
-  void park(bool on) {
-    parked_.store(on, std::memory_order_seq_cst);
-    if (!on) wake();
-  }
-
+  // Parked, an idle engine sleeps 20 ms at a time instead of polling; a ring or park() wakes it.
+  void park(bool on) { parked_.store(on, std::memory_order_seq_cst), wake(); }
   // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
   int stop(double timeoutS) {
     stop_.store(true, std::memory_order_seq_cst);
@@ -192,11 +186,8 @@ class Engine : public Core {
       }
       heldPolls = 0;
       if (parked_.load(std::memory_order_acquire) && !inFlight_.load(std::memory_order_relaxed)) {
-        // Bounded: a ring or unpark() between sleep()'s checks and its wait is not lost for long.
-        sleep(kParkedSleepNs);
-        continue;
-      }
-      if (++idle <= spin) {
+        sleep(20'000'000);  // bounded: a ring racing sleep()'s checks is not lost for long
+      } else if (++idle <= spin) {
         cpuPause();
       } else if (idle <= yields || inFlight_.load(std::memory_order_relaxed)) {  // MPI needs polls to move data
         sched_yield();
@@ -631,8 +622,7 @@ class Engine : public Core {
   // under it.
   std::atomic<bool> taking_{false};
   uint64_t next_ = 0;  // the next slot to take (taker only)
-  std::atomic<bool> stop_{false}, exited_{false};
-  std::atomic<bool> parked_{false};  // park(): idle, the thread sleeps until rung or unparked
+  std::atomic<bool> stop_{false}, exited_{false}, parked_{false};
   std::thread thread_;
 };
 
