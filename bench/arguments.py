@@ -30,7 +30,7 @@ from commref.transports.gin.faults import FaultSpec
 from commref.transports.gin.options import Backend, GinProtocol, Network, Path, Wire
 
 from . import plugins, programs
-from .baselines import BASELINES
+from .baselines import split_baselines
 from .flags import add_np, add_option, int_type, option_type, parse_size
 from .series import communicator_kwargs, series_of
 
@@ -75,6 +75,8 @@ MAX_KEPT_ROWS = 50_000
 # With -I 1, at most this many iteration times (every rank's, each placement, series,
 # size and kept cycle) are kept: every rank holds them all (about 32 bytes each).
 MAX_ITERATION_TIMES = 1_000_000
+# Rounds of commref's job and the standalone peers' jobs when -N is left out.
+ROUNDS = 3
 # The most -m takes (nccl-tests' operations aggregated per iteration, in one group).
 MAX_AGG_ITERS = 1024
 # The most -T takes: a day.
@@ -150,6 +152,16 @@ def _output_file(text: str) -> str:
     if not os.path.isdir(os.path.dirname(path)):
         raise argparse.ArgumentTypeError(f"the folder of {text!r} does not exist")
     return text
+
+
+def _baseline(text: str) -> str:
+    """--baseline: a comma list of at most one in-process baseline (BASELINES) and any
+    of the standalone peers (PEERS), or none; its canonical form (split_baselines)."""
+    try:
+        inprocess, peers = split_baselines(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return ",".join(p for p in ([inprocess] if inprocess != "none" or not peers else []) + list(peers))
 
 
 def _collective(text: str) -> str:
@@ -228,8 +240,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "-N",
         "--run_cycles",
         type=int_type(0),
-        default=1,
-        help="run the whole sweep this many times, a table each (0: until Ctrl-C or SIGTERM; default 1)",
+        default=None,
+        help="run the whole sweep this many times, a table each (0: until Ctrl-C or SIGTERM; default 1); "
+        "with standalone baselines (--baseline mpich,openmpi,gloo) the rounds, each commref's job then "
+        "every peer's (default 3)",
     )
     g.add_argument(
         "-I",
@@ -353,9 +367,15 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument(
         "--baseline",
         default="auto",
-        choices=BASELINES,
-        help="the peer measured in the same sweep: auto (MPI on the CPU, NCCL on a GPU; the default), "
-        "mpi, nccl, gloo (torch.distributed's, where torch is installed) or none",
+        type=_baseline,
+        metavar="LIST",
+        help="peers to compare with, comma-separated: at most one in-process baseline timed in the same "
+        "processes, right after each size's series with commref quiesced (auto: MPI on the CPU, NCCL on a "
+        "GPU, the default; mpi; nccl), and any of the standalone peers, each timed as a job of its own "
+        "with the same ranks, sizes and statistic, rounds alternating with commref's (-N rounds, default "
+        "3): mpich (this environment's mpiexec and mpi4py), openmpi ($COMMREF_OPENMPI_PYTHON: a Python "
+        "whose mpi4py runs on Open MPI, its mpirun beside it), gloo (torch.distributed's, where torch is "
+        "installed; in the same processes under an mpiexec started by hand); or none",
     )
     c.add_argument("--no-baseline", dest="baseline", action="store_const", const="none", help="--baseline none")
     c.add_argument(
@@ -404,6 +424,11 @@ def validate(args) -> None:
     """Every check that needs no ranks (the parser's types check each flag; this checks
     them together, and again for args built by hand); raises ValueError (OptionError,
     NotAvailable) with a one-line reason."""
+    peers = split_baselines(getattr(args, "baseline", "none"))[1]
+    if peers and run_cycles(args) == 0:
+        raise ValueError("standalone baselines run in rounds: -N 0 (until interrupted) does not combine; give -N n")
+    if peers and args.nthreads > 1:
+        raise ValueError("standalone baselines run one rank per process: give --np N, not -t (rank threads)")
     if args.iters < 1:
         raise ValueError(f"-n must be >= 1, got {args.iters}")
     if args.warmup_iters < 0:
@@ -429,7 +454,7 @@ def validate(args) -> None:
         raise ValueError(f"-r {args.root} is not a rank of this run")
     if getattr(args, "nodes", None) is not None and nranks is not None:
         check_nodes(args.nodes, nranks)
-    if getattr(args, "run_cycles", 1) == 0:
+    if run_cycles(args) == 0:
         files = [f for f, v in (("--json", args.json), ("-J", args.nccl_json), ("--plot", args.plot)) if v]
         if files:
             raise ValueError(f"-N 0 runs until interrupted, so {' and '.join(files)} would never be written; give -N n")
@@ -445,6 +470,19 @@ def validate(args) -> None:
     check_kept(args, nranks or 1)
 
 
+def run_cycles(args) -> int:
+    """-N: the sweeps (rounds, with standalone peers) to run; where it was left out, 1, or
+    ROUNDS when --baseline names a standalone peer and this process can start jobs
+    (it runs in no MPI job)."""
+    n = getattr(args, "run_cycles", 1)
+    if n is None:
+        from commref.transports.mpi_world import MPIWorld
+
+        peers = split_baselines(getattr(args, "baseline", "none"))[1]
+        return ROUNDS if peers and not MPIWorld.launched_under_mpi() else 1
+    return n
+
+
 def _same_file(a: str, b: str) -> bool:
     import os
 
@@ -456,7 +494,7 @@ def kept_rows(args) -> int:
     and series (with several nodes, the hierarchical teams' two rows too)."""
     sizes = len(sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes))
     teams = 2 if (getattr(args, "nodes", None) or 1) > 1 else 0
-    return (getattr(args, "run_cycles", 1) or 1) * sizes * (len(series_of(args)) + teams)
+    return (run_cycles(args) or 1) * sizes * (len(series_of(args)) + teams)
 
 
 def kept_iteration_times(args, nranks: int) -> int:
@@ -472,7 +510,7 @@ def check_kept(args, nranks: int) -> None:
     rows = kept_rows(args)
     if rows > MAX_KEPT_ROWS:
         raise ValueError(
-            f"-N {args.run_cycles} keeps {rows} rows (a row per size and series each cycle), more than "
+            f"-N {run_cycles(args)} keeps {rows} rows (a row per size and series each cycle), more than "
             f"{MAX_KEPT_ROWS}; lower -N or the sizes, or give -N 0 (until interrupted, one cycle kept)"
         )
     kept = kept_iteration_times(args, nranks)

@@ -1,5 +1,8 @@
-"""Baselines measured in the same run as commref: MPI on the CPU, NCCL on a GPU, and
-torch.distributed's gloo on the CPU where torch is installed (--baseline gloo).
+"""In-process baselines, timed in commref's own ranks (bench/measure.py: each size's
+in a phase of its own, commref quiesced): MPI on the CPU, NCCL on a GPU, and
+torch.distributed's gloo on the CPU where torch is installed (--baseline gloo under an
+mpiexec started by hand; from commref's launcher gloo is a standalone peer, peers.py).
+--baseline's comma list is split_baselines'.
 
 Each baseline has nccl4py's method names and argument order (the same as commref's
 Communicator), so a plugin's ``run`` drives either one:
@@ -469,7 +472,28 @@ def _timedelta(seconds: float):
     return datetime.timedelta(seconds=seconds)
 
 
-BASELINES = ("auto", "mpi", "nccl", "gloo", "none")  # --baseline: auto is MPI on the CPU, NCCL on a GPU
+BASELINES = ("auto", "mpi", "nccl", "gloo", "none")  # make_baseline's kinds: auto is MPI on the CPU, NCCL on a GPU
+INPROCESS = ("auto", "mpi", "nccl")  # --baseline's in-process baselines (gloo is a standalone peer there)
+PEERS = ("mpich", "openmpi", "gloo")  # --baseline's standalone peers, each timed as a job of its own (peers.py)
+
+
+def split_baselines(text: str) -> tuple[str, tuple[str, ...]]:
+    """--baseline's comma list as (the in-process baseline, or "none"; the standalone
+    peers in the order given). ValueError names what is wrong: an unknown name, two
+    in-process baselines, or none beside anything else."""
+    names = list(dict.fromkeys(w.strip().lower() for w in str(text).split(",")))
+    unknown = [w for w in names if w not in (*INPROCESS, *PEERS, "none")]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown baseline {', '.join(map(repr, unknown or ['']))}; give a comma list of at most one of "
+            f"{', '.join(INPROCESS)} (in-process) and any of {', '.join(PEERS)} (standalone jobs), or none"
+        )
+    if "none" in names and len(names) > 1:
+        raise ValueError("--baseline none measures no baseline: it takes no other name beside it")
+    inprocess = [w for w in names if w in INPROCESS]
+    if len(inprocess) > 1:
+        raise ValueError(f"at most one in-process baseline, got {', '.join(inprocess)}")
+    return (inprocess[0] if inprocess else "none"), tuple(w for w in names if w in PEERS)
 
 
 def make_baseline(world, device: str, device_id: int | None, kind: str = "auto"):

@@ -29,12 +29,13 @@ from commref.transports.gin import faults
 from commref.transports.gin.faults import FaultSpec
 
 from . import plugins, profile
-from .arguments import add_arguments, build_parser, check_kept, sweep_sizes, validate
-from .baselines import BaselineUnavailable, make_baseline
+from .arguments import add_arguments, build_parser, check_kept, run_cycles, sweep_sizes, validate
+from .baselines import BaselineUnavailable, make_baseline, split_baselines
 from .bound import StreamMeter
 from .environment import environment
 from .measure import Ctx, sweep
-from .output import document, footer, format_row, header, table_head, write_outputs
+from .output import document, footer, format_row, header, table_head, write_json, write_outputs
+from .peers import ROUND_ENV
 from .series import NotAvailable, communicator_kwargs, series_of, team_series
 
 # The command's surface, as a bench program offers it (add_arguments, validate, run), and
@@ -209,6 +210,28 @@ def fault_counts(world, runners) -> dict[str, list[dict]]:
     return out
 
 
+def inprocess_baseline(text: str) -> tuple[str, list[str]]:
+    """The in-process baseline of --baseline `text` for this run, and the lines that
+    say what becomes of its standalone peers. Standalone peers are run by commref's
+    launcher (peers.py), which passes its rounds none of them: those left here are in a
+    run under an mpiexec started by hand, which cannot start jobs of its own. There
+    gloo, without an in-process baseline beside it, is timed in commref's processes."""
+    kind, peers = split_baselines(text)
+    lines = []
+    if kind == "none" and "gloo" in peers:
+        kind, peers = "gloo", tuple(p for p in peers if p != "gloo")
+        lines.append(
+            "# Baseline note: gloo is timed in commref's processes (under an mpiexec started by hand the bench "
+            "starts no job of its own; `commref bench ... --np N` times it as its own job)"
+        )
+    for p in peers:
+        lines.append(
+            f"# Baseline {p}: not measured (a job of its own needs commref's launcher: run `commref bench ... "
+            "--np N` outside mpiexec)"
+        )
+    return kind, lines
+
+
 def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], None] = print) -> dict:
     """The whole benchmark on one rank of `world`; returns the results document (the
     JSON file's content) on every rank. Rank 0 prints the table through `out`.
@@ -225,21 +248,23 @@ def run_rank(world, args, corrupt: Callable | None = None, out: Callable[[str], 
     ctx = Ctx(world, args, plugin, dtype, device, xp, corrupt)
     runners, skipped = setup_communicators(world, args, device, device_id, plugin, op)
     ctx.memory = symmetric_memory(args, plugin, dtype, world.size, xp, runners)
+    kind, peer_lines = inprocess_baseline(args.baseline)
     baseline, baseline_error = (
-        setup_baseline(world, device, device_id, plugin, dtype, op, args.baseline)
-        if args.baseline != "none"
-        else (None, "--baseline none")
+        setup_baseline(world, device, device_id, plugin, dtype, op, kind)
+        if kind != "none"
+        else (None, "standalone peers only, after this job" if os.environ.get(ROUND_ENV) else "--baseline none")
     )
     meter = StreamMeter(world, xp, sync) if args.bound else None
     env = environment(world, device, device_id, baseline, baseline_error)
     ctx.link = env["link"]
     sizes = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
-    cycles = getattr(args, "run_cycles", 1)
+    cycles = run_cycles(args)
 
     report = Report(world.rank == 0, out, len(sizes) * cycles or None, plugin.name)
     t0 = time.perf_counter()
     try:
         report.lines(header(ctx, env, runners, baseline, env["link"], skipped))
+        report.lines(peer_lines)
         rows: list[dict] = []
         for cycle in itertools.count(1) if cycles == 0 else range(1, cycles + 1):
             if cycles != 1:
@@ -303,7 +328,9 @@ def run(args, corrupt: Callable | None = None) -> int:
         if MPIWorld.launched_under_mpi():
             world = MPIWorld(timeout=timeout)
             doc = run_rank(world, args, corrupt, out=out)
-            if world.rank == 0:
+            if world.rank == 0 and os.environ.get(ROUND_ENV):  # a round of peers.run_rounds: its document only
+                write_json(doc, os.environ[ROUND_ENV])
+            elif world.rank == 0:
                 write_outputs(doc, args)
             return exit_code(doc)
         if args.nthreads > 1:

@@ -1,12 +1,16 @@
 """Measuring a sweep: each size's calls of every series timed side by side on every
 rank, checked, and brought together into the rows (the results of one size and series).
 
-Timing. Per size and placement (out-of-place, with the baseline; then in-place), every
-series: `-w` untimed calls of each, one world barrier, then `-n` rounds in which each
-series (and the baseline) makes one call, timed on every rank (GPU: each call is
-followed by a stream synchronize inside the timed region). The series take turns call
-by call, so that drift on a shared host (a neighbour's load, the vCPUs changing
-placement) hits them alike and their medians compare side by side. Ranks are not
+Timing. Per size and placement (out-of-place, then in-place), every series: `-w`
+untimed calls of each, one world barrier, then `-n` rounds in which each series makes
+one call, timed on every rank (GPU: each call is followed by a stream synchronize
+inside the timed region). The series take turns call by call, so that drift on a
+shared host (a neighbour's load, the vCPUs changing placement) hits them alike and
+their medians compare side by side. The in-process baseline (out of place) is timed
+right after the series of its size, in a phase of its own (`-w` untimed calls, a
+barrier, `-n` timed ones) with commref's communicators quiesced (quiesced): no GIN
+engine of commref's polls while the baseline's calls are timed. Standalone baselines,
+each a job of its own, are peers.py's. Ranks are not
 re-synchronized between calls: a collective synchronizes them itself, as in
 nccl-tests. At the end of the size one allgather brings every rank's times together;
 an iteration's time combines the ranks' times of that iteration as -a says (nccl-tests'
@@ -36,6 +40,7 @@ this machine's memory allows) are bench/bound.py's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -127,6 +132,29 @@ def time_calls(
     return time_interleaved(world, [Timed(call, sync, before_last)], iters, warmup)[0]
 
 
+@contextlib.contextmanager
+def quiesced(world, comms):
+    """Around an in-process baseline's timed calls: nothing of `comms` (commref's
+    communicators of this rank) runs meanwhile. Between calls the CPU engine's kernel
+    workers already block on a futex; what polls is each communicator's GIN engine (the
+    native one spins, yields, then sleeps up to 1 ms at a time; the Python proxy sleeps
+    50 us at a time). So every GIN engine is quiesced (everything posted has landed), the
+    ranks meet, and each engine is parked (blocked, NativeProxy.park, GinProxy.park)
+    until the block ends."""
+    proxies = list({id(p): p for p in (getattr(c, "proxy", None) for c in comms) if p is not None}.values())
+    for p in proxies:
+        p.quiesce(world.timeout)
+    world.barrier(what="bench: commref quiesced")
+    parked = [p for p in proxies if hasattr(p, "park")]
+    for p in parked:
+        p.park()
+    try:
+        yield
+    finally:
+        for p in parked:
+            p.unpark()
+
+
 def aggregated(runner, call: Callable[[], None], n: int) -> Callable[[], None]:
     """`call` made `n` times as one iteration (-m): in one group of `runner` where it has
     group(), else one after the other; `call` itself for n = 1."""
@@ -152,8 +180,9 @@ def aggregated(runner, call: Callable[[], None], n: int) -> Callable[[], None]:
 def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, baseline: tuple | None = None) -> dict:
     """One rank's times and wrong elements for one placement of one size, every runner
     (label, runner, (input, expected, counts) of its ranks: the job's or a team's) timed
-    interleaved with the others and with `baseline` ((runner, input, counts), out of
-    place; its times under "baseline"). Other keys: the runners' labels."""
+    interleaved with the others, then `baseline` ((runner, input, counts), out of place;
+    its times under "baseline") in a phase of its own, the runners quiesced. Other keys:
+    the runners' labels."""
     args, plugin, w = ctx.args, ctx.plugin, ctx.world
     op = args.op if plugin.reducing else None
     check, agg = bool(args.check), getattr(args, "agg_iters", 1)
@@ -166,12 +195,13 @@ def measure(ctx: Ctx, runners: list[tuple[str, Any, tuple]], in_place: bool, bas
         variants.append(Timed(aggregated(runner, single, agg), runner.synchronize, restore if agg == 1 else None))
         checks.append((label, b, expected))
         singles.append(Timed(single, runner.synchronize, restore))
-    if baseline is not None:
+    times = time_interleaved(w, variants, args.iters, args.warmup_iters)
+    if baseline is not None:  # its own phase, commref quiesced (the module docstring)
         base, x, counts = baseline
         bb = plugin.buffers(ctx.memory_of(None), x, counts, w.rank, w.size, args.root, False)
         call = aggregated(base, plugin.bound(base, bb, op, args.root), agg)
-        variants.append(Timed(call, base.synchronize))
-    times = time_interleaved(w, variants, args.iters, args.warmup_iters)
+        with quiesced(w, [runner for _, runner, _ in runners] if ctx.device == "cpu" else []):
+            times.append(time_calls(w, call, base.synchronize, args.iters, args.warmup_iters))
     if agg > 1:
         times = [[t / agg for t in ts] for ts in times]
         if check:  # one more call of each, untimed (the module docstring)

@@ -18,7 +18,7 @@ import numpy as np
 from commref.transports.deadlines import TIMEOUT_ENV
 from commref.transports.gin import faults
 
-from .arguments import AVERAGES
+from .arguments import AVERAGES, run_cycles
 from .environment import LINKS
 from .series import algorithms_of, protocols_of, series_link
 
@@ -162,7 +162,7 @@ def timing(a, deadline: float) -> list[str]:
         f"the median over the {a.iters} iterations; every wait's deadline {deadline:g} s"
         + (" (-T)" if getattr(a, "timeout", 0) else f" (${TIMEOUT_ENV}, -T)")
     ]
-    cycles = getattr(a, "run_cycles", 1)
+    cycles = run_cycles(a)
     if cycles != 1:
         lines.append(f"# Run cycles: {cycles or 'until interrupted'} (-N), a table each")
     if getattr(a, "iteration_stats", 0):
@@ -208,7 +208,8 @@ def header(ctx: Ctx, env: dict, runners, baseline, link: str, skipped=()) -> lis
     lines.extend(f"# Skipped {s.label}: {why}" for s, why in skipped)
     if baseline is not None:
         lines.append(
-            f"# Baseline: {baseline.label}, out-of-place, same sweep; ratio = our out-of-place busbw / baseline busbw"
+            f"# Baseline: {baseline.label}, in-process, out-of-place, timed after each size's series with commref's "
+            "communicators quiesced (measure.py); ratio = our out-of-place busbw / baseline busbw"
         )
         lines.extend(f"# Baseline note: {n}" for n in dict.fromkeys(baseline.notes))
     elif env.get("baseline_unavailable"):
@@ -232,7 +233,8 @@ def document(
     return {
         "schema": SCHEMA,
         "collective": plugin.name,
-        "params": {k: v for k, v in vars(args).items() if k not in ("json", "nccl_json", "plot")},
+        "params": {k: v for k, v in vars(args).items() if k not in ("json", "nccl_json", "plot")}
+        | {"run_cycles": run_cycles(args)},
         "environment": env,
         "series": [dataclasses.asdict(s) | {"label": s.label, "link": series_link(c, env["link"])} for s, c in runners],
         "skipped": [dataclasses.asdict(s) | {"label": s.label, "reason": why} for s, why in skipped],
@@ -247,12 +249,17 @@ def document(
     }
 
 
+def write_json(doc: dict, path: str) -> None:
+    """The results document as JSON in `path`."""
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=_jsonable)
+        f.write("\n")
+
+
 def write_outputs(doc: dict, args) -> None:
     """Writes the JSON document and the plot that args ask for, one line each naming the file."""
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=_jsonable)
-            f.write("\n")
+        write_json(doc, args.json)
         print(f"# wrote {args.json} (results and environment, {SCHEMA})", flush=True)
     if getattr(args, "nccl_json", None):
         from .nccl_json import nccl_tests_document

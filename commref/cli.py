@@ -32,7 +32,8 @@ import re
 import sys
 import time
 
-from commref.bench import cluster_model, footprint, harness, programs
+from commref.bench import cluster_model, footprint, harness, peers, programs
+from commref.bench.baselines import split_baselines
 from commref.bench.flags import add_np, add_option, int_type
 from commref.collectives import catalogue, group_check, tuner
 from commref.collectives.calibration import model_source
@@ -498,12 +499,27 @@ def validate(args) -> None:
         host_limits.check_ranks(args.np, FOOTPRINTS[args.command](args, args.np), args.oversubscribe)
 
 
+def bench_env() -> dict[str, str]:
+    """What a bench job's ranks get from this process: the ranks' streams are pipes, so
+    this terminal decides the progress bar."""
+    return {harness.PROGRESS_ENV: harness.progress_mode() or ""}
+
+
 def relaunch(args, argv: list[str]) -> int:
     """Runs this command line (without --np) as args.np MPI ranks; the job's status."""
-    env = {}
-    if args.command == "bench":  # the ranks' streams are pipes: this terminal decides the progress bar
-        env[harness.PROGRESS_ENV] = harness.progress_mode() or ""
+    env = bench_env() if args.command == "bench" else {}
     return launcher.relaunch(args.np, launcher.strip_np(argv), env=env)
+
+
+def standalone_rounds(args) -> bool:
+    """Whether this is the collective sweep with standalone baselines, outside any MPI
+    job: this process then runs the rounds of commref's and the peers' jobs (bench/peers.py)."""
+    return (
+        args.command == "bench"
+        and program_of(args) is None
+        and bool(split_baselines(args.baseline)[1])
+        and not MPIWorld.launched_under_mpi()
+    )
 
 
 def export_nodes(args) -> None:
@@ -529,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate(args)
         export_nodes(args)
+        if standalone_rounds(args):
+            return peers.run_rounds(args, argv, args.np or 1, env=bench_env())
         if getattr(args, "np", None) is not None and args.np > 1 and not MPIWorld.launched_under_mpi():
             return relaunch(args, argv)
     except (ValueError, CapabilityError, launcher.LaunchError) as e:  # OptionError, NotAvailable: ValueErrors

@@ -21,6 +21,7 @@ from helpers import QUICK_BENCH, bench_args
 
 from commref import cli
 from commref.bench import arguments, harness, measure, output
+from commref.bench.arguments import ROUNDS, run_cycles
 from commref.bench.harness import run_rank
 from commref.transports.thread_world import ThreadWorld
 
@@ -45,7 +46,8 @@ def _rows(lines: list[str]) -> list[str]:
 
 def test_defaults_follow_nccl_tests():
     a = bench_args("all_reduce")
-    assert (a.average, a.run_cycles, a.iteration_stats, a.timeout, a.nccl_json, a.json) == (1, 1, 0, 0.0, None, None)
+    assert (a.average, run_cycles(a), a.iteration_stats, a.timeout, a.nccl_json, a.json) == (1, 1, 0, 0.0, None, None)
+    assert run_cycles(bench_args("all_reduce", "--baseline", "mpich")) == ROUNDS  # -N left out: the rounds
 
 
 def test_each_flag_parses(tmp_path):

@@ -402,6 +402,7 @@ def run_job(
     death_grace_s: float = 1.0,
     poll_s: float = 0.1,
     signal_grace_s: float = 1.0,
+    stderr=None,
 ) -> int:
     """Runs the job `cmd` (an mpiexec command line) and returns its exit status (128 + N
     when it ended by signal N, 124 after `timeout`, 130, 143 or 129 when SIGINT, SIGTERM
@@ -413,7 +414,8 @@ def run_job(
     when this runs in the main thread, else Ctrl-C's KeyboardInterrupt does the same).
     Afterwards every process of the job still alive is killed, and when the status is
     not 0 the segments the job left are removed. A reaper process does the same if this
-    process is killed (start_reaper)."""
+    process is killed (start_reaper). `stderr`: where the job's stderr goes (a file;
+    None: this process's)."""
     before = shm_segments()
     watch = RankWatch()
     marker = f"{JOB_DIR_ENV}={watch.dir}"
@@ -424,8 +426,13 @@ def run_job(
     reaper = start_reaper(marker, watch.dir, before)
     try:
         proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with(os.getpid())
-        )  # noqa: PLW1509 - the child runs two syscalls
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),  # noqa: PLW1509 - the child runs two syscalls
+        )
     except BaseException:
         watch.end()
         stop_reaper(reaper)

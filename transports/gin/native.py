@@ -215,6 +215,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("start", [vp], ctypes.c_int),
         ("stop", [vp, ctypes.c_double], ctypes.c_int),
         ("destroy", [vp], None),
+        ("park", [vp, ctypes.c_int], None),
         ("stats", [vp, ctypes.POINTER(ctypes.c_uint64)], None),
         ("error", [vp, ctypes.c_char_p, u64], u64),
         ("failed", [vp], ctypes.c_int),
@@ -427,7 +428,7 @@ class NativeProxy:
         self._h = self._lib.commref_gin_engine_create(ctypes.byref(self._cfg))
         if not self._h:
             raise ProxyError(f"rank {self.rank}: the native GIN engine refused its configuration")
-        self._started = self._stopped = False
+        self._started = self._stopped = self._parked = False
         self._error: BaseException | None = None
         self._final_stats: dict | None = None
         self._trace: dict | None = None
@@ -565,6 +566,23 @@ class NativeProxy:
             return (ops >= claimed and not in_flight) or failed or not running, claimed, ops
 
         wait_drained(state, f"rank {self.rank}: native GIN engine", timeout)
+
+    def park(self) -> None:
+        """Once idle, the engine's thread sleeps on the queue's idle word 20 ms at a time
+        instead of polling, until unpark() (a kernel's ring still wakes it), so that it
+        takes no CPU while something else is timed. For a quiescent engine (quiesce() first)."""
+        if self._h and not self._stopped:
+            self._lib.commref_gin_engine_park(self._h, 1)
+            self._parked = True
+
+    def unpark(self) -> None:
+        if self._h and not self._stopped:
+            self._lib.commref_gin_engine_park(self._h, 0)
+        self._parked = False
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
 
     def stop(self) -> None:
         """Stops and joins the thread (idempotent); keeps stats, error and trace readable."""

@@ -113,6 +113,8 @@ class GinProxy(DescriptorChecks):
             independent_contexts,
         )
         self._stop = threading.Event()
+        self._polling = threading.Event()  # cleared by park(): the thread waits on it instead of polling
+        self._polling.set()
         self._thread = threading.Thread(target=self._main, name=f"commref-gin-proxy-{self.rank}", daemon=True)
 
     carries_windows = False  # kernels' descriptors name the connection window only (window id 0)
@@ -179,8 +181,23 @@ class GinProxy(DescriptorChecks):
 
         wait_drained(state, f"rank {self.rank}: GIN proxy", timeout)
 
+    def park(self) -> None:
+        """The thread stops polling once it finds nothing to do, and blocks until unpark()
+        (or stop()), so that it takes no CPU while something else is timed. For a
+        quiescent proxy only (quiesce() on every rank first): what is posted meanwhile
+        waits for unpark()."""
+        self._polling.clear()
+
+    def unpark(self) -> None:
+        self._polling.set()
+
+    @property
+    def parked(self) -> bool:
+        return not self._polling.is_set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._polling.set()
         self._thread.join(timeout=10)
 
     def _main(self) -> None:
@@ -198,6 +215,10 @@ class GinProxy(DescriptorChecks):
                     # The queue stayed empty: a sender may be waiting for a held put's signal.
                     landed += scheduler.release_held()
                 if took or landed:
+                    idle = 0
+                    continue
+                if not self._polling.is_set():
+                    self._polling.wait()
                     idle = 0
                     continue
                 idle += 1

@@ -114,6 +114,8 @@ class Engine : public Core {
     return took;
   }
 
+  // Parked, an idle engine sleeps 20 ms at a time instead of polling; a ring or park() wakes it.
+  void park(bool on) { parked_.store(on, std::memory_order_seq_cst), wake(); }
   // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
   int stop(double timeoutS) {
     stop_.store(true, std::memory_order_seq_cst);
@@ -183,7 +185,9 @@ class Engine : public Core {
         continue;
       }
       heldPolls = 0;
-      if (++idle <= spin) {
+      if (parked_.load(std::memory_order_acquire) && !inFlight_.load(std::memory_order_relaxed)) {
+        sleep(20'000'000);  // bounded: a ring racing sleep()'s checks is not lost for long
+      } else if (++idle <= spin) {
         cpuPause();
       } else if (idle <= yields || inFlight_.load(std::memory_order_relaxed)) {  // MPI needs polls to move data
         sched_yield();
@@ -618,7 +622,7 @@ class Engine : public Core {
   // under it.
   std::atomic<bool> taking_{false};
   uint64_t next_ = 0;  // the next slot to take (taker only)
-  std::atomic<bool> stop_{false}, exited_{false};
+  std::atomic<bool> stop_{false}, exited_{false}, parked_{false};
   std::thread thread_;
 };
 
@@ -656,6 +660,7 @@ COMMREF_GIN_API int commref_gin_engine_stop(void* h, double timeoutS) {
   return static_cast<Engine*>(h)->stop(timeoutS);
 }
 COMMREF_GIN_API void commref_gin_engine_destroy(void* h) { delete static_cast<Engine*>(h); }
+COMMREF_GIN_API void commref_gin_engine_park(void* h, int on) { static_cast<Engine*>(h)->park(on != 0); }
 // out: ops (descriptors taken), events (puts and signals landed), claimed, running, failed,
 // doorbells (of the ops), in flight (MPI network: sends not complete, landings not finished),
 // by kernels (of the ops, taken by kernels through the help hook).
