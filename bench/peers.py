@@ -282,25 +282,21 @@ def table(args, rows: list[dict], peers: list[Peer], inprocess_label: str | None
     short = inprocess_label and inprocess_label.removeprefix("MPI (").removesuffix(")")
     groups = [("commref", 2)] + ([(short + " in-process", 3)] if short else [])
     groups += [(p.label if not p.why_not else p.name, 3) for p in peers] + [("best peer", 2)]
-    lines = [
-        "#" + f"{'':>41}" + "".join(f"  {g[: 23 if n == 3 else 15]:^{25 if n == 3 else 16}}" for g, n in groups),
-        "#"
-        + f"{'size':>11}  {'count':>12}  {'type':>6}  {'redop':>5}"
-        + "".join(
-            ("  " + f"{'time':>8}  {'busbw':>6}" + ("  " + f"{'ratio':>5}" if n == 3 else ""))
+
+    def heads(row: tuple[str, str, str, str], time: str, busbw: str, ratio: str, peer: str) -> str:
+        """One line of column heads: the row's four, then each group's."""
+        size, count, dtype, redop = row
+        return f"#{size:>11}  {count:>12}  {dtype:>6}  {redop:>5}" + "".join(
+            (f"  {time:>8}  {busbw:>6}" + (f"  {ratio:>5}" if n == 3 else ""))
             if g != "best peer"
-            else f"  {'peer':>8}  {'ratio':>6}"
+            else f"  {peer:>8}  {ratio:>6}"
             for g, n in groups
         )
-        + "  series",
-        "#"
-        + f"{'(B)':>11}  {'(elements)':>12}  {'':>6}  {'':>5}"
-        + "".join(
-            ("  " + f"{'(us)':>8}  {'(GB/s)':>6}" + ("  " + f"{'(x)':>5}" if n == 3 else ""))
-            if g != "best peer"
-            else f"  {'':>8}  {'(x)':>6}"
-            for g, n in groups
-        ),
+
+    lines = [
+        "#" + f"{'':>41}" + "".join(f"  {g[: 23 if n == 3 else 15]:^{25 if n == 3 else 16}}" for g, n in groups),
+        heads(("size", "count", "type", "redop"), "time", "busbw", "ratio", "peer") + "  series",
+        heads(("(B)", "(elements)", "", ""), "(us)", "(GB/s)", "(x)", ""),
     ]
     for r in rows:
         mine, cells = r["commref"], []
