@@ -8,10 +8,14 @@ What the probe measures (at most PROBE_DEADLINE_S, about 0.2 s here), on the CPU
 with one block, as the collectives' kernels run:
 
 - launch_s: one launch of the empty kernel (``commref_empty``: the ctypes call and the
-  engine), the median of batches;
+  engine), the fastest of five batches;
 - py_unit_s: a fixed piece of Python (PY_UNIT: calls, attribute and dict lookups, what a
   collective's Python side is made of), so the model scales the Python side of a call
-  measured on the reference host (model.CALL_PY_UNITS) to this one;
+  measured on the reference host (model.CALL_PY_UNITS) to this one; the fastest of five
+  batches, and that batch's share of its core (cpu_share: this thread's CPU time over the
+  wall time). A probe below CONTENDED_SHARE shared its core with other work, so its terms
+  describe that load: the process uses them, but they are not cached, and the next
+  process probes again;
 - cached_Bps and dram_Bps: loads plus stores per second of the stream kernel's copy
   (``commref_stream``, bench/bound.py) over a footprint that stays in the cache
   (CACHED_FOOTPRINT) and one beyond the last-level cache (DRAM_FOOTPRINT), the fastest
@@ -53,6 +57,10 @@ LOCK_DEADLINE_S = 10.0  # another process probing this host: wait this long for 
 CACHED_FOOTPRINT = 256 * 1024  # bytes of the in-cache copy (two arrays)
 DRAM_FOOTPRINT = 64 * 1024 * 1024  # bytes of the beyond-the-cache copy, at least 2 x the LLC
 DEFAULT_LLC_BYTES = 32 * 1024 * 1024
+# A probe whose fastest Python batch ran with less of its core than this (thread CPU time
+# over wall time) shared the core with other work: its terms describe that load, not the
+# host, so this process uses them but no cache keeps them.
+CONTENDED_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class Calibration:
     overlap: bool = False  # transfers overlap the memory work (a GPU's copy engines and links)
     llc_bytes: int = DEFAULT_LLC_BYTES
     cores: int = 2
+    cpu_share: float = 1.0  # probe: the share of its core its Python ran with (below CONTENDED_SHARE: not cached)
     host: str = ""
     key: str = ""
     source: str = "reference"
@@ -192,18 +201,22 @@ def _py_unit() -> None:
     return acc
 
 
-def _median_of(fn, reps: int, batches: int, deadline: float, pick=np.median) -> float | None:
-    """The median (or `pick`) over `batches` of fn's time per call (`reps` calls each);
-    None when the deadline passed before the first batch ended."""
-    times = []
+def _fastest(fn, reps: int, batches: int, deadline: float) -> tuple[float, float] | None:
+    """fn's time per call in the fastest of `batches` batches (`reps` calls each), and
+    that batch's share of its core (this thread's CPU time over the wall time: below 1
+    where something else ran on the core meanwhile; a kernel's worker thread's time is
+    not this thread's); None when the deadline passed before the first batch ended."""
+    best = None
     for _ in range(batches):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(reps):
             fn()
-        times.append((time.perf_counter() - t0) / reps)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        if best is None or wall < best[0]:
+            best = (wall, cpu)
         if time.perf_counter() > deadline:
             break
-    return float(pick(times)) if times else None
+    return None if best is None else (best[0] / reps, min(1.0, best[1] / best[0]) if best[0] > 0 else 1.0)
 
 
 def probe(deadline_s: float = PROBE_DEADLINE_S) -> Calibration:
@@ -214,14 +227,17 @@ def probe(deadline_s: float = PROBE_DEADLINE_S) -> Calibration:
     deadline = time.perf_counter() + deadline_s
     kernels = cpu_loader.cpu_kernels()
     terms: dict = {"llc_bytes": llc_bytes(), "cores": os.cpu_count() or 1}
-    terms["py_unit_s"] = _median_of(_py_unit, 2000, 5, deadline)
+    py = _fastest(_py_unit, 2000, 5, deadline)
+    if py is not None:
+        terms["py_unit_s"], terms["cpu_share"] = py
     empty = np.zeros(1, dtype=abi.COPY_ARGS)
     address, entry = empty.ctypes.data, kernels.launch
 
     def launch_empty():
         entry("commref_empty", 1, 1, empty, address=address)
 
-    terms["launch_s"] = _median_of(launch_empty, 500, 5, deadline)
+    launch = _fastest(launch_empty, 500, 5, deadline)
+    terms["launch_s"] = launch and launch[0]
     for name, footprint, passes in (("cached_Bps", CACHED_FOOTPRINT, 100), ("dram_Bps", None, 3)):
         if time.perf_counter() > deadline:
             break
@@ -238,9 +254,9 @@ def probe(deadline_s: float = PROBE_DEADLINE_S) -> Calibration:
             entry("commref_stream", 1, 1, args, address=a_address)
 
         copy()  # first touch
-        seconds = _median_of(copy, passes, 5, deadline, pick=np.min)  # the fastest batch: what memory allows
+        seconds = _fastest(copy, passes, 5, deadline)  # the fastest batch: what memory allows
         if seconds:
-            terms[name] = 2 * words * 4 / seconds
+            terms[name] = 2 * words * 4 / seconds[0]
         del buf
     measured = {k: v for k, v in terms.items() if v}
     cal = REFERENCE.replace(**measured, source="probe")
@@ -283,7 +299,8 @@ def host_calibration() -> Calibration:
             cal = _read(path)
             if cal is None:
                 cal = probe().replace(host=host, key=key)
-                _write(path, cal)
+                if cal.cpu_share >= CONTENDED_SHARE:
+                    _write(path, cal)
     _memo[(host, key)] = cal
     return cal
 

@@ -135,6 +135,31 @@ def test_the_calibration_is_cached_per_host_and_source(monkeypatch, tmp_path):
     assert probes == [1, 1]
 
 
+def test_a_probe_that_shared_its_core_is_used_but_not_cached(monkeypatch, tmp_path):
+    """A probe whose Python ran with half its core (thread CPU time over wall time: a
+    planted clock) reports that share; host_calibration uses such a calibration but
+    writes no cache, so the next process probes again."""
+    import time
+
+    with monkeypatch.context() as m:
+        m.setattr(time, "thread_time", lambda: time.perf_counter() / 2)
+        shared = calibration.probe(deadline_s=0.05)
+    assert shared.cpu_share < calibration.CONTENDED_SHARE, shared.cpu_share
+    assert calibration.probe(deadline_s=0.05).cpu_share > 0  # the real clocks: a share in (0, 1]
+
+    monkeypatch.setenv("COMMREF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(calibration.MODEL_ENV, "probe")
+    monkeypatch.setattr(calibration, "_memo", {})
+    probes = []
+    planted = REFERENCE.replace(cached_Bps=1e9, cpu_share=0.5, source="probe")
+    monkeypatch.setattr(calibration, "probe", lambda *a, **k: probes.append(1) or planted)
+    assert calibration.host_calibration().cached_Bps == 1e9
+    assert not list((tmp_path / "model").glob("*.json"))
+    calibration._memo.clear()
+    calibration.host_calibration()
+    assert probes == [1, 1]
+
+
 def test_reference_file_and_bad_values_of_commref_model(monkeypatch, tmp_path):
     monkeypatch.setenv(calibration.MODEL_ENV, "reference")
     assert calibration.host_calibration() is REFERENCE
