@@ -16,8 +16,8 @@ concurrently, one thread each, as NCCL's kernels on several communicators do, so
 order may differ between ranks. A failure is raised at group_end naming the member: its
 index among the group's calls, the call, and its peer; a communicator's members after
 its failed one are not launched. AllReduces packed into one call (packing.py) fail
-together, named by the first of them and their count. An exception leaving ``with group():`` ends the group
-without launching anything.
+together, named by the first of them and their count. An exception leaving
+``with group():`` ends the group without launching anything.
 """
 
 from __future__ import annotations

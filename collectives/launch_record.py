@@ -142,7 +142,6 @@ class RepeatedCall:
         "streamed",
         "timed",
         "in_place",
-        "what",
         "signature",
     )
 
@@ -158,11 +157,10 @@ class RepeatedCall:
         timed: bool,
         in_place: bool,
         keep: bool = True,
-        what: tuple = ("call", 0, ""),
         signature=None,
     ):
-        self.kept, self.what = False, what  # what: (collective, count, dtype) for describe()
-        self.signature = signature  # calls.CallSignature: what packing.py compares
+        self.kept = False
+        self.signature = signature  # calls.CallSignature: what describe() names and packing.py compares
         self.matches = self._never
         if keep:
             extension = cpu_loader.pycall()
@@ -201,8 +199,8 @@ class RepeatedCall:
 
     def describe(self) -> str:
         """The call in words, as a group names a failed member: "allreduce of 8 int32"."""
-        name, count, dtype = self.what
-        return f"{name} of {count} {dtype}"
+        sig = self.signature
+        return "call" if sig is None else f"{sig.coll} of {sig.count} {sig.dtype}"
 
     def load(self, record: LaunchRecord) -> None:
         """Writes this call's fields into `record` (the caller skips it while
@@ -257,9 +255,7 @@ class FusedLaunch:
             record.set_call(plan, self.ops.ctypes.data, 0)
             descs.append((entry, record.address, nblocks, threads))
             self.owners.append(None)
-        self.descs = np.zeros(len(descs), dtype=abi.LAUNCH_DESC)
-        for i, desc in enumerate(descs):
-            self.descs[i] = desc
+        self.descs = np.array(descs, dtype=abi.LAUNCH_DESC)
         self.call = kernels.bind(True, self.descs.ctypes.data, len(descs))
 
     def position(self, i: int) -> int:

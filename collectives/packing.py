@@ -103,6 +103,5 @@ class Packing:
 
     def describe(self) -> str:
         """The packed members in words (as a group names a failed member)."""
-        m = self.members[0]
-        name, _, dtype = m.what
-        return f"{len(self.members)} {name}s of {self.count} {dtype} in all, packed into one"
+        sig = self.members[0].signature
+        return f"{len(self.members)} {sig.coll}s of {self.count} {sig.dtype} in all, packed into one"

@@ -8,10 +8,11 @@ On the CPU a group of several calls runs as one launch of the engine
 (launch_record.FusedLaunch: its collectives' kernels one after the other, then its sends
 and receives), unless a member cannot join one: a hierarchical call, a call whose
 streamStores the tuner times per call, or a collective whose preparation fails (then
-each member launches alone, as on a GPU). A group of AllReduces of one signature may
-run as one AllReduce of all their elements instead (packing.py). A fused group whose members are all kept calls
-is kept too, keyed by them: the same calls on the same arrays again go straight to its
-launch; a kept call or group is dropped when the symmetric windows change (forget()).
+each member launches alone, as on a GPU). A group of AllReduces of one signature may run
+as one AllReduce of all their elements instead (packing.py). A fused group whose members
+are all kept calls is kept too, keyed by them: the same calls on the same arrays again
+go straight to its launch; a kept call or group is dropped when the symmetric windows
+change (forget()).
 """
 
 from __future__ import annotations
@@ -193,10 +194,8 @@ class Scheduler:
         in_place = timed and s.overlaps(r)
         streamed = 0 if timed else self.stores.choose(plan.kernel, s.nbytes)[0]  # the same every call
         keep = call.repeat is not None and s.obj is call.sendbuf and r.obj is call.recvbuf
-        what = (call.spec.name, call.signature.count, s.dtype)
-        sig = call.signature
         kept = RepeatedCall(
-            call.sendbuf, call.recvbuf, plan, s, r, call.route.sym, streamed, timed, in_place, keep, what, sig
+            call.sendbuf, call.recvbuf, plan, s, r, call.route.sym, streamed, timed, in_place, keep, call.signature
         )
         if kept.kept:
             if len(self.repeated) >= REPEATED_CALLS:
