@@ -100,16 +100,31 @@ def time_size(call, barrier, iters: int, warmup: int, agg: int) -> list[float]:
 # ---------------------------------------------------------------------------------------
 
 
-class MPIPeer:
+class _Peer:
+    """What every peer has: the job's MPI world (`comm`: it carries the results to rank 0
+    and, for gloo, the store's port), this rank, the spec and the notes."""
+
     def __init__(self, spec):
         from mpi4py import MPI
 
         self.MPI, self.comm = MPI, MPI.COMM_WORLD
         self.rank, self.nranks = self.comm.Get_rank(), self.comm.Get_size()
-        self.library = " ".join(MPI.Get_library_version().replace("\0", " ").split())
-        self.label = "MPI"
         self.notes: list[str] = []
         self.spec = spec
+
+    def gather(self, obj):
+        return self.comm.gather(obj, root=0)
+
+    def bcast(self, obj):
+        return self.comm.bcast(obj, root=0)
+
+
+class MPIPeer(_Peer):
+    def __init__(self, spec):
+        super().__init__(spec)
+        MPI = self.MPI
+        self.library = " ".join(MPI.Get_library_version().replace("\0", " ").split())
+        self.label = "MPI"
         ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
         self.op = ops.get(spec.get("op") or "sum")
         if spec.get("op") == "avg":
@@ -156,12 +171,6 @@ class MPIPeer:
 
         return broadcast
 
-    def gather(self, obj):
-        return self.comm.gather(obj, root=0)
-
-    def bcast(self, obj):
-        return self.comm.bcast(obj, root=0)
-
     def close(self) -> None:
         pass
 
@@ -171,7 +180,7 @@ class MPIPeer:
 # ---------------------------------------------------------------------------------------
 
 
-class GlooPeer:
+class GlooPeer(_Peer):
     """torch.distributed's gloo over loopback TCP; MPI carries only the store's port."""
 
     DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
@@ -179,13 +188,8 @@ class GlooPeer:
     def __init__(self, spec):
         import datetime
 
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
-        self.notes: list[str] = []
-        self.spec = spec
-        self._comm = comm
+        super().__init__(spec)
+        MPI, comm = self.MPI, self.comm
         error = None
         try:
             import torch
@@ -269,12 +273,6 @@ class GlooPeer:
             dist.broadcast(d, root)
 
         return broadcast
-
-    def gather(self, obj):
-        return self._comm.gather(obj, root=0)
-
-    def bcast(self, obj):
-        return self._comm.bcast(obj, root=0)
 
     def close(self) -> None:
         self.dist.destroy_process_group()
