@@ -69,8 +69,7 @@ class Packing:
         self.recv = np.zeros(self.count + 1, dtype)
         divisor = sig.avg_divisor or comm.nranks
         can, cannot = (0, divisor) if sig.op == "avg" else _FLAG[sig.op]
-        self.cannot_here = reads_an_earlier_output(members)
-        self.send[-1] = cannot if self.cannot_here else can
+        self.send[-1] = cannot if reads_an_earlier_output(members) else can
         self.can = np.array(can, dtype).tobytes()
         asked = (sig.algorithm, sig.avg_divisor, sig.flat, sig.protocol)
         call = record_call(comm, "allreduce", self.send, self.recv, sig.op, 0, None, *asked)
@@ -90,7 +89,7 @@ class Packing:
         self.args_out = np.zeros(1, abi.PACK_ARGS)
         clear = int.from_bytes(self.can, "little")
         self.args_out[0] = (self.copies_out.ctypes.data, len(members), itemsize, flag, clear)
-        self.unpacked = None  # the group's members one by one (Scheduler.fuse), made when first needed
+        self.unpacked = None  # the members' FusedLaunch one by one (Scheduler.run_fused makes it when first needed)
 
     @property
     def nbytes(self) -> int:

@@ -392,6 +392,7 @@ class UnorderedWire {
       }
     }
     std::vector<Pending*>& ready = ready_;
+    std::vector<uint64_t>& readyAt = readyAt_;  // spraying: each of `ready`'s landing
     for (;;) {
       for (size_t i = 0; i < blocked.size(); i++)
         if (earlierLanded(l, blocked[i], false)) {
@@ -400,25 +401,25 @@ class UnorderedWire {
           blocked.erase(blocked.begin() + (long)i--);
         }
       ready.clear();
-      readyAt_.clear();
+      readyAt.clear();
       for (size_t i = 0; i < signals.size(); i++) {
         Pending* p = signals[i];
         if (!p->dataLeft && (!(p->strong || strongAlways_) || earlierLanded(l, p, true)) &&
             (!p->afterFlush || earlierLanded(l, p, false))) {
           ready.push_back(p);
-          readyAt_.push_back(std::max(signalAt[i], now));
+          readyAt.push_back(std::max(signalAt[i], now));
         }
       }
       const uint64_t n = pool.size() + ready.size();
       if (n == 0) break;
-      const uint64_t r = sprayed ? earliest(pool, readyAt_) : rng.below(n);
+      const uint64_t r = sprayed ? earliest(pool, readyAt) : rng.below(n);
       Landing e;
       if (r < pool.size()) {
         e = pool[r];
         pool[r] = pool.back();
         pool.pop_back();
       } else {
-        e = {ready[r - pool.size()], -1, 0, readyAt_[r - pool.size()]};
+        e = {ready[r - pool.size()], -1, 0, readyAt[r - pool.size()]};
         for (size_t i = 0; i < signals.size(); i++)
           if (signals[i] == e.put) {
             signals.erase(signals.begin() + (long)i);
