@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 from typing import NamedTuple
 
@@ -496,6 +497,20 @@ QUICK_BENCH = ("-n", "2", "-w", "1", "--no-baseline", "--no-bound")
 
 POSTED_CAP = 8  # entries of the descriptor queue in `posted`
 
+# One event per ThreadWorld (its ranks share one abort-word array); each entry keeps its array
+# alive, so no later world's array can take its id.
+_ABORT_CLEARED: dict[int, tuple[np.ndarray, threading.Event]] = {}
+_ABORT_CLEARED_LOCK = threading.Lock()
+
+
+def abort_cleared(world) -> threading.Event:
+    """The event by which the rank whose engine raised the abort word on purpose (a refusal under
+    test) tells the other ranks of its ThreadWorld that it has cleared the word again. They wait
+    for it before their next barrier, which would (rightly) abort while the word is up."""
+    with _ABORT_CLEARED_LOCK:
+        entry = _ABORT_CLEARED.setdefault(id(world.abort_word), (world.abort_word, threading.Event()))
+    return entry[1]
+
 
 def posted_layout():
     from commref.transports.gin.queue import queue_bytes
@@ -524,39 +539,45 @@ def posted(world, engine: str, backend: str, posts, quiesce=True, timeout=WORLD_
         local[:2048] = ((np.arange(2048) * (world.rank + 3)) % 251 + 1).astype(np.uint8)
         world.barrier(what="sources written")
         out = None
-        if world.rank == 0:
-            cls = NativeProxy if engine == "native" else GinProxy
-            site = EngineSite(world, window, lay, POSTED_CAP, BACKENDS[backend], semantics.ORDERED, "shm")
-            proxy = cls(site, 0, 64, **proxy_kw)
-            proxy.trace = {}
-            proxy.start()
-            q = QueueWriter(local, lay, POSTED_CAP, host_atomics())
-            for p in posts:
-                slot = q.fill(**p)
-                q.publish([slot])
-                deadline = time.monotonic() + timeout
-                while q.consumed() <= slot and proxy.error is None:  # the queue is small
-                    assert time.monotonic() < deadline, f"slot {slot} not consumed ({q.consumed()})"
-                    time.sleep(1e-4)
-                if proxy.error is not None:
-                    break
-            if quiesce:
-                proxy.quiesce(timeout)
-            proxy.stop()
-            proxy.stop()  # idempotent
-            err = proxy.error
+        cleared = abort_cleared(world)
+        if world.rank != 0:
+            assert cleared.wait(timeout), f"rank {world.rank}: rank 0 never cleared the abort word"
+        else:
             try:
-                trace = proxy.trace
-            except ProxyError as e:
-                trace = e
-            out = {
-                "trace": trace,
-                "stats": proxy.stats,
-                "error": None if err is None else str(err),
-                "abort": int(world.abort_word[0]),
-                "pending": proxy.pending(),
-            }
-            world.abort_word[0] = 0
+                cls = NativeProxy if engine == "native" else GinProxy
+                site = EngineSite(world, window, lay, POSTED_CAP, BACKENDS[backend], semantics.ORDERED, "shm")
+                proxy = cls(site, 0, 64, **proxy_kw)
+                proxy.trace = {}
+                proxy.start()
+                q = QueueWriter(local, lay, POSTED_CAP, host_atomics())
+                for p in posts:
+                    slot = q.fill(**p)
+                    q.publish([slot])
+                    deadline = time.monotonic() + timeout
+                    while q.consumed() <= slot and proxy.error is None:  # the queue is small
+                        assert time.monotonic() < deadline, f"slot {slot} not consumed ({q.consumed()})"
+                        time.sleep(1e-4)
+                    if proxy.error is not None:
+                        break
+                if quiesce:
+                    proxy.quiesce(timeout)
+                proxy.stop()
+                proxy.stop()  # idempotent
+                err = proxy.error
+                try:
+                    trace = proxy.trace
+                except ProxyError as e:
+                    trace = e
+                out = {
+                    "trace": trace,
+                    "stats": proxy.stats,
+                    "error": None if err is None else str(err),
+                    "abort": int(world.abort_word[0]),
+                    "pending": proxy.pending(),
+                }
+                world.abort_word[0] = 0
+            finally:
+                cleared.set()
         world.barrier(what="landed")
         return out, local.copy()
     finally:

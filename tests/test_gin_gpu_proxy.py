@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import WORLD_TIMEOUT, collectives_run, nvcc_sm90, ordered_shm_gin, run_gin_sweep
+from helpers import WORLD_TIMEOUT, abort_cleared, collectives_run, nvcc_sm90, ordered_shm_gin, run_gin_sweep
 from stand_ins import LateCopies
 
 from commref.transports.errors import CapabilityError, CommMismatch, CommTimeout
@@ -255,15 +255,21 @@ def test_a_signal_over_a_link_without_native_peer_atomics_is_refused_naming_the_
         window = register_window(world, nbytes, "cpu")
         region = QueueRegion(window, layout, 16, 1)
         error = None
+        cleared = abort_cleared(world)
+        if world.rank == 1:
+            assert cleared.wait(WORLD_TIMEOUT), "rank 1: rank 0 never cleared the abort word"
         if world.rank == 0:
             driver = LateCopies(seed=3, peer_atomics=False)
             proxy = GpuProxy(world, window, layout, region, 16, BACKENDS["proxy"], semantics.ORDERED, driver=driver)
-            proxy.start()
-            writer = QueueWriter(region.queue, QueueRegion.LAYOUT, 16, host_atomics())
-            writer.publish([writer.fill(abi.GIN_SIGNAL, abi.GIN_HAS_SIGNAL, peer=1, signal=0)])
-            proxy.quiesce(10)
-            error, aborted = str(proxy.error), int(world.abort_word[0])
-            world.abort_word[0] = 0
+            try:
+                proxy.start()
+                writer = QueueWriter(region.queue, QueueRegion.LAYOUT, 16, host_atomics())
+                writer.publish([writer.fill(abi.GIN_SIGNAL, abi.GIN_HAS_SIGNAL, peer=1, signal=0)])
+                proxy.quiesce(10)
+                error, aborted = str(proxy.error), int(world.abort_word[0])
+                world.abort_word[0] = 0
+            finally:
+                cleared.set()
             proxy.stop()
             assert aborted == 1 and not driver.device_adds
         world.barrier(what="checked")
