@@ -41,12 +41,19 @@ class CallSignature(NamedTuple):
     protocol: str  # as asked: the call's or the communicator's
 
 
+# A collective call as given inside a group (groups.py): the plain tuple (sendbuf,
+# recvbuf, *given), given the arguments' very objects in this order; it is checked when
+# the group ends (Communicator._resolve), unless the group repeats a kept one
+# (launch_record.FusedLaunch.repeats).
+GIVEN = ("coll", "op", "root", "stream", "algorithm", "protocol", "avg_divisor", "flat")
+
+
 @dataclass(eq=False)
 class Call:
     """One validated call (management's record): its collective, buffers (buffers.Buffer:
     `s`, `r`; the caller's arrays `sendbuf`, `recvbuf`), signature, route, the caller's
-    `stream`, and `repeat`: its key among the CPU's kept calls (RepeatedCall), None
-    where it cannot be kept."""
+    `stream`, `repeat`: its key among the CPU's kept calls (RepeatedCall), None where it
+    cannot be kept, and `given`: its arguments but its arrays, as given (GIVEN)."""
 
     spec: catalogue.Collective
     signature: CallSignature
@@ -57,6 +64,7 @@ class Call:
     route: Route
     stream: Any = None
     repeat: tuple | None = None
+    given: tuple | None = None
 
 
 def record_call(comm, coll, sendbuf, recvbuf, op, root, stream, algorithm, avg_divisor, flat, protocol) -> Call:

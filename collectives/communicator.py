@@ -36,6 +36,7 @@ from .buffers import BufferChecker
 from .calls import CallPlanner, kernel_spec, record_call
 from .gpu_stream import GpuStream, place_on_gpus, use_rank_gpu
 from .hierarchical import Hierarchy, NodeShape
+from .launch_record import RepeatedCall
 from .options import CommOptions, resolve_device
 from .routes import DirectRouter
 from .schedule import Scheduler
@@ -170,19 +171,19 @@ class Communicator:
     # ---- collectives (nccl4py names and argument order) ----
 
     def allreduce(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm=None, protocol=None) -> None:
-        self._collective("allreduce", sendbuf, recvbuf, op, 0, stream, algorithm, protocol=protocol)
+        self._collective("allreduce", sendbuf, recvbuf, op, 0, stream, algorithm, protocol)
 
     def reduce_scatter(self, sendbuf, recvbuf, op="sum", *, stream=None, algorithm=None, protocol=None) -> None:
-        self._collective("reduce_scatter", sendbuf, recvbuf, op, 0, stream, algorithm, protocol=protocol)
+        self._collective("reduce_scatter", sendbuf, recvbuf, op, 0, stream, algorithm, protocol)
 
     def allgather(self, sendbuf, recvbuf, *, stream=None, algorithm=None, protocol=None) -> None:
-        self._collective("allgather", sendbuf, recvbuf, None, 0, stream, algorithm, protocol=protocol)
+        self._collective("allgather", sendbuf, recvbuf, None, 0, stream, algorithm, protocol)
 
     def broadcast(self, sendbuf, recvbuf, root: int, *, stream=None, algorithm=None, protocol=None) -> None:
-        self._collective("broadcast", sendbuf, recvbuf, None, root, stream, algorithm, protocol=protocol)
+        self._collective("broadcast", sendbuf, recvbuf, None, root, stream, algorithm, protocol)
 
     def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0, *, stream=None, algorithm=None, protocol=None) -> None:
-        self._collective("reduce", sendbuf, recvbuf, op, root, stream, algorithm, protocol=protocol)
+        self._collective("reduce", sendbuf, recvbuf, op, root, stream, algorithm, protocol)
 
     def alltoall(self, sendbuf, recvbuf, *, stream=None, algorithm=None, protocol=None) -> None:
         """ncclAlltoAll: sendbuf and recvbuf hold nranks * count elements each; block j of
@@ -190,7 +191,7 @@ class Communicator:
         in-place alltoall: overlapping buffers raise ValueError). Algorithms: "ring" (plain
         buffers, forwarded along the ring), "direct" (recvbufs from alloc_symmetric, every
         peer over LSA: each block stored once into its peer's recvbuf)."""
-        self._collective("alltoall", sendbuf, recvbuf, None, 0, stream, algorithm, protocol=protocol)
+        self._collective("alltoall", sendbuf, recvbuf, None, 0, stream, algorithm, protocol)
 
     # ---- composed of sends and receives (nccl4py names and argument order; contracts: p2p_collectives.py) ----
 
@@ -246,12 +247,25 @@ class Communicator:
 
     # ---- management, preparation, scheduling ----
 
-    def _collective(
-        self, coll, sendbuf, recvbuf, op, root, stream, algorithm, avg_divisor=None, flat=False, protocol=None
-    ):
+    def _collective(self, coll, sendbuf, recvbuf, op, root, stream, algorithm, protocol, avg_divisor=None, flat=False):
         """One call. `avg_divisor` (op avg): divide by this, not nranks (a hierarchical
         phase divides by the job's ranks); `flat`: never hierarchical (its own tail);
-        `protocol`: of the ring and tree steps (None: the communicator's)."""
+        `protocol`: of the ring and tree steps (None: the communicator's). In a group it is
+        recorded as given (calls.GIVEN) and checked when the group ends."""
+        group = groups.state.open
+        if group is not None:  # a member of this thread's group (groups.py), recorded as given
+            group.calls.append((sendbuf, recvbuf, coll, op, root, stream, algorithm, protocol, avg_divisor, flat))
+            group.schedulers.append(self._scheduler)
+            return
+        member = self._resolve(sendbuf, recvbuf, coll, op, root, stream, algorithm, protocol, avg_divisor, flat)
+        if member.__class__ is RepeatedCall:
+            self._scheduler.run_cpu(member)
+        else:
+            self._scheduler.launch([member])
+
+    def _resolve(self, sendbuf, recvbuf, coll, op, root, stream, algorithm, protocol, avg_divisor, flat):
+        """Management: the kept call (RepeatedCall) that these arguments (calls.GIVEN's
+        order after the arrays) repeat on unchanged arrays, or the checked Call of them."""
         # The kept call's key (a dict key only, never read by position: a plain tuple is the cheapest).
         repeat = (coll, id(sendbuf), id(recvbuf), op, root, root.__class__, algorithm, protocol, avg_divisor, flat)
         try:
@@ -259,14 +273,10 @@ class Communicator:
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             again = repeat = None
         if again is not None and not self.broken and again.matches(sendbuf, recvbuf):
-            if groups.state.depth:  # a member of this thread's group
-                groups.record_kept(self._scheduler, again)
-            else:
-                self._scheduler.run_cpu(again)
-            return
+            return again
         call = record_call(self, coll, sendbuf, recvbuf, op, root, stream, algorithm, avg_divisor, flat, protocol)
-        call.repeat = repeat
-        groups.submit(self._scheduler, call)
+        call.repeat, call.given = repeat, (coll, op, root, stream, algorithm, protocol, avg_divisor, flat)
+        return call
 
     def check_usable(self, what: str = "communicator") -> None:
         """Raises CommAborted when a failure (or abort) has left this communicator broken."""

@@ -3,15 +3,18 @@
 A group belongs to the calling thread (each rank of a ThreadWorld is a thread), as
 NCCL's does, and spans every communicator: ``group_start()`` / ``group_end()`` (also
 Communicator.group_start / group_end, the same functions) nest, and only the outermost
-group_end launches. Between them a call is checked and recorded (management), not run;
-a call outside a group is a group of one and runs at once.
+group_end launches. Between them a call is recorded (management), not run; a call
+outside a group is a group of one and runs at once.
 
-At the outermost group_end each communicator's members launch on its scheduler
-(schedule.Scheduler.launch): its collectives in call order, then all of its sends and
-receives in one launch (p2p.py), so that sends and receives posted in any order on any
-rank cannot wait on each other; on the CPU all of them as one launch where they can
-(schedule.py says when), and a group repeating a kept one on the same arrays goes
-straight to that launch. Several communicators' members run
+A collective is recorded as given (calls.GIVEN: its arguments, unchecked) and a send
+or receive checked (p2p.py). At the outermost group_end the collectives are checked,
+every member of every communicator before anything launches (a bad argument launches
+nothing), unless a communicator's calls repeat one of its kept groups on unchanged
+arrays (schedule.Scheduler.replay), whose checks then hold. Each communicator's members
+then launch on its scheduler (schedule.Scheduler.launch): its collectives in call order,
+then all of its sends and receives in one launch (p2p.py), so that sends and receives
+posted in any order on any rank cannot wait on each other; on the CPU all of them as one
+launch where they can (schedule.py says when). Several communicators' members run
 concurrently, one thread each, as NCCL's kernels on several communicators do, so their
 order may differ between ranks. A failure is raised at group_end naming the member: its
 index among the group's calls, the call, and its peer; a communicator's members after
@@ -27,45 +30,55 @@ import threading
 from commref.transports.errors import CommTimeout
 
 
+class OpenGroup:
+    """A thread's open group: its nesting `depth` (> 0) and its members, `calls` in call
+    order and the `schedulers` they run on (two lists: no tuple per member). A plain
+    object: its attributes cost less to reach than a threading.local's."""
+
+    __slots__ = ("depth", "calls", "schedulers")
+
+    def __init__(self) -> None:
+        self.depth, self.calls, self.schedulers = 1, [], []
+
+
 class _GroupState(threading.local):
-    """This thread's group: `depth`, its nesting (0: none); its members, `calls` in call
-    order and the `schedulers` they run on (two lists: no tuple per member).
-    Class defaults, so that reading `depth` in a thread that never grouped is a plain
-    attribute lookup (a missing attribute of a threading.local costs ~0.7 us, as much as
-    a tenth of an 8-byte collective on the CPU engine)."""
+    """This thread's group: `open`, the OpenGroup, or None outside a group (a class
+    default, so that a thread that never grouped reads it as a plain attribute lookup: a
+    missing attribute of a threading.local costs ~0.7 us, as much as a tenth of an 8-byte
+    collective on the CPU engine)."""
 
-    depth = 0
-    calls: list = []
-    schedulers: list = []
+    open: OpenGroup | None = None
 
 
-# This thread's group; Communicator's kept-call path reads state.depth to choose record_kept.
+# This thread's group; Communicator._collective reads state.open to record a call as given.
 state = _GroupState()
 
 
 def grouping() -> bool:
     """Whether this thread is inside a group (calls are recorded, not run)."""
-    return state.depth > 0
+    return state.open is not None
 
 
 def group_start() -> None:
     """ncclGroupStart: calls until the matching group_end are recorded; nests."""
-    if state.depth <= 0:
-        state.depth, state.calls, state.schedulers = 0, [], []
-    state.depth += 1
+    group = state.open
+    if group is None:
+        state.open = OpenGroup()
+    else:
+        group.depth += 1
 
 
 def group_end() -> None:
     """ncclGroupEnd: the outermost one launches every recorded call (the module
     docstring); RuntimeError without a group_start."""
-    if state.depth <= 0:
+    group = state.open
+    if group is None:
         raise RuntimeError("group_end() without a matching group_start()")
-    state.depth -= 1
-    if state.depth:
+    group.depth -= 1
+    if group.depth:
         return
-    schedulers, calls = state.schedulers, state.calls
-    state.schedulers, state.calls = [], []
-    launch(schedulers, calls)
+    state.open = None
+    launch(group.schedulers, group.calls)
 
 
 class _Group:
@@ -81,9 +94,10 @@ class _Group:
         if exc_type is None:
             group_end()
             return
-        state.depth -= 1
-        if not state.depth:
-            state.calls, state.schedulers = [], []
+        group = state.open
+        group.depth -= 1
+        if not group.depth:
+            state.open = None
 
 
 _GROUP = _Group()
@@ -95,52 +109,69 @@ def group() -> _Group:
 
 
 def submit(scheduler, call) -> None:
-    """Runs `call` (calls.Call or p2p.P2pCall) on `scheduler`, or records it in this
-    thread's group."""
-    if state.depth:
-        state.calls.append(call)
-        state.schedulers.append(scheduler)
+    """Runs `call` (a checked p2p.P2pCall) on `scheduler`, or records it in this thread's
+    group."""
+    group = state.open
+    if group is not None:
+        group.calls.append(call)
+        group.schedulers.append(scheduler)
     else:
         scheduler.launch([call])
 
 
-def record_kept(scheduler, kept) -> None:
-    """A kept call (launch_record.RepeatedCall) that matched its arrays, as a member of
-    this thread's open group (state.depth > 0); outside a group the caller runs it at
-    once (Scheduler.run_cpu)."""
-    state.calls.append(kept)
-    state.schedulers.append(scheduler)
-
-
 def launch(schedulers: list, calls: list) -> None:
-    """Runs a group's members (`calls`, each on its scheduler): per scheduler in the order
-    of its first member, concurrently (the module docstring); raises the failure of the
-    lowest member."""
+    """Runs a group's members (`calls`, each on its scheduler): checked first, then per
+    scheduler in the order of its first member, concurrently (the module docstring);
+    raises the failure of the lowest member."""
     if not calls:
         return
     failures: list = []
     first = schedulers[0]
     if schedulers.count(first) == len(schedulers):  # one communicator: no threads, no index map
-        _run(first, calls, None, failures)
+        try:
+            replayed = first.replay(calls)
+        except BaseException as e:
+            name_member(e)
+            raise
+        if replayed:
+            return
+        _run(first, _checked(first, calls, None), None, failures)
     else:
         order: dict = {}
         for i, (scheduler, call) in enumerate(zip(schedulers, calls)):
             mine, indices = order.setdefault(scheduler, ([], []))
             mine.append(call)
             indices.append(i)
-        runs = list(order.items())
-        threads = [threading.Thread(target=_run, args=(s, *run, failures), daemon=True) for s, run in runs[1:]]
+        runs = [(s, _checked(s, mine, indices), indices) for s, (mine, indices) in order.items()]
+        threads = [threading.Thread(target=_run, args=(*run, failures), daemon=True) for run in runs[1:]]
         for t in threads:
             t.start()
-        _run(runs[0][0], *runs[0][1], failures)
-        for (scheduler, (mine, _)), t in zip(runs[1:], threads):
+        _run(*runs[0], failures)
+        for (scheduler, mine, _), t in zip(runs[1:], threads):
             _join(t, scheduler.comm, len(mine), failures)
     if failures:
         raise min(failures, key=lambda e: getattr(e, "group_index", len(calls)))
 
 
+def _checked(scheduler, calls: list, indices: list | None) -> list:
+    """One scheduler's members with each collective as given checked (Communicator._resolve:
+    a kept call or a checked Call); a failure is raised named (name_member, `indices` as
+    _run's)."""
+    comm, out = scheduler.comm, []
+    for at, call in enumerate(calls):
+        if call.__class__ is tuple:
+            try:
+                call = comm._resolve(*call)
+            except BaseException as e:
+                e.member, e.member_at = call, at
+                name_member(e, indices)
+                raise
+        out.append(call)
+    return out
+
+
 def _run(scheduler, calls: list, indices: list | None, failures: list) -> None:
-    """One scheduler's members (`indices`: their indices in the group; None: the
+    """One scheduler's checked members (`indices`: their indices in the group; None: the
     positions in `calls`); a failure goes to `failures`, named (name_member: from the
     `member` and `member_at` that schedule.Scheduler.launch sets)."""
     try:
@@ -180,6 +211,10 @@ def _join(thread: threading.Thread, comm, ncalls: int, failures: list) -> None:
 
 def describe(call) -> str:
     """A group member in words: "send of 10 float32 to rank 1", "allreduce of 8 int32"."""
+    if call.__class__ is tuple:  # a collective as given (calls.GIVEN), named by what its sendbuf holds
+        coll, send = call[2], call[0]
+        size, dtype = getattr(send, "size", None), getattr(send, "dtype", None)
+        return coll if size is None or dtype is None else f"{coll} of {size} {dtype}"
     if hasattr(call, "describe"):
         return call.describe()
     return f"{call.spec.name} of {call.signature.count} {call.s.dtype}"

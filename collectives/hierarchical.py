@@ -144,6 +144,7 @@ class Hierarchy:
             0,
             stream,
             None,
+            None,
             divisor,
         )
         self._phase("intra-node AllGather", self.intra, self.intra.allgather, mine, recv[:m], stream=stream)
@@ -173,6 +174,7 @@ class Hierarchy:
             op,
             0,
             stream,
+            None,
             None,
             self._divisor(op),
         )

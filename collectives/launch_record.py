@@ -13,6 +13,7 @@ group of CPU calls runs as one FusedLaunch, kept while its members repeat.
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 import weakref
@@ -125,7 +126,10 @@ class RepeatedCall:
     tuner.StoreChooser times calls of this size, so each call asks it for streamStores
     (`in_place` is the chooser's flag); else `streamed` is the setting it gives every
     call of this size. `kept`: whether it can match later calls (`keep` asked for it, and
-    the arrays can be weakly referenced: not an ndarray subclass without __weakref__)."""
+    the arrays can be weakly referenced: not an ndarray subclass without __weakref__).
+    `given`: the call's arguments but its arrays, the objects as given (calls.GIVEN), and
+    `ids`, its arrays' ids: by them a group's calls as given repeat a kept group
+    (FusedLaunch.repeats, FusedLaunch.replay_key)."""
 
     __slots__ = (
         "_send",
@@ -143,6 +147,8 @@ class RepeatedCall:
         "timed",
         "in_place",
         "signature",
+        "given",
+        "ids",
     )
 
     def __init__(
@@ -158,9 +164,11 @@ class RepeatedCall:
         in_place: bool,
         keep: bool = True,
         signature=None,
+        given=None,
     ):
         self.kept = False
         self.signature = signature  # calls.CallSignature: what describe() names and packing.py compares
+        self.given, self.ids = given, (id(sendbuf), id(recvbuf))
         self.matches = self._never
         if keep:
             extension = cpu_loader.pycall()
@@ -223,9 +231,24 @@ class FusedLaunch:
     RepeatedCalls match before it runs. `positions`: each member's index in the group's
     calls. call() returns 0, or (i << 8) | the status of launch i, the first that failed
     (the later ones did not run); owner(i) is the member that launch i runs (a packing:
-    the packing; the sends and receives: None)."""
+    the packing; the sends and receives: None). repeats(records) says whether a group's
+    calls as given (groups.py) are this group's members again, each on unchanged arrays
+    with the very objects of its other arguments (RepeatedCall.given); None where a
+    member was not kept, or there are sends and receives. `replay_key`: the id of its
+    first member's sendbuf (Scheduler.replay looks a group up by it)."""
 
-    __slots__ = ("members", "positions", "packing", "records", "descs", "owners", "ops", "call")
+    __slots__ = (
+        "members",
+        "positions",
+        "packing",
+        "records",
+        "descs",
+        "owners",
+        "ops",
+        "call",
+        "repeats",
+        "replay_key",
+    )
 
     def __init__(
         self, kernels, template: LaunchRecord, members: list, positions: list, threads: int, p2p=None, packing=None
@@ -257,6 +280,14 @@ class FusedLaunch:
             self.owners.append(None)
         self.descs = np.array(descs, dtype=abi.LAUNCH_DESC)
         self.call = kernels.bind(True, self.descs.ctypes.data, len(descs))
+        self.repeats, self.replay_key = None, members[0].ids[0]
+        if p2p is None and all(m.kept and m.given is not None for m in members):
+            givens, matchers = [m.given for m in members], [m.matches for m in members]
+            extension = cpu_loader.pycall()
+            if extension is not None:
+                self.repeats = extension.Repeats(givens, matchers)
+            else:
+                self.repeats = functools.partial(_repeats, givens, matchers)
 
     def position(self, i: int) -> int:
         """The group index of launch `i`'s member (a packing: its first member's)."""
@@ -501,3 +532,15 @@ def address_of(table) -> int:
     if isinstance(table, np.ndarray):
         return table.ctypes.data
     return int(table.data.ptr)
+
+
+def _repeats(givens: list, matchers: list, records: list) -> bool:
+    """FusedLaunch.repeats where the extension does not load (commref_pycall.Repeats)."""
+    if records.__class__ is not list or len(records) != len(givens):
+        return False
+    for record, given, matches in zip(records, givens, matchers):
+        if record.__class__ is not tuple or len(record) != len(given) + 2:
+            return False
+        if any(a is not b for a, b in zip(record[2:], given)) or not matches(record[0], record[1]):
+            return False
+    return True

@@ -71,6 +71,7 @@ class Packing:
         can, cannot = (0, divisor) if sig.op == "avg" else _FLAG[sig.op]
         self.send[-1] = cannot if reads_an_earlier_output(members) else can
         self.can = np.array(can, dtype).tobytes()
+        self._flag = memoryview(self.recv[-1:].view(np.uint8))  # the result's flag element, its bytes
         asked = (sig.algorithm, sig.avg_divisor, sig.flat, sig.protocol)
         call = record_call(comm, "allreduce", self.send, self.recv, sig.op, 0, None, *asked)
         self.plan = prepare(call)
@@ -98,7 +99,7 @@ class Packing:
     def packed(self) -> bool:
         """After the launch: whether every rank could pack (the flag), so that the
         outputs hold the result."""
-        return self.recv[-1:].tobytes() == self.can
+        return self._flag == self.can
 
     def describe(self) -> str:
         """The packed members in words (as a group names a failed member)."""

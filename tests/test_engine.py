@@ -234,6 +234,49 @@ def test_pycall_arrays_match_only_the_same_arrays_unchanged():
     assert not same(np.ones(4, np.float32), b), "a dead array matched its successor"
 
 
+def test_pycall_repeats_answers_as_the_python_test_does():
+    """commref_pycall.Repeats and launch_record's Python fallback say alike whether a
+    group's calls as given repeat the kept members: records of the same length, each
+    (sendbuf, recvbuf, *given) with its given the very objects (an equal op built anew
+    is not), its arrays matched by the member's matcher; a member that raises raises."""
+    from commref.collectives.launch_record import _repeats
+
+    a, b, c = np.ones(4, np.float32), np.zeros(4, np.float32), np.zeros(4, np.float32)
+    op = "sum"
+    givens = [("allreduce", op, 0, None), ("allreduce", op, 0, None)]
+    matchers = [cpu_loader.pycall().Arrays(a, b), cpu_loader.pycall().Arrays(a, c)]
+    native = cpu_loader.pycall().Repeats(givens, matchers)
+
+    def fallback(records):
+        return _repeats(givens, matchers, records)
+
+    same = [(a, b, "allreduce", op, 0, None), (a, c, "allreduce", op, 0, None)]
+    anew = "".join(["s", "um"])
+    cases = {
+        "the same": (same, True),
+        "one fewer": (same[:1], False),
+        "one more": (same + same[:1], False),
+        "an equal op built anew": ([same[0], (a, c, "allreduce", anew, 0, None)], False),
+        "other arrays": ([same[0], (a, b, "allreduce", op, 0, None)], False),
+        "a shorter record": ([same[0], (a, c, "allreduce", op, 0)], False),
+        "not a tuple": ([same[0], list(same[1])], False),
+    }
+    for what, (records, expected) in cases.items():
+        assert native(records) is expected and fallback(records) is expected, what
+    c.shape = (2, 2)
+    assert not native(same) and not fallback(same), "an array reshaped in place"
+
+    def broken(x, y):
+        raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        cpu_loader.pycall().Repeats(givens[:1], [broken])(same[:1])
+    with pytest.raises(ValueError, match="as many matchers as givens"):
+        cpu_loader.pycall().Repeats(givens, matchers[:1])
+    with pytest.raises(TypeError, match="records must be a list"):
+        native(tuple(same))
+
+
 def stream_args(base: int, words: int, nin: int, nout: int, shared: int, streamed: bool) -> np.ndarray:
     a = np.zeros(1, dtype=abi.STREAM_ARGS)
     a[0]["base"], a[0]["words"] = base, words

@@ -4,8 +4,11 @@ bench's -m (nccl-tests' agg_iters).
 - a group of mixed collectives with sends and receives is one launch
   (Communicator.launches), every member's result exact against numpy;
 - a group repeating a kept one on the same arrays goes straight to its kept launch
-  (nothing is fused again), and stops doing so when a buffer changes: a different array,
-  a reshaped one, a freed symmetric window;
+  (nothing is fused again, nothing checked again: Scheduler.replay), with the extension's
+  test and the Python one, and stops doing so when an argument changes: a different
+  array, a reshaped one, a freed symmetric window, an equal op that is another object;
+- a collective's bad arguments in a group are raised at group_end, naming the member,
+  and nothing of the group launches;
 - a failing member is named at group_end on every rank, its successors not run (a
   collective, or a send after the collectives);
 - a call whose streamStores the tuner times per call cannot join: its group launches
@@ -109,6 +112,93 @@ def test_a_repeated_group_goes_straight_to_its_kept_launch(monkeypatch):
         assert [o[0] for o in out] == [2] * 5
         assert out[-1][1] == out[-2][1] <= schedule.REPEATED_GROUPS
         assert all(o[2:] == (8, 2 * sum(range(8)) + 8) for o in out)
+
+
+@pytest.mark.parametrize("binding", ["extension", "ctypes"])
+def test_a_repeating_group_replays_its_kept_launch_unchecked(binding, monkeypatch):
+    """Two groups alternating (so each is looked up by its first sendbuf, not only the
+    last): once kept, they run without a member checked again (Communicator._resolve
+    would raise), one launch each, exact; an op equal to the kept one but another object,
+    and an array reshaped in place, are checked again and stay exact."""
+    monkeypatch.setenv("COMMREF_CPU_BINDING", "ctypes" if binding == "ctypes" else "auto")
+    resolve = Communicator._resolve
+    armed = {}
+
+    def guarded(self, *given):
+        if armed.get(self.rank):
+            raise AssertionError("a repeating group's member was checked again")
+        return resolve(self, *given)
+
+    monkeypatch.setattr(Communicator, "_resolve", guarded)
+
+    def body(world):
+        comm = _comm(world)
+        r = world.rank
+        x, y = np.full(4, r + 1, np.int32), np.zeros(4, np.int32)
+        a, b = np.arange(8, dtype=np.float64) + r, np.zeros(16, np.float64)
+        out = []
+        for i in range(5):
+            armed[r] = i >= 2
+            before = comm.launches
+            with comm.group():
+                for _ in range(8):
+                    comm.allreduce(x, y)
+            with comm.group():
+                comm.allreduce(x, y, "max")
+                comm.allgather(a, b)
+            out.append((comm.launches - before, int(y.sum()), float(b.sum())))
+        armed[r] = False
+        anew = "".join(["m", "ax"])
+        with comm.group():
+            comm.allreduce(x, y, anew)
+            comm.allgather(a, b)
+        out.append((None, int(y.sum()), float(b.sum())))
+        y.shape = (2, 2)
+        with comm.group():
+            for _ in range(8):
+                comm.allreduce(x, y)
+        out.append((None, int(y.sum()), None))
+        close_after_barrier(world, comm)
+        return out
+
+    for out in ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT):
+        assert [o[0] for o in out[:5]] == [2] * 5
+        assert all(o[1:] == (8, 2 * sum(range(8)) + 8) for o in out[:6])
+        assert out[6][1] == 12  # 3 per element: the sum, into the reshaped recvbuf
+
+
+def test_bad_arguments_in_a_group_raise_at_group_end_and_launch_nothing():
+    """A collective's arguments in a group are checked when the group ends: a recvbuf of
+    the wrong size raises there, naming the member, on a new group and on one that
+    repeats a kept group; no member launched (the first one's output is untouched)."""
+
+    def body(world):
+        comm = _comm(world)
+        r = world.rank
+        x, y = np.full(4, r + 1, np.int32), np.zeros(4, np.int32)
+        messages = []
+        for repeat in (False, True):
+            for _ in range(2 if repeat else 0):  # kept, then repeated
+                with comm.group():
+                    comm.allreduce(x, y)
+                    comm.allreduce(x, y, "max")
+            y[:] = -1
+            before = comm.launches
+            try:
+                with comm.group():
+                    comm.allreduce(x, y)
+                    comm.allreduce(x, np.zeros(5, np.int32), "max")
+                messages.append(None)
+            except ValueError as e:
+                messages.append(str(e))
+            messages.append((comm.launches - before, int(y.sum())))
+        close_after_barrier(world, comm)
+        return messages
+
+    for r, messages in enumerate(ThreadWorld.run(2, body, timeout=WORLD_TIMEOUT)):
+        for message, (launched, untouched) in zip(messages[::2], messages[1::2]):
+            assert message is not None and message.startswith(f"group member #1 (allreduce of 4 int32): rank {r}: ")
+            assert launched == 0 and untouched == -4, (launched, untouched)
 
 
 def test_a_changed_buffer_leaves_the_kept_group():

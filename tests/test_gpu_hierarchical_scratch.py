@@ -49,7 +49,7 @@ class _PhaseRecorder:
     def allgather(self, send, recv, stream=None):
         self.log.append((self.name, "allgather", stream))
 
-    def _collective(self, coll, send, recv, op, root, stream, algorithm, divisor):
+    def _collective(self, coll, send, recv, op, root, stream, algorithm, protocol, divisor):
         self.log.append((self.name, coll, stream))
 
 

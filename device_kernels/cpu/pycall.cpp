@@ -18,6 +18,12 @@
 // what launch_record.RepeatedCall.matches asks of a later call's arrays, read from the
 // arrays' fields (numpy's ndarraytypes.h) instead of their Python attributes. Both must
 // be numpy arrays (TypeError otherwise, or where they cannot be weakly referenced).
+//
+//   Repeats(givens, matchers) calling it with a list of records says whether record i is
+//                            the tuple (a, b, *givens[i]), its other arguments the very
+//                            objects of givens[i], and matchers[i](a, b) is true
+//
+// what launch_record.FusedLaunch.repeats asks of a group's calls as given (groups.py).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -169,8 +175,96 @@ void arraysDealloc(PyObject* self) {
 
 PyTypeObject ArraysType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+struct Repeats {
+  PyObject_HEAD PyObject* givens;  // a tuple of tuples
+  PyObject* matchers;              // a tuple of callables, as many
+  vectorcallfunc vectorcall;
+};
+
+bool repeatsOne(PyObject* record, PyObject* given, PyObject* matcher, int* failed) {
+  if (!PyTuple_CheckExact(record)) return false;
+  const Py_ssize_t n = PyTuple_GET_SIZE(given);
+  if (PyTuple_GET_SIZE(record) != n + 2) return false;
+  for (Py_ssize_t j = 0; j < n; j++)
+    if (PyTuple_GET_ITEM(record, j + 2) != PyTuple_GET_ITEM(given, j)) return false;
+  PyObject* arrays[2] = {PyTuple_GET_ITEM(record, 0), PyTuple_GET_ITEM(record, 1)};
+  PyObject* same = PyObject_Vectorcall(matcher, arrays, 2, nullptr);
+  if (same == nullptr) {
+    *failed = 1;
+    return false;
+  }
+  const bool yes = same == Py_True;
+  Py_DECREF(same);
+  return yes;
+}
+
+PyObject* repeatsCall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "Repeats(records): one list, positional");
+    return nullptr;
+  }
+  const Repeats* r = reinterpret_cast<const Repeats*>(self);
+  PyObject* records = args[0];
+  if (!PyList_CheckExact(records)) {
+    PyErr_SetString(PyExc_TypeError, "Repeats(records): records must be a list");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(r->givens);
+  if (PyList_GET_SIZE(records) != n) Py_RETURN_FALSE;
+  int failed = 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    // The list holds its items while the matcher runs: nothing here can change it.
+    if (!repeatsOne(PyList_GET_ITEM(records, i), PyTuple_GET_ITEM(r->givens, i), PyTuple_GET_ITEM(r->matchers, i),
+                    &failed)) {
+      if (failed) return nullptr;
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+int repeatsInit(PyObject* self, PyObject* args, PyObject* kwargs) {
+  PyObject *givens = nullptr, *matchers = nullptr;
+  static const char* names[] = {"givens", "matchers", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", const_cast<char**>(names), &givens, &matchers)) return -1;
+  Repeats* r = reinterpret_cast<Repeats*>(self);
+  if (r->givens != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "Repeats is initialized once");
+    return -1;
+  }
+  PyObject* g = PySequence_Tuple(givens);
+  PyObject* m = g == nullptr ? nullptr : PySequence_Tuple(matchers);
+  if (m == nullptr || PyTuple_GET_SIZE(g) != PyTuple_GET_SIZE(m)) {
+    if (m != nullptr) PyErr_SetString(PyExc_ValueError, "Repeats: as many matchers as givens");
+    Py_XDECREF(g);
+    Py_XDECREF(m);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g); i++) {
+    if (!PyTuple_Check(PyTuple_GET_ITEM(g, i)) || !PyCallable_Check(PyTuple_GET_ITEM(m, i))) {
+      PyErr_SetString(PyExc_TypeError, "Repeats: each given a tuple, each matcher callable");
+      Py_DECREF(g);
+      Py_DECREF(m);
+      return -1;
+    }
+  }
+  r->givens = g;
+  r->matchers = m;
+  r->vectorcall = repeatsCall;
+  return 0;
+}
+
+void repeatsDealloc(PyObject* self) {
+  Repeats* r = reinterpret_cast<Repeats*>(self);
+  Py_XDECREF(r->givens);
+  Py_XDECREF(r->matchers);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject RepeatsType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "commref_pycall",
-                      "The CPU engine's repeated calls: bound launches, kept arrays.", -1};
+                      "The CPU engine's repeated calls: bound launches, kept arrays, repeated groups.", -1};
 
 // A callable type of this module: made with (args) by `init`, called through the
 // vectorcall slot at `vectorcallOffset`.
@@ -193,9 +287,12 @@ int readyType(PyTypeObject& t, const char* name, Py_ssize_t size, initproc init,
 PyMODINIT_FUNC PyInit_commref_pycall() {
   if (readyType(BoundType, "commref_pycall.Bound", sizeof(Bound), boundInit, nullptr, offsetof(Bound, vectorcall),
                 "Bound(entry, arg[, n]): calling it runs entry(arg) or entry(arg, n) without the GIL.") < 0 ||
-      readyType(ArraysType, "commref_pycall.Arrays", sizeof(Arrays), arraysInit, arraysDealloc,
-                offsetof(Arrays, vectorcall),
-                "Arrays(sendbuf, recvbuf): calling it with (a, b) says whether they are those arrays, unchanged.") < 0)
+      readyType(
+          ArraysType, "commref_pycall.Arrays", sizeof(Arrays), arraysInit, arraysDealloc, offsetof(Arrays, vectorcall),
+          "Arrays(sendbuf, recvbuf): calling it with (a, b) says whether they are those arrays, unchanged.") < 0 ||
+      readyType(RepeatsType, "commref_pycall.Repeats", sizeof(Repeats), repeatsInit, repeatsDealloc,
+                offsetof(Repeats, vectorcall),
+                "Repeats(givens, matchers): calling it with records says whether they repeat those calls.") < 0)
     return nullptr;
   PyObject* numpy = PyImport_ImportModule("numpy");
   if (numpy == nullptr) return nullptr;
@@ -206,8 +303,10 @@ PyMODINIT_FUNC PyInit_commref_pycall() {
   if (m == nullptr) return nullptr;
   Py_INCREF(&BoundType);
   Py_INCREF(&ArraysType);
+  Py_INCREF(&RepeatsType);
   if (PyModule_AddObject(m, "Bound", reinterpret_cast<PyObject*>(&BoundType)) < 0 ||
-      PyModule_AddObject(m, "Arrays", reinterpret_cast<PyObject*>(&ArraysType)) < 0) {
+      PyModule_AddObject(m, "Arrays", reinterpret_cast<PyObject*>(&ArraysType)) < 0 ||
+      PyModule_AddObject(m, "Repeats", reinterpret_cast<PyObject*>(&RepeatsType)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
