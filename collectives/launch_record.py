@@ -128,7 +128,7 @@ class RepeatedCall:
     call of this size. `kept`: whether it can match later calls (`keep` asked for it, and
     the arrays can be weakly referenced: not an ndarray subclass without __weakref__).
     `given`: the call's arguments but its arrays, the objects as given (calls.GIVEN), and
-    `ids`, its arrays' ids: by them a group's calls as given repeat a kept group
+    `send_id`, its sendbuf's id: by them a group's calls as given repeat a kept group
     (FusedLaunch.repeats, FusedLaunch.replay_key)."""
 
     __slots__ = (
@@ -148,7 +148,7 @@ class RepeatedCall:
         "in_place",
         "signature",
         "given",
-        "ids",
+        "send_id",
     )
 
     def __init__(
@@ -168,7 +168,7 @@ class RepeatedCall:
     ):
         self.kept = False
         self.signature = signature  # calls.CallSignature: what describe() names and packing.py compares
-        self.given, self.ids = given, (id(sendbuf), id(recvbuf))
+        self.given, self.send_id = given, id(sendbuf)
         self.matches = self._never
         if keep:
             extension = cpu_loader.pycall()
@@ -280,7 +280,7 @@ class FusedLaunch:
             self.owners.append(None)
         self.descs = np.array(descs, dtype=abi.LAUNCH_DESC)
         self.call = kernels.bind(True, self.descs.ctypes.data, len(descs))
-        self.repeats, self.replay_key = None, members[0].ids[0]
+        self.repeats, self.replay_key = None, members[0].send_id
         if p2p is None and all(m.kept and m.given is not None for m in members):
             givens, matchers = [m.given for m in members], [m.matches for m in members]
             extension = cpu_loader.pycall()
