@@ -25,6 +25,8 @@ kept while its members repeat.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 from commref.device_kernels import abi, cpu_loader, gpu_loader
@@ -33,7 +35,7 @@ from commref.transports.gin.plan import plan_gin
 
 from . import groups, p2p, p2p_collectives, rma, setup, tuner
 from .buffers import BufferChecker
-from .calls import CallPlanner, kernel_spec, record_call
+from .calls import GIVEN, CallPlanner, kernel_spec, record_call
 from .gpu_stream import GpuStream, place_on_gpus, use_rank_gpu
 from .hierarchical import Hierarchy, NodeShape
 from .launch_record import RepeatedCall
@@ -115,6 +117,8 @@ class Communicator:
         self._symmetric = SymmetricWindows(world, self.device, self.device_id or 0, self.window, gin_engine=engine)
         self._planner = CallPlanner(self, c.slow_network, self.gpu_stream)  # preparation
         self._scheduler = Scheduler(self, self._planner, c.host)  # scheduling
+        if self.gpu_stream is None:
+            record_in_c(self)
         world.barrier(what="communicator ready")
 
     # ---- what device_api and the tests use ----
@@ -251,7 +255,8 @@ class Communicator:
         """One call. `avg_divisor` (op avg): divide by this, not nranks (a hierarchical
         phase divides by the job's ranks); `flat`: never hierarchical (its own tail);
         `protocol`: of the ring and tree steps (None: the communicator's). In a group it is
-        recorded as given (calls.GIVEN) and checked when the group ends."""
+        recorded as given (calls.GIVEN) and checked when the group ends; on the CPU engine
+        the collective methods record it in C instead (record_in_c), this record's copy."""
         group = groups.state.open
         if group is not None:  # a member of this thread's group (groups.py), recorded as given
             group.calls.append((sendbuf, recvbuf, coll, op, root, stream, algorithm, protocol, avg_divisor, flat))
@@ -331,6 +336,8 @@ class Communicator:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        for name in RECORDED:  # the methods answer from now on; no Recorder holds this communicator
+            self.__dict__.pop(name, None)
         if getattr(self, "rma", None) is not None:  # the engine that carried them stops below
             self.rma.invalidate()
         errors = setup.release(self)
@@ -357,3 +364,39 @@ class Communicator:
         except Exception:
             if exc_type is None:
                 raise  # else the exception in flight is the one to see
+
+
+# The collective methods that record_in_c makes commref_pycall.Recorders, each named for
+# its collective (the name it passes Communicator._collective).
+RECORDED = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
+
+
+def record_in_c(comm: Communicator) -> None:
+    """Where the commref_pycall extension loads: each RECORDED method of `comm` becomes a
+    Recorder, which records a call in this thread's group (groups.state) as the method does
+    (Communicator._collective: calls.GIVEN's record, the method's defaults filled in) at a
+    fraction of its cost; the method answers every other call. The record is read off the
+    method's signature: positional parameters after the two buffers and keyword-only ones
+    fill the GIVEN fields they name, the rest is what every method passes (op None, root 0,
+    avg_divisor None, flat False)."""
+    extension = cpu_loader.pycall()
+    if extension is None:
+        return
+    fields = ("sendbuf", "recvbuf", *GIVEN)
+    for name in RECORDED:
+        method = getattr(comm, name)
+        base = dict(zip(fields, (None, None, name, None, 0, None, None, None, None, False)))
+        positional, required, keywords = [], 0, {}
+        for p in list(inspect.signature(method).parameters.values())[2:]:
+            if p.default is not p.empty:
+                base[p.name] = p.default
+            if p.kind is p.POSITIONAL_OR_KEYWORD:
+                positional.append(fields.index(p.name))
+                required += p.default is p.empty
+            keywords[p.name] = fields.index(p.name)
+        record = tuple(base.values())
+        setattr(
+            comm,
+            name,
+            extension.Recorder(method, groups.state, comm._scheduler, record, (*positional,), required, keywords),
+        )

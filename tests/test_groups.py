@@ -11,6 +11,8 @@ commref.group_start / group_end / group(), one thread's group over every communi
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 from helpers import WORLD_TIMEOUT, close_after_barrier
@@ -160,3 +162,75 @@ def test_a_collective_that_fails_in_a_group_is_named():
         )
         assert "count is" in message, message
         assert got == 0  # the communicator's sends and receives launch after its collectives: not reached
+
+
+# Each collective method's call forms: recorded by the extension's Recorder, or answered
+# by the method (a positional argument given again by keyword, a missing or unknown one).
+_FORMS = {
+    "allreduce": [(), ("max",), {"op": "max"}, ("min", {"stream": None, "algorithm": "ring", "protocol": "simple"})],
+    "reduce_scatter": [(), ("prod",), {"protocol": "ll"}],
+    "allgather": [(), {"algorithm": "ring"}],
+    "broadcast": [(1,), {"root": 1}, (1, {"protocol": "ll128"})],
+    "reduce": [(), ("max", 1), ("max", {"root": 1}), {"op": "max", "root": 1}],
+    "alltoall": [(), {"algorithm": "direct", "stream": None}],
+}
+_BAD_FORMS = [("allreduce", ("max",), {"op": "max"}), ("allgather", ("sum",), {}), ("broadcast", (), {"bogus": 1})]
+
+
+def _split(form) -> tuple[tuple, dict]:
+    if isinstance(form, dict):
+        return (), form
+    if form and isinstance(form[-1], dict):
+        return form[:-1], form[-1]
+    return form, {}
+
+
+def test_a_call_recorded_in_c_is_the_record_the_method_makes():
+    """On the CPU engine a group records a collective through commref_pycall.Recorder
+    (communicator.record_in_c); its record must be, object for object, the one the
+    Python method makes (Communicator._collective), for every method and call form, and
+    a bad form must raise the method's own TypeError."""
+    from commref.collectives import communicator, groups
+    from commref.device_kernels import cpu_loader
+
+    assert cpu_loader.pycall() is not None, "the commref_pycall extension must build here"
+
+    def record(call, *args, **kwargs) -> tuple:
+        with pytest.raises(KeyboardInterrupt), commref.group():  # left by an exception: nothing launches
+            call(*args, **kwargs)
+            calls, schedulers = groups.state.open.calls, groups.state.open.schedulers
+            assert len(calls) == len(schedulers) == 1
+            got = (calls[0], schedulers[0])
+            raise KeyboardInterrupt
+        return got
+
+    def body(world):
+        comm = _comm(world)
+        s, r = np.ones(4, np.float32), np.zeros(4, np.float32)
+        for name, forms in _FORMS.items():
+            recorder, method = getattr(comm, name), getattr(Communicator, name)
+            assert type(recorder).__name__ == "Recorder" and recorder.__wrapped__ == method.__get__(comm)
+            assert inspect.signature(recorder) == inspect.signature(recorder.__wrapped__)
+            assert recorder.__doc__ == method.__doc__ and recorder.__name__ == name
+            for form in forms:
+                args, kwargs = _split(form)
+                (c_record, c_sched), (py_record, py_sched) = (
+                    record(recorder, s, r, *args, **kwargs),
+                    record(method, comm, s, r, *args, **kwargs),
+                )
+                assert len(c_record) == len(py_record) and c_sched is py_sched, (name, form)
+                assert all(a is b for a, b in zip(c_record, py_record)), (name, form, c_record, py_record)
+        for name, args, kwargs in _BAD_FORMS:
+            errors = []
+            for call, first in ((getattr(comm, name), ()), (getattr(Communicator, name), (comm,))):
+                with pytest.raises(KeyboardInterrupt), commref.group():
+                    with pytest.raises(TypeError) as e:
+                        call(*first, s, r, *args, **kwargs)
+                    errors.append(str(e.value).split(": ", 1)[-1])
+                    assert groups.state.open.calls == []
+                    raise KeyboardInterrupt
+            assert errors[0] == errors[1], (name, errors)
+        comm.close()
+        return [name in comm.__dict__ for name in communicator.RECORDED]  # close() drops the recorders
+
+    assert ThreadWorld.run(1, body, timeout=WORLD_TIMEOUT) == [[False] * len(communicator.RECORDED)]

@@ -24,6 +24,19 @@
 //                            objects of givens[i], and matchers[i](a, b) is true
 //
 // what launch_record.FusedLaunch.repeats asks of a group's calls as given (groups.py).
+//
+//   Recorder(method, state, scheduler, base, positional, required, keywords)
+//                            a Communicator's collective method inside a group: called
+//                            with (sendbuf, recvbuf, *args, **kwargs) while state.open
+//                            is a group, it appends to open.calls the record `base`
+//                            with base[0], base[1] = sendbuf, recvbuf, the positional
+//                            args at the indices `positional` (at least `required` of
+//                            them) and each keyword at keywords[name], and `scheduler`
+//                            to open.schedulers; every other call (no group open, other
+//                            arguments) is method(*args, **kwargs), whose answer it is
+//
+// so that a group records a call as the Python method does (Communicator._collective)
+// for a method call's cost; its __wrapped__ is `method` (inspect.signature, help).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -263,8 +276,183 @@ void repeatsDealloc(PyObject* self) {
 
 PyTypeObject RepeatsType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+struct Recorder {
+  PyObject_HEAD PyObject* method;  // the Python method: every call that is not recorded here
+  PyObject* state;                 // groups.state: its `open` is the thread's group, or None
+  PyObject* scheduler;
+  PyObject* base;      // a tuple: the record with the defaults
+  PyObject* keywords;  // a dict: keyword name -> index in the record
+  Py_ssize_t positional[4];
+  Py_ssize_t npositional, required;
+  vectorcallfunc vectorcall;
+};
+
+PyObject* openName = nullptr;  // "open", "calls", "schedulers": interned when the module loads
+PyObject* callsName = nullptr;
+PyObject* schedulersName = nullptr;
+
+// Appends the record of (args, kwnames) to the thread's group: 1, 0 where the method
+// must answer the call instead, -1 on an error.
+int recordCall(const Recorder* r, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (nargs < 2 + r->required || nargs > 2 + r->npositional) return 0;
+  PyObject* open = PyObject_GetAttr(r->state, openName);
+  if (open == nullptr) return -1;
+  if (open == Py_None) {
+    Py_DECREF(open);
+    return 0;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(r->base);
+  PyObject* record = PyTuple_New(n);
+  if (record == nullptr) {
+    Py_DECREF(open);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(record, i, Py_NewRef(PyTuple_GET_ITEM(r->base, i)));
+  auto put = [record](Py_ssize_t at, PyObject* value) {
+    PyObject* old = PyTuple_GET_ITEM(record, at);
+    PyTuple_SET_ITEM(record, at, Py_NewRef(value));
+    Py_DECREF(old);
+  };
+  put(0, args[0]);
+  put(1, args[1]);
+  for (Py_ssize_t i = 2; i < nargs; i++) put(r->positional[i - 2], args[i]);
+  const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+  int status = 1;
+  for (Py_ssize_t k = 0; k < nkw && status == 1; k++) {
+    PyObject* at = PyDict_GetItemWithError(r->keywords, PyTuple_GET_ITEM(kwnames, k));  // borrowed
+    if (at == nullptr) {
+      status = PyErr_Occurred() ? -1 : 0;
+      break;
+    }
+    const Py_ssize_t i = PyLong_AsSsize_t(at);
+    for (Py_ssize_t j = 0; j < nargs - 2; j++)
+      if (r->positional[j] == i) status = 0;  // given twice: the method says so
+    if (status == 1) put(i, args[nargs + k]);
+  }
+  if (status == 1) {
+    PyObject* calls = PyObject_GetAttr(open, callsName);
+    PyObject* schedulers = calls == nullptr ? nullptr : PyObject_GetAttr(open, schedulersName);
+    if (schedulers == nullptr || !PyList_Check(calls) || !PyList_Check(schedulers)) {
+      if (schedulers != nullptr) PyErr_SetString(PyExc_TypeError, "Recorder: a group's calls and schedulers are lists");
+      status = -1;
+    } else if (PyList_Append(calls, record) < 0) {
+      status = -1;
+    } else if (PyList_Append(schedulers, r->scheduler) < 0) {  // undone: the two lists stay as long as each other
+      PyList_SetSlice(calls, PyList_GET_SIZE(calls) - 1, PyList_GET_SIZE(calls), nullptr);
+      status = -1;
+    }
+    Py_XDECREF(calls);
+    Py_XDECREF(schedulers);
+  }
+  Py_DECREF(record);
+  Py_DECREF(open);
+  return status;
+}
+
+PyObject* recorderCall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const Recorder* r = reinterpret_cast<const Recorder*>(self);
+  const int recorded = recordCall(r, args, PyVectorcall_NARGS(nargsf), kwnames);
+  if (recorded < 0) return nullptr;
+  if (recorded) Py_RETURN_NONE;
+  return PyObject_Vectorcall(r->method, args, nargsf, kwnames);
+}
+
+int recorderInit(PyObject* self, PyObject* args, PyObject* kwargs) {
+  PyObject *method, *state, *scheduler, *base, *positional, *keywords;
+  Py_ssize_t required;
+  static const char* names[] = {"method", "state", "scheduler", "base", "positional", "required", "keywords", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!O!nO!", const_cast<char**>(names), &method, &state, &scheduler,
+                                   &PyTuple_Type, &base, &PyTuple_Type, &positional, &required, &PyDict_Type,
+                                   &keywords))
+    return -1;
+  Recorder* r = reinterpret_cast<Recorder*>(self);
+  if (r->method != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "Recorder is initialized once");
+    return -1;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(base), np = PyTuple_GET_SIZE(positional);
+  if (!PyCallable_Check(method) || n < 2 || np > 4 || required < 0 || required > np) {
+    PyErr_SetString(PyExc_ValueError, "Recorder: a callable, a record of two buffers and more, at most 4 positional");
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < np; i++) {
+    r->positional[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(positional, i));
+    if (r->positional[i] < 2 || r->positional[i] >= n) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Recorder: a positional index past the buffers");
+      return -1;
+    }
+  }
+  PyObject *name, *at;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(keywords, &pos, &name, &at)) {
+    const Py_ssize_t i = PyLong_Check(at) ? PyLong_AsSsize_t(at) : -1;
+    if (!PyUnicode_Check(name) || i < 2 || i >= n) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Recorder: keywords name indices past the buffers");
+      return -1;
+    }
+  }
+  r->npositional = np;
+  r->required = required;
+  r->method = Py_NewRef(method);
+  r->state = Py_NewRef(state);
+  r->scheduler = Py_NewRef(scheduler);
+  r->base = Py_NewRef(base);
+  r->keywords = Py_NewRef(keywords);
+  r->vectorcall = recorderCall;
+  return 0;
+}
+
+int recorderTraverse(PyObject* self, visitproc visit, void* arg) {
+  Recorder* r = reinterpret_cast<Recorder*>(self);
+  Py_VISIT(r->method);
+  Py_VISIT(r->state);
+  Py_VISIT(r->scheduler);
+  Py_VISIT(r->base);
+  Py_VISIT(r->keywords);
+  return 0;
+}
+
+int recorderClear(PyObject* self) {
+  Recorder* r = reinterpret_cast<Recorder*>(self);
+  Py_CLEAR(r->method);
+  Py_CLEAR(r->state);
+  Py_CLEAR(r->scheduler);
+  Py_CLEAR(r->base);
+  Py_CLEAR(r->keywords);
+  return 0;
+}
+
+void recorderDealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  recorderClear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+// __wrapped__, __doc__, __name__: the method's (inspect.signature and help read them).
+PyObject* recorderWrapped(PyObject* self, void*) {
+  PyObject* m = reinterpret_cast<Recorder*>(self)->method;
+  if (m == nullptr) Py_RETURN_NONE;
+  return Py_NewRef(m);
+}
+
+PyObject* recorderMethodAttr(PyObject* self, void* name) {
+  PyObject* m = reinterpret_cast<Recorder*>(self)->method;
+  if (m == nullptr) Py_RETURN_NONE;
+  return PyObject_GetAttrString(m, static_cast<const char*>(name));
+}
+
+PyGetSetDef recorderGetset[] = {
+    {"__wrapped__", recorderWrapped, nullptr, "the method that answers every call not recorded", nullptr},
+    {"__doc__", recorderMethodAttr, nullptr, nullptr, const_cast<char*>("__doc__")},
+    {"__name__", recorderMethodAttr, nullptr, nullptr, const_cast<char*>("__name__")},
+    {"__qualname__", recorderMethodAttr, nullptr, nullptr, const_cast<char*>("__qualname__")},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject RecorderType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "commref_pycall",
-                      "The CPU engine's repeated calls: bound launches, kept arrays, repeated groups.", -1};
+                      "The CPU engine's repeated calls: bound launches, kept arrays, repeated groups, recorded calls.",
+                      -1};
 
 // A callable type of this module: made with (args) by `init`, called through the
 // vectorcall slot at `vectorcallOffset`.
@@ -272,7 +460,7 @@ int readyType(PyTypeObject& t, const char* name, Py_ssize_t size, initproc init,
               Py_ssize_t vectorcallOffset, const char* doc) {
   t.tp_name = name;
   t.tp_basicsize = size;
-  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_flags |= Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;  // and any flag set before
   t.tp_new = PyType_GenericNew;
   t.tp_init = init;
   if (dealloc != nullptr) t.tp_dealloc = dealloc;
@@ -294,6 +482,19 @@ PyMODINIT_FUNC PyInit_commref_pycall() {
                 offsetof(Repeats, vectorcall),
                 "Repeats(givens, matchers): calling it with records says whether they repeat those calls.") < 0)
     return nullptr;
+  RecorderType.tp_flags |= Py_TPFLAGS_HAVE_GC;  // it holds the method, whose communicator holds it
+  RecorderType.tp_traverse = recorderTraverse;
+  RecorderType.tp_clear = recorderClear;
+  RecorderType.tp_getset = recorderGetset;
+  if (readyType(RecorderType, "commref_pycall.Recorder", sizeof(Recorder), recorderInit, recorderDealloc,
+                offsetof(Recorder, vectorcall),
+                "Recorder(method, state, scheduler, base, positional, required, keywords): a collective method "
+                "that records its calls in a group.") < 0)
+    return nullptr;
+  openName = PyUnicode_InternFromString("open");
+  callsName = PyUnicode_InternFromString("calls");
+  schedulersName = PyUnicode_InternFromString("schedulers");
+  if (openName == nullptr || callsName == nullptr || schedulersName == nullptr) return nullptr;
   PyObject* numpy = PyImport_ImportModule("numpy");
   if (numpy == nullptr) return nullptr;
   ndarrayType = PyObject_GetAttrString(numpy, "ndarray");
@@ -304,9 +505,11 @@ PyMODINIT_FUNC PyInit_commref_pycall() {
   Py_INCREF(&BoundType);
   Py_INCREF(&ArraysType);
   Py_INCREF(&RepeatsType);
+  Py_INCREF(&RecorderType);
   if (PyModule_AddObject(m, "Bound", reinterpret_cast<PyObject*>(&BoundType)) < 0 ||
       PyModule_AddObject(m, "Arrays", reinterpret_cast<PyObject*>(&ArraysType)) < 0 ||
-      PyModule_AddObject(m, "Repeats", reinterpret_cast<PyObject*>(&RepeatsType)) < 0) {
+      PyModule_AddObject(m, "Repeats", reinterpret_cast<PyObject*>(&RepeatsType)) < 0 ||
+      PyModule_AddObject(m, "Recorder", reinterpret_cast<PyObject*>(&RecorderType)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
