@@ -372,16 +372,20 @@ RECORDED = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "
 
 
 def record_in_c(comm: Communicator) -> None:
-    """Where the commref_pycall extension loads: each RECORDED method of `comm` becomes a
-    Recorder, which records a call in this thread's group (groups.state) as the method does
-    (Communicator._collective: calls.GIVEN's record, the method's defaults filled in) at a
-    fraction of its cost; the method answers every other call. The record is read off the
+    """Where the commref_pycall extension loads: ``with group():`` becomes its GroupScope
+    (groups.use_scope: for every communicator of the process from then on), and each
+    RECORDED method of `comm` a Recorder, which records a call in this thread's group
+    (groups.state) as the method does (Communicator._collective: calls.GIVEN's record, the
+    method's defaults filled in) at a fraction of its cost; the method answers every other
+    call. The record is read off the
     method's signature: positional parameters after the two buffers and keyword-only ones
     fill the GIVEN fields they name, the rest is what every method passes (op None, root 0,
     avg_divisor None, flat False)."""
     extension = cpu_loader.pycall()
     if extension is None:
         return
+    if not isinstance(groups.group(), extension.GroupScope):  # with group(): the same in C
+        groups.use_scope(extension.GroupScope(groups.state, groups.launch))
     fields = ("sendbuf", "recvbuf", *GIVEN)
     for name in RECORDED:
         method = getattr(comm, name)

@@ -33,7 +33,8 @@ from commref.transports.errors import CommTimeout
 class OpenGroup:
     """A thread's open group: its nesting `depth` (> 0) and its members, `calls` in call
     order and the `schedulers` they run on (two lists: no tuple per member). A plain
-    object: its attributes cost less to reach than a threading.local's."""
+    object: its attributes cost less to reach than a threading.local's. The extension's
+    commref_pycall.OpenGroup, which its GroupScope opens, has the same fields."""
 
     __slots__ = ("depth", "calls", "schedulers")
 
@@ -95,7 +96,9 @@ class _Group:
             group.depth += 1
 
     def __exit__(self, exc_type, exc, tb):
-        group = state.open  # group_start() made it: never None here
+        group = state.open
+        if group is None:  # a group_end() inside the block closed it
+            raise RuntimeError("group_end() without a matching group_start()")
         group.depth -= 1
         if not group.depth:
             state.open = None
@@ -103,12 +106,21 @@ class _Group:
                 launch(group.schedulers, group.calls)
 
 
-_GROUP = _Group()
+# What ``with group():`` enters: a _Group, or the commref_pycall extension's GroupScope
+# (the same in C, its groups that extension's OpenGroups) once a CPU communicator has
+# loaded the extension (communicator.record_in_c, use_scope).
+_scope = _Group()
 
 
-def group() -> _Group:
+def group():
     """``with group():`` is group_start() ... group_end()."""
-    return _GROUP
+    return _scope
+
+
+def use_scope(scope) -> None:
+    """Makes `scope` what group() returns: an object that enters and exits as _Group does."""
+    global _scope
+    _scope = scope
 
 
 def submit(scheduler, call) -> None:

@@ -234,3 +234,69 @@ def test_a_call_recorded_in_c_is_the_record_the_method_makes():
         return [name in comm.__dict__ for name in communicator.RECORDED]  # close() drops the recorders
 
     assert ThreadWorld.run(1, body, timeout=WORLD_TIMEOUT) == [[False] * len(communicator.RECORDED)]
+
+
+def _scope_log(scope, monkeypatch) -> list:
+    """What ``with scope:`` does (groups._Group or commref_pycall.GroupScope) in nested,
+    mixed, failing and broken groups, as a log of launches and errors."""
+    from commref.collectives import groups
+
+    log: list = []
+
+    def launch(schedulers, calls):
+        log.append(("launch", list(schedulers), list(calls)))
+        if "boom" in calls:
+            raise ValueError("a member failed")
+
+    monkeypatch.setattr(groups, "launch", launch)  # what _Group calls; GroupScope was given it
+
+    def member(name):
+        groups.state.open.calls.append(name)
+        groups.state.open.schedulers.append("s")
+
+    with scope:
+        member("a")
+        with scope:
+            member("b")
+        log.append(("inner closed", groups.state.open.depth))
+        groups.group_start()
+        member("c")
+        groups.group_end()
+    log.append(("open", groups.state.open))
+    with pytest.raises(ZeroDivisionError), scope:
+        member("d")
+        1 / 0
+    log.append(("open", groups.state.open))
+    with pytest.raises(ValueError, match="a member failed"), scope:
+        member("boom")
+    log.append(("open", groups.state.open))
+    with pytest.raises(RuntimeError, match=r"group_end\(\) without a matching group_start\(\)"), scope:
+        member("e")
+        groups.group_end()  # closes (and launches) the group the block opened
+    log.append(("open", groups.state.open))
+    groups.group_start()  # a group that group_start opened, entered and left by the scope
+    with scope:
+        member("f")
+    log.append(("depth", groups.state.open.depth))
+    groups.group_end()
+    return log
+
+
+def test_the_c_group_scope_does_what_the_python_one_does(monkeypatch):
+    """commref_pycall.GroupScope (``with group():`` once a CPU communicator loaded the
+    extension) must nest, launch, refuse and fail exactly as groups._Group does."""
+    from commref.collectives import groups
+    from commref.device_kernels import cpu_loader
+
+    extension = cpu_loader.pycall()
+    assert extension is not None, "the commref_pycall extension must build here"
+    logs = []
+    for make in (lambda launch: groups._Group(), lambda launch: extension.GroupScope(groups.state, launch)):
+        with monkeypatch.context() as m:
+            calls = []
+            scope = make(lambda s, c: calls.append(None) or groups.launch(s, c))
+            logs.append(_scope_log(scope, m))
+    assert logs[0] == logs[1], logs
+    assert logs[0][0] == ("inner closed", 1) and logs[0][1][0] == "launch"
+    assert ("launch", ["s"] * 3, ["a", "b", "c"]) in logs[0]
+    assert not any(entry[0] == "launch" and "d" in entry[2] for entry in logs[0])  # the exception: nothing launched

@@ -37,8 +37,16 @@
 //
 // so that a group records a call as the Python method does (Communicator._collective)
 // for a method call's cost; its __wrapped__ is `method` (inspect.signature, help).
+//
+//   OpenGroup()              a thread's open group (groups.OpenGroup's fields: depth 1,
+//                            calls [], schedulers [])
+//   GroupScope(state, launch) ``with group():`` (groups._Group): on entry opens a group in
+//                            state.open (an OpenGroup) or nests in the open one; on exit
+//                            closes a level, and the outermost calls launch(schedulers,
+//                            calls) unless an exception is leaving the block
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>  // PyMemberDef, T_PYSSIZET (Python.h leaves it out before 3.12)
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <ndarraytypes.h>  // numpy/ under numpy.get_include(): the folder is on the path (cpu_loader.pycall)
 
@@ -450,6 +458,177 @@ PyGetSetDef recorderGetset[] = {
 
 PyTypeObject RecorderType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+struct OpenGroup {
+  PyObject_HEAD Py_ssize_t depth;
+  PyObject* calls;
+  PyObject* schedulers;
+};
+
+PyTypeObject OpenGroupType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* openGroupNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if ((args != nullptr && PyTuple_GET_SIZE(args) != 0) || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "OpenGroup() takes no arguments");
+    return nullptr;
+  }
+  OpenGroup* g = reinterpret_cast<OpenGroup*>(type->tp_alloc(type, 0));
+  if (g == nullptr) return nullptr;
+  g->depth = 1;
+  g->calls = PyList_New(0);
+  g->schedulers = PyList_New(0);
+  if (g->calls == nullptr || g->schedulers == nullptr) {
+    Py_DECREF(g);
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(g);
+}
+
+int openGroupTraverse(PyObject* self, visitproc visit, void* arg) {
+  OpenGroup* g = reinterpret_cast<OpenGroup*>(self);
+  Py_VISIT(g->calls);
+  Py_VISIT(g->schedulers);
+  return 0;
+}
+
+int openGroupClear(PyObject* self) {
+  OpenGroup* g = reinterpret_cast<OpenGroup*>(self);
+  Py_CLEAR(g->calls);
+  Py_CLEAR(g->schedulers);
+  return 0;
+}
+
+void openGroupDealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  openGroupClear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyMemberDef openGroupMembers[] = {
+    {"depth", T_PYSSIZET, offsetof(OpenGroup, depth), 0, "nesting depth (> 0)"},
+    {"calls", T_OBJECT_EX, offsetof(OpenGroup, calls), 0, "the members, in call order"},
+    {"schedulers", T_OBJECT_EX, offsetof(OpenGroup, schedulers), 0, "the scheduler of each member"},
+    {nullptr, 0, 0, 0, nullptr}};
+
+struct GroupScope {
+  PyObject_HEAD PyObject* state;  // groups.state
+  PyObject* launch;               // groups.launch(schedulers, calls)
+};
+
+PyObject* depthName = nullptr;  // "depth": interned when the module loads
+
+// Adds `by` to the depth of a group that is not an OpenGroup of this module (groups.py's
+// own): its new depth, or -1 on an error.
+Py_ssize_t addDepth(PyObject* open, long by) {
+  if (Py_TYPE(open) == &OpenGroupType) return reinterpret_cast<OpenGroup*>(open)->depth += by;
+  PyObject* depth = PyObject_GetAttr(open, depthName);
+  if (depth == nullptr) return -1;
+  const Py_ssize_t d = PyLong_AsSsize_t(depth);
+  Py_DECREF(depth);
+  if (d == -1 && PyErr_Occurred()) return -1;
+  PyObject* now = PyLong_FromSsize_t(d + by);
+  const int failed = now == nullptr || PyObject_SetAttr(open, depthName, now) < 0;
+  Py_XDECREF(now);
+  return failed ? -1 : d + by;
+}
+
+PyObject* scopeEnter(PyObject* self, PyObject*) {
+  GroupScope* sc = reinterpret_cast<GroupScope*>(self);
+  PyObject* open = PyObject_GetAttr(sc->state, openName);
+  if (open == nullptr) return nullptr;
+  int failed;
+  if (open == Py_None) {
+    PyObject* g = openGroupNew(&OpenGroupType, nullptr, nullptr);
+    failed = g == nullptr || PyObject_SetAttr(sc->state, openName, g) < 0;
+    Py_XDECREF(g);
+  } else {
+    failed = addDepth(open, 1) < 0;
+  }
+  Py_DECREF(open);
+  if (failed) return nullptr;
+  Py_RETURN_NONE;
+}
+PyObject* scopeExit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "__exit__(exc_type, exc, tb)");
+    return nullptr;
+  }
+  GroupScope* sc = reinterpret_cast<GroupScope*>(self);
+  PyObject* open = PyObject_GetAttr(sc->state, openName);
+  if (open == nullptr) return nullptr;
+  if (open == Py_None) {
+    Py_DECREF(open);
+    PyErr_SetString(PyExc_RuntimeError, "group_end() without a matching group_start()");
+    return nullptr;
+  }
+  const Py_ssize_t depth = addDepth(open, -1);
+  PyObject* out = nullptr;
+  if (depth > 0) {
+    out = Py_NewRef(Py_None);
+  } else if (depth == 0 && PyObject_SetAttr(sc->state, openName, Py_None) == 0) {
+    if (args[0] != Py_None) {  // an exception leaves the block: nothing launches
+      out = Py_NewRef(Py_None);
+    } else {
+      PyObject* calls = PyObject_GetAttr(open, callsName);
+      PyObject* schedulers = calls == nullptr ? nullptr : PyObject_GetAttr(open, schedulersName);
+      if (schedulers != nullptr) {
+        PyObject* launchArgs[2] = {schedulers, calls};
+        out = PyObject_Vectorcall(sc->launch, launchArgs, 2, nullptr);
+      }
+      Py_XDECREF(calls);
+      Py_XDECREF(schedulers);
+    }
+  }
+  Py_DECREF(open);
+  if (out == nullptr) return nullptr;
+  Py_DECREF(out);
+  Py_RETURN_NONE;  // falsy: an exception leaving the block goes on
+}
+
+int scopeInit(PyObject* self, PyObject* args, PyObject* kwargs) {
+  PyObject *state, *launch;
+  static const char* names[] = {"state", "launch", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", const_cast<char**>(names), &state, &launch)) return -1;
+  GroupScope* sc = reinterpret_cast<GroupScope*>(self);
+  if (sc->state != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "GroupScope is initialized once");
+    return -1;
+  }
+  if (!PyCallable_Check(launch)) {
+    PyErr_SetString(PyExc_TypeError, "GroupScope: launch must be callable");
+    return -1;
+  }
+  sc->state = Py_NewRef(state);
+  sc->launch = Py_NewRef(launch);
+  return 0;
+}
+
+int scopeTraverse(PyObject* self, visitproc visit, void* arg) {
+  GroupScope* sc = reinterpret_cast<GroupScope*>(self);
+  Py_VISIT(sc->state);
+  Py_VISIT(sc->launch);
+  return 0;
+}
+
+int scopeClear(PyObject* self) {
+  GroupScope* sc = reinterpret_cast<GroupScope*>(self);
+  Py_CLEAR(sc->state);
+  Py_CLEAR(sc->launch);
+  return 0;
+}
+
+void scopeDealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  scopeClear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyMethodDef scopeMethods[] = {
+    {"__enter__", scopeEnter, METH_NOARGS, "opens a group, or nests in the open one"},
+    {"__exit__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(scopeExit)), METH_FASTCALL,
+     "closes a level; the outermost launches the group unless an exception is leaving"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject GroupScopeType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "commref_pycall",
                       "The CPU engine's repeated calls: bound launches, kept arrays, repeated groups, recorded calls.",
                       -1};
@@ -491,6 +670,28 @@ PyMODINIT_FUNC PyInit_commref_pycall() {
                 "Recorder(method, state, scheduler, base, positional, required, keywords): a collective method "
                 "that records its calls in a group.") < 0)
     return nullptr;
+  OpenGroupType.tp_name = "commref_pycall.OpenGroup";
+  OpenGroupType.tp_basicsize = sizeof(OpenGroup);
+  OpenGroupType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  OpenGroupType.tp_new = openGroupNew;
+  OpenGroupType.tp_traverse = openGroupTraverse;
+  OpenGroupType.tp_clear = openGroupClear;
+  OpenGroupType.tp_dealloc = openGroupDealloc;
+  OpenGroupType.tp_members = openGroupMembers;
+  OpenGroupType.tp_doc = "OpenGroup(): a thread's open group (groups.OpenGroup's fields).";
+  GroupScopeType.tp_name = "commref_pycall.GroupScope";
+  GroupScopeType.tp_basicsize = sizeof(GroupScope);
+  GroupScopeType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  GroupScopeType.tp_new = PyType_GenericNew;
+  GroupScopeType.tp_init = scopeInit;
+  GroupScopeType.tp_traverse = scopeTraverse;
+  GroupScopeType.tp_clear = scopeClear;
+  GroupScopeType.tp_dealloc = scopeDealloc;
+  GroupScopeType.tp_methods = scopeMethods;
+  GroupScopeType.tp_doc = "GroupScope(state, launch): with group(): a group of this thread's calls.";
+  if (PyType_Ready(&OpenGroupType) < 0 || PyType_Ready(&GroupScopeType) < 0) return nullptr;
+  depthName = PyUnicode_InternFromString("depth");
+  if (depthName == nullptr) return nullptr;
   openName = PyUnicode_InternFromString("open");
   callsName = PyUnicode_InternFromString("calls");
   schedulersName = PyUnicode_InternFromString("schedulers");
@@ -506,10 +707,14 @@ PyMODINIT_FUNC PyInit_commref_pycall() {
   Py_INCREF(&ArraysType);
   Py_INCREF(&RepeatsType);
   Py_INCREF(&RecorderType);
+  Py_INCREF(&OpenGroupType);
+  Py_INCREF(&GroupScopeType);
   if (PyModule_AddObject(m, "Bound", reinterpret_cast<PyObject*>(&BoundType)) < 0 ||
       PyModule_AddObject(m, "Arrays", reinterpret_cast<PyObject*>(&ArraysType)) < 0 ||
       PyModule_AddObject(m, "Repeats", reinterpret_cast<PyObject*>(&RepeatsType)) < 0 ||
-      PyModule_AddObject(m, "Recorder", reinterpret_cast<PyObject*>(&RecorderType)) < 0) {
+      PyModule_AddObject(m, "Recorder", reinterpret_cast<PyObject*>(&RecorderType)) < 0 ||
+      PyModule_AddObject(m, "OpenGroup", reinterpret_cast<PyObject*>(&OpenGroupType)) < 0 ||
+      PyModule_AddObject(m, "GroupScope", reinterpret_cast<PyObject*>(&GroupScopeType)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
