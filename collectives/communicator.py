@@ -377,10 +377,9 @@ def record_in_c(comm: Communicator) -> None:
     RECORDED method of `comm` a Recorder, which records a call in this thread's group
     (groups.state) as the method does (Communicator._collective: calls.GIVEN's record, the
     method's defaults filled in) at a fraction of its cost; the method answers every other
-    call. The record is read off the
-    method's signature: positional parameters after the two buffers and keyword-only ones
-    fill the GIVEN fields they name, the rest is what every method passes (op None, root 0,
-    avg_divisor None, flat False)."""
+    call. The record is read off the method's signature: positional parameters after the
+    two buffers and keyword-only ones fill the GIVEN fields they name, the rest is what
+    every method passes (op None, root 0, avg_divisor None, flat False)."""
     extension = cpu_loader.pycall()
     if extension is None:
         return

@@ -72,14 +72,22 @@ def group_start() -> None:
 def group_end() -> None:
     """ncclGroupEnd: the outermost one launches every recorded call (the module
     docstring); RuntimeError without a group_start."""
+    group = _leave()
+    if group is not None:
+        launch(group.schedulers, group.calls)
+
+
+def _leave() -> OpenGroup | None:
+    """Closes one level of this thread's group: the group where that was its outermost
+    (no longer open), else None; RuntimeError where none is open."""
     group = state.open
     if group is None:
         raise RuntimeError("group_end() without a matching group_start()")
     group.depth -= 1
     if group.depth:
-        return
+        return None
     state.open = None
-    launch(group.schedulers, group.calls)
+    return group
 
 
 class _Group:
@@ -88,22 +96,13 @@ class _Group:
 
     __slots__ = ()
 
-    def __enter__(self):  # group_start(), one call fewer
-        group = state.open
-        if group is None:
-            state.open = OpenGroup()
-        else:
-            group.depth += 1
+    def __enter__(self):
+        group_start()
 
     def __exit__(self, exc_type, exc, tb):
-        group = state.open
-        if group is None:  # a group_end() inside the block closed it
-            raise RuntimeError("group_end() without a matching group_start()")
-        group.depth -= 1
-        if not group.depth:
-            state.open = None
-            if exc_type is None:
-                launch(group.schedulers, group.calls)
+        group = _leave()  # RuntimeError where a group_end() inside the block closed it
+        if group is not None and exc_type is None:
+            launch(group.schedulers, group.calls)
 
 
 # What ``with group():`` enters: a _Group, or the commref_pycall extension's GroupScope
