@@ -74,6 +74,32 @@ def test_a_mixed_group_is_one_launch_and_exact():
         np.testing.assert_array_equal(got, np.full(5, (r - 1) % n + 7, np.int32))
 
 
+def _alternating_buffers(rank: int):
+    """x, y (int32) and a, b (float64) for _alternating_groups on `rank`."""
+    x, y = np.full(4, rank + 1, np.int32), np.zeros(4, np.int32)
+    return x, y, np.arange(8, dtype=np.float64) + rank, np.zeros(16, np.float64)
+
+
+def _alternating_groups(comm, armed: dict, arm_from: int, x, y, a, b, rounds: int = 5) -> list:
+    """Two groups alternating for `rounds` rounds (8 AllReduces of x into y; a max
+    AllReduce of x into y and an AllGather of a into b), `armed[rank]` true from round
+    `arm_from` on and false after: per round the launches both took, the groups kept,
+    y's sum and b's sum."""
+    out = []
+    for i in range(rounds):
+        armed[comm.rank] = i >= arm_from
+        before = comm.launches
+        with comm.group():
+            for _ in range(8):
+                comm.allreduce(x, y)
+        with comm.group():
+            comm.allreduce(x, y, "max")
+            comm.allgather(a, b)
+        out.append((comm.launches - before, comm.kept_groups, int(y.sum()), float(b.sum())))
+    armed[comm.rank] = False
+    return out
+
+
 def test_a_repeated_group_goes_straight_to_its_kept_launch(monkeypatch):
     """Eight calls on the same arrays (as -m 8 posts them), then distinct calls: after
     the groups are kept, repeating them fuses nothing (Scheduler.fuse would raise), one
@@ -90,21 +116,7 @@ def test_a_repeated_group_goes_straight_to_its_kept_launch(monkeypatch):
 
     def body(world):
         comm = _comm(world)
-        r = world.rank
-        x, y = np.full(4, r + 1, np.int32), np.zeros(4, np.int32)
-        a, b = np.arange(8, dtype=np.float64) + r, np.zeros(16, np.float64)
-        out = []
-        for i in range(5):
-            armed[r] = i >= 3
-            before = comm.launches
-            with comm.group():
-                for _ in range(8):
-                    comm.allreduce(x, y)
-            with comm.group():
-                comm.allreduce(x, y, "max")
-                comm.allgather(a, b)
-            out.append((comm.launches - before, comm.kept_groups, int(y.sum()), float(b.sum())))
-        armed[r] = False
+        out = _alternating_groups(comm, armed, 3, *_alternating_buffers(world.rank))
         close_after_barrier(world, comm)
         return out
 
@@ -133,21 +145,8 @@ def test_a_repeating_group_replays_its_kept_launch_unchecked(binding, monkeypatc
 
     def body(world):
         comm = _comm(world)
-        r = world.rank
-        x, y = np.full(4, r + 1, np.int32), np.zeros(4, np.int32)
-        a, b = np.arange(8, dtype=np.float64) + r, np.zeros(16, np.float64)
-        out = []
-        for i in range(5):
-            armed[r] = i >= 2
-            before = comm.launches
-            with comm.group():
-                for _ in range(8):
-                    comm.allreduce(x, y)
-            with comm.group():
-                comm.allreduce(x, y, "max")
-                comm.allgather(a, b)
-            out.append((comm.launches - before, int(y.sum()), float(b.sum())))
-        armed[r] = False
+        x, y, a, b = _alternating_buffers(world.rank)
+        out = [(n, ys, bs) for n, _, ys, bs in _alternating_groups(comm, armed, 2, x, y, a, b)]
         anew = "".join(["m", "ax"])
         with comm.group():
             comm.allreduce(x, y, anew)
