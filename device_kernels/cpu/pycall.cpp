@@ -430,9 +430,10 @@ int recorderClear(PyObject* self) {
   return 0;
 }
 
-void recorderDealloc(PyObject* self) {
+// The dealloc of this module's types that hold Python objects: untracked, their tp_clear, freed.
+void holderDealloc(PyObject* self) {
   PyObject_GC_UnTrack(self);
-  recorderClear(self);
+  Py_TYPE(self)->tp_clear(self);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -495,12 +496,6 @@ int openGroupClear(PyObject* self) {
   Py_CLEAR(g->calls);
   Py_CLEAR(g->schedulers);
   return 0;
-}
-
-void openGroupDealloc(PyObject* self) {
-  PyObject_GC_UnTrack(self);
-  openGroupClear(self);
-  Py_TYPE(self)->tp_free(self);
 }
 
 PyMemberDef openGroupMembers[] = {
@@ -616,12 +611,6 @@ int scopeClear(PyObject* self) {
   return 0;
 }
 
-void scopeDealloc(PyObject* self) {
-  PyObject_GC_UnTrack(self);
-  scopeClear(self);
-  Py_TYPE(self)->tp_free(self);
-}
-
 PyMethodDef scopeMethods[] = {
     {"__enter__", scopeEnter, METH_NOARGS, "opens a group, or nests in the open one"},
     {"__exit__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(scopeExit)), METH_FASTCALL,
@@ -649,6 +638,22 @@ int readyType(PyTypeObject& t, const char* name, Py_ssize_t size, initproc init,
   return PyType_Ready(&t);
 }
 
+// A type of this module, not callable, whose objects hold Python objects (the cyclic
+// collector's: traverse, clear; holderDealloc), made ready; tp_new PyType_GenericNew
+// unless set before.
+int readyHolderType(PyTypeObject& t, const char* name, Py_ssize_t size, traverseproc traverse, inquiry clear,
+                    const char* doc) {
+  t.tp_name = name;
+  t.tp_basicsize = size;
+  t.tp_flags |= Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  if (t.tp_new == nullptr) t.tp_new = PyType_GenericNew;
+  t.tp_traverse = traverse;
+  t.tp_clear = clear;
+  t.tp_dealloc = holderDealloc;
+  t.tp_doc = doc;
+  return PyType_Ready(&t);
+}
+
 }  // namespace
 
 PyMODINIT_FUNC PyInit_commref_pycall() {
@@ -665,31 +670,20 @@ PyMODINIT_FUNC PyInit_commref_pycall() {
   RecorderType.tp_traverse = recorderTraverse;
   RecorderType.tp_clear = recorderClear;
   RecorderType.tp_getset = recorderGetset;
-  if (readyType(RecorderType, "commref_pycall.Recorder", sizeof(Recorder), recorderInit, recorderDealloc,
+  if (readyType(RecorderType, "commref_pycall.Recorder", sizeof(Recorder), recorderInit, holderDealloc,
                 offsetof(Recorder, vectorcall),
                 "Recorder(method, state, scheduler, base, positional, required, keywords): a collective method "
                 "that records its calls in a group.") < 0)
     return nullptr;
-  OpenGroupType.tp_name = "commref_pycall.OpenGroup";
-  OpenGroupType.tp_basicsize = sizeof(OpenGroup);
-  OpenGroupType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   OpenGroupType.tp_new = openGroupNew;
-  OpenGroupType.tp_traverse = openGroupTraverse;
-  OpenGroupType.tp_clear = openGroupClear;
-  OpenGroupType.tp_dealloc = openGroupDealloc;
   OpenGroupType.tp_members = openGroupMembers;
-  OpenGroupType.tp_doc = "OpenGroup(): a thread's open group (groups.OpenGroup's fields).";
-  GroupScopeType.tp_name = "commref_pycall.GroupScope";
-  GroupScopeType.tp_basicsize = sizeof(GroupScope);
-  GroupScopeType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
-  GroupScopeType.tp_new = PyType_GenericNew;
   GroupScopeType.tp_init = scopeInit;
-  GroupScopeType.tp_traverse = scopeTraverse;
-  GroupScopeType.tp_clear = scopeClear;
-  GroupScopeType.tp_dealloc = scopeDealloc;
   GroupScopeType.tp_methods = scopeMethods;
-  GroupScopeType.tp_doc = "GroupScope(state, launch): with group(): a group of this thread's calls.";
-  if (PyType_Ready(&OpenGroupType) < 0 || PyType_Ready(&GroupScopeType) < 0) return nullptr;
+  if (readyHolderType(OpenGroupType, "commref_pycall.OpenGroup", sizeof(OpenGroup), openGroupTraverse, openGroupClear,
+                      "OpenGroup(): a thread's open group (groups.OpenGroup's fields).") < 0 ||
+      readyHolderType(GroupScopeType, "commref_pycall.GroupScope", sizeof(GroupScope), scopeTraverse, scopeClear,
+                      "GroupScope(state, launch): with group(): a group of this thread's calls.") < 0)
+    return nullptr;
   depthName = PyUnicode_InternFromString("depth");
   if (depthName == nullptr) return nullptr;
   openName = PyUnicode_InternFromString("open");
