@@ -57,7 +57,17 @@ def test_a_change_in_any_engine_part_rebuilds(tmp_path):
     from commref.transports.gin import native
 
     parts = sorted(p.name for p in native.ENGINE_DIR.iterdir() if p.suffix in (".h", ".cpp"))
-    assert parts == ["contexts.h", "core.h", "engine.cpp", "lossy.h", "mpi_net.h", "shm_net.h", "unordered.h", "wire.h"]
+    assert parts == [
+        "contexts.h",
+        "core.h",
+        "engine.cpp",
+        "idle.h",
+        "lossy.h",
+        "mpi_net.h",
+        "shm_net.h",
+        "unordered.h",
+        "wire.h",
+    ]
     copy = tmp_path / "native_engine"
     shutil.copytree(native.ENGINE_DIR, copy)
 

@@ -369,6 +369,32 @@ def test_kernels_take_descriptors_through_the_help_hook(monkeypatch):
         nat.kernels_help_enabled()
 
 
+def _small_calls(world):
+    """500 8-byte AllReduces over GIN (shm, ordered): (exact, the engine's stats)."""
+    with Communicator(world, "cpu", path="gin", wire="ordered", network="shm") as comm:
+        x = np.array([1.0, 2.0], np.float32) * (world.rank + 1)
+        y = np.empty_like(x)
+        before = comm.proxy.stats
+        for _ in range(500):
+            comm.allreduce(x, y)
+        world.barrier(what="calls done")
+        after = comm.proxy.stats
+        exact = bool((y == np.array([1.0, 2.0], np.float32) * sum(range(1, world.size + 1))).all())
+        return exact, {k: after[k] - before[k] for k in ("ops", "by_kernels")}
+
+
+def test_kernels_take_what_they_publish_by_the_end_of_their_block():
+    """Where kernels help, the engine's thread sleeps and kernels do not ring it: each
+    takes what it published at its next help or as its block ends (gin.h, the idle word).
+    A call's last descriptor (its credit signal) is posted with no wait after it, so only
+    the block's end takes it: the kernels took all but a stray few of the calls' descriptors
+    (the thread, waking on its timer, may take one first), where the thread taking those
+    last ones would leave them a quarter short."""
+    for exact, taken in ThreadWorld.run(2, _small_calls, timeout=WORLD_TIMEOUT):
+        assert exact
+        assert taken["ops"] >= 4 * 500 and taken["by_kernels"] >= 0.97 * taken["ops"], taken
+
+
 def test_an_unknown_window_fails_either_engine_with_one_message():
     """A descriptor may name only windows its engine was given (gin.h, "Windows"); the
     Python proxy is given none but the connection window, so it refuses any other id with

@@ -26,6 +26,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <ucontext.h>
@@ -54,6 +55,7 @@ void __tsan_switch_to_fiber(void* fiber, unsigned flags);
 namespace commref_cpu {
 
 thread_local ThreadState* tl_thread = nullptr;
+thread_local const uint64_t* tl_owedHelp = nullptr;
 
 namespace {
 
@@ -218,6 +220,16 @@ void fiberEntry(unsigned lo, unsigned hi) {
   switchHome(b, me);
 }
 
+// The help a thread of the block owes (port.h, commref_help_later), failed or not: what
+// it published is taken before the block ends.
+void settleHelp() {
+  const uint64_t* hook = tl_owedHelp;
+  if (!hook) return;
+  tl_owedHelp = nullptr;
+  const uint64_t fn = __atomic_load_n(hook, __ATOMIC_ACQUIRE);
+  if (fn) reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
+}
+
 void runBlock(Launch* L, unsigned blockId) {
   COMMREF_ENGINE_SCOPE(kProfileKernel);
   Block b;
@@ -282,6 +294,7 @@ void runBlock(Launch* L, unsigned blockId) {
       if (f) __tsan_destroy_fiber(f);
 #endif
   }
+  settleHelp();
   tl_block = saved;
   tl_thread = savedThread;
 }
@@ -299,6 +312,7 @@ std::vector<Worker*> g_idle;
 
 void workerLoop(Worker* w) {
   uint32_t seen = 0;
+  prctl(PR_SET_NAME, "commref-block", 0, 0, 0);  // as top and perf name it
   for (;;) {
     w->seq.wait(seen);
     seen = w->seq.load(std::memory_order_acquire);
@@ -416,10 +430,10 @@ void spin_pause(uint32_t spins) {
   backoff(spins);
 }
 
-void wake_sleeper(uint32_t* word) {
+void wake_sleeper(uint32_t* word, uint32_t only) {
   std::atomic_thread_fence(std::memory_order_seq_cst);  // the caller's publish before the load (port.h)
-  if (__atomic_load_n(word, __ATOMIC_RELAXED) != 0)
-    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+  const uint32_t v = __atomic_load_n(word, __ATOMIC_RELAXED);
+  if (v != 0 && (only == 0 || v == only)) syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
 }
 
 uint64_t now_ns() {

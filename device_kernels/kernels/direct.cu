@@ -219,7 +219,7 @@ struct Pushes {
 
   // Thread 0: until `peer`'s arrivals here reach base + k.
   __device__ void waitFor(int peer, uint64_t k) const {
-    if (a.gin.peerMask) gin().wakeEngine();
+    if (a.gin.peerMask) gin().kick();
     waitAtLeast(&syncSlot(a, a.rank, c, peer)->arrivals, base + k, env, kWaitRecvReady, peer, c, gin().helpHook());
   }
   // All threads: until `peer`'s arrivals (awaitAll: every peer's) reach base + k.

@@ -108,7 +108,7 @@ static __device__ void p2pAwaitAccept(const CollArgs& a, const P2pOp& op, uint64
   const uint64_t* help = nullptr;
   if (s.gin) {  // the credit comes through the engine: help it meanwhile (gin.h)
     Gin g{a, env};
-    g.wakeEngine();
+    g.kick();
     help = g.helpHook();
   }
   const bool sleep = op.symWindow && op.bytes >= COMMREF_P2P_SLEEP_MIN_BYTES && !received;

@@ -49,17 +49,20 @@ ENGINE_DIR = Path(__file__).resolve().with_name("native_engine")  # its parts (e
 SOURCE = ENGINE_DIR / "engine.cpp"  # the translation unit; it includes the headers beside it
 
 # The idle policy (engine.cpp's run()): polls with a pause instruction, then polls
-# with sched_yield, then sleeps doubling from 1 us to sleep_max_ns. Measured at 2 ranks
-# on 2 cores (docs/gin.md, "The native engine").
+# with sched_yield, then sleeps doubling from 1 us to sleep_max_ns; where CPU kernels
+# help (network shm) it sleeps from the first empty poll on. Measured at 2 ranks on 2
+# cores (docs/gin.md, "The native engine" and "The engine's idle policy").
 # On the unordered wire held puts are released once the takers found the queue empty
-# release_polls times in a row, overtaken_polls times while a later put with data has had
-# its signal applied past a held one (native_engine/unordered.h, "Liveness").
+# release_polls times in a row; while a later signal has been applied past a held put,
+# overtaken_polls times or for overtaken_ns, whichever comes first
+# (native_engine/unordered.h, "Liveness").
 POLLING = {
     "spin_polls": 256,
     "yield_polls": 2000,
     "sleep_max_ns": 1_000_000,
     "release_polls": 4,
     "overtaken_polls": 64,
+    "overtaken_ns": 2000,
 }
 
 # Planted bugs (native_engine/core.h, kPlant*), for the tests that must catch them; 0 in
@@ -108,6 +111,7 @@ class EngineConfig(ctypes.Structure):
         ("flushOrdersLaterWrites", ctypes.c_int32),
         ("releasePolls", ctypes.c_int32),
         ("overtakenPolls", ctypes.c_int32),
+        ("overtakenNs", ctypes.c_uint64),
         ("independentContexts", ctypes.c_int32),
         ("batched", ctypes.c_int32),
         ("paths", ctypes.c_int32),
@@ -411,6 +415,7 @@ class NativeProxy:
             flushOrdersLaterWrites=int(transport.flush_orders_later_writes),
             releasePolls=int(poll["release_polls"]),
             overtakenPolls=int(poll["overtaken_polls"]),
+            overtakenNs=int(poll["overtaken_ns"]),
             independentContexts=int(independent_contexts and transport.ordered),
             batched=int(batched),
             paths=int(paths),

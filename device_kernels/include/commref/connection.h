@@ -142,7 +142,7 @@ static __device__ __forceinline__ void connWaitCredit(const SendConnection& s, u
     const uint64_t* help = nullptr;
     if (s.gin) {  // the credit comes through it (network mpi: it receives it); help it meanwhile (gin.h)
       Gin g{a, env};
-      g.wakeEngine();
+      g.kick();
       help = g.helpHook();
     }
     waitAtLeast(s.credit, step + 1 - a.layout.nsteps, env, kWaitSendCredit, s.peer, s.channel, help);
@@ -198,7 +198,7 @@ static __device__ void connPost(const SendConnection& s, uint64_t step, uint64_t
 static __device__ bool connWaitSlot(const RecvConnection& r, uint64_t step, const CollArgs& a, KernelEnv& env) {
   if (r.gin) {
     Gin g{a, env};
-    g.wakeEngine();  // the data comes through it (network mpi: it receives it); help it meanwhile (gin.h)
+    g.kick();  // the data comes through it (network mpi: it receives it); help it meanwhile (gin.h)
     waitReached(r.ready + step % a.layout.nsteps, (step / a.layout.nsteps + 1) * signalsPerSlot(a), env, kWaitRecvReady,
                 r.peer, r.channel, g.helpHook());
     if (!a.gin.checkHeaders) return false;
@@ -299,7 +299,7 @@ static __device__ void connWaitHeaderLines(const RecvConnection& r, uint32_t pro
   const uint64_t* help = nullptr;
   if (r.gin) {  // the lines come through the engine (network shm: kernels help it, gin.h)
     Gin g{a, env};
-    g.wakeEngine();
+    g.kick();
     help = g.helpHook();
   }
   uint64_t desc = 0, count = 0, seen = 0, start = 0;

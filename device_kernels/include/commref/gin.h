@@ -34,12 +34,16 @@ namespace commref {
 // word, a cache line apart, at these byte offsets from the end of the descriptors.
 //
 // The idle word (uint32) is how a sleeping progress engine is rung (the native engine,
-// native_engine/engine.cpp): the engine stores 1 there, a sequentially consistent fence, looks
-// at the next slot once more, and only then sleeps on the word (a futex); a producer
-// publishes its descriptor, a sequentially consistent fence, and wakes the word if it
-// reads 1 (commref_wake_sleeper, port.h). One of the two sees the other's store, so no
-// descriptor waits for a sleeper. GPU producers never ring: an engine serving a GPU
-// does not sleep on the word.
+// native_engine/engine.cpp): the engine stores kGinIdleRingAll (1) there, a sequentially
+// consistent fence, looks at the next slot once more, and only then sleeps on the word (a
+// futex); a producer publishes its descriptor, a sequentially consistent fence, and wakes
+// the word if it reads nonzero (commref_wake_sleeper, port.h). One of the two sees the
+// other's store, so no descriptor waits for a sleeper. GPU producers never ring: an engine
+// serving a GPU does not sleep on the word. An engine whose kernels help (below) and that
+// keeps no clock (no wire model, no lossy link) stores kGinIdleKernelsTake (2) instead:
+// CPU kernels ring only a 1, for each takes what it published at its next help or as its
+// block ends (Gin::handOff), so that engine sleeps while they run instead of taking turns
+// on their cores; host producers ring either.
 //
 // Help (the help hook, two words: a function int (*)(void*) and its argument): a host
 // engine in this process that lets waiting kernels take descriptors too (the native
@@ -47,17 +51,22 @@ namespace commref {
 // while it starts and clears the function before it stops, and it stops only when no
 // kernel of its communicator runs. A CPU kernel that waits on something its GIN queue
 // leads to (a signal, a counter, a credit, a free slot, a flush) calls the hook between
-// polls (commref_help_progress, port.h): it takes what is published, in slot order, if
-// no other thread is taking descriptors at that moment. One taker at a time keeps each
-// (peer, context) FIFO. On a handful of cores this saves the handoff to the engine
-// thread, which may be waiting for the very core the kernel spins on. GPU kernels do
-// not call it.
+// polls (commref_help_progress, port.h), and one that publishes owes it a call, made at
+// its next help or as its block ends (commref_help_later). A call takes what is
+// published, in slot order, if no other thread is taking descriptors at that moment; a
+// taker looks at the queue again after it lets go, so whatever was published while it
+// took is taken. One taker at a time keeps each (peer, context) FIFO. On a handful of
+// cores this saves the handoff to the engine thread, which may be waiting for the very
+// core the kernel spins on. GPU kernels do not call it.
 #define COMMREF_GIN_QUEUE_CLAIMED 0     // slots claimed by producers (fetch-add)
 #define COMMREF_GIN_QUEUE_CONSUMED 64   // slots the proxy has completed (it alone stores)
-#define COMMREF_GIN_QUEUE_IDLE 128      // 1 while the engine sleeps or is about to (it alone stores)
+#define COMMREF_GIN_QUEUE_IDLE 128      // nonzero while the engine sleeps or is about to (it alone stores)
 #define COMMREF_GIN_QUEUE_HELP_FN 136   // the help hook: int (*)(void*), 0 when none (the engine alone stores)
 #define COMMREF_GIN_QUEUE_HELP_CTX 144  // ... and its argument
 #define COMMREF_GIN_QUEUE_HEADER 192
+// The idle word's values while the engine sleeps (0: awake).
+constexpr uint32_t kGinIdleRingAll = 1;      // every producer rings
+constexpr uint32_t kGinIdleKernelsTake = 2;  // host producers ring; helping kernels take their own
 static_assert(COMMREF_GIN_QUEUE_CONSUMED >= COMMREF_GIN_QUEUE_CLAIMED + 8 &&
                   COMMREF_GIN_QUEUE_IDLE >= COMMREF_GIN_QUEUE_CONSUMED + 8 &&
                   COMMREF_GIN_QUEUE_HELP_FN >= COMMREF_GIN_QUEUE_IDLE + 8 &&
@@ -205,9 +214,15 @@ struct Gin {
   __device__ void resetCounter(uint64_t id) const;
 
   // The queue's parts, for the flow primitives' waits.
-  // Rings the engine if it sleeps (see COMMREF_GIN_QUEUE_IDLE): after a publish, and
-  // before a wait on what the engine delivers (on network mpi it receives it).
-  __device__ void wakeEngine() const;
+  // Before a wait on what the engine delivers (on network mpi it receives it): where
+  // kernels help the engine (the help hook is set: "Help" above) the calling kernel takes
+  // what is published now; elsewhere it rings the engine if it sleeps
+  // (COMMREF_GIN_QUEUE_IDLE).
+  __device__ void kick() const;
+  // After a publish: where kernels help, the calling thread takes what it published at
+  // its next help or as its block ends (commref_help_later), ringing only an engine asleep
+  // with kGinIdleRingAll; elsewhere it rings the engine if it sleeps.
+  __device__ void handOff() const;
   __device__ const uint64_t* helpHook() const;  // the help hook's two words
   __device__ uint64_t* signals() const;         // this rank's GIN signal words
   __device__ uint64_t* counters() const;        // this rank's GIN counters

@@ -9,12 +9,17 @@
 //   - commref_now_ns(), commref_spin_pause(spins), commref_block_exit()
 //   - COMMREF_SLEEPING_SPINS: a spin count from which commref_spin_pause sleeps (rather
 //     than pausing or yielding); a wait known to be long may start its count there
-//   - commref_wake_sleeper(word): after a sequentially consistent fence, wakes a host
-//     thread of this process that sleeps on `word` (a futex) if the word reads nonzero
-//     (the GIN engine's idle word, gin.h); nothing on the GPU
+//   - commref_wake_sleeper(word, only = 0): after a sequentially consistent fence, wakes a
+//     host thread of this process that sleeps on `word` (a futex) if the word reads
+//     nonzero (`only` nonzero: if it reads `only`; the GIN engine's idle word, gin.h);
+//     nothing on the GPU
 //   - commref_help_progress(hook): a waiting thread's turn at what a host progress engine
 //     of this process would do next (the GIN queue's help hook, gin.h): calls
-//     ((int (*)(void*))hook[0])((void*)hook[1]) when hook[0] is set; nothing on the GPU
+//     ((int (*)(void*))hook[0])((void*)hook[1]) when hook[0] is set; whether it was set
+//     (false on the GPU, where it does nothing)
+//   - commref_help_later(hook): as commref_help_progress, but at the calling thread's next
+//     commref_help_progress or, at the latest, as its block ends (cpu/engine.cpp);
+//     whether hook[0] was set (false on the GPU)
 //   - COMMREF_ELEM_STRIDE: the stride of a thread's element loop (see below)
 //
 // On the CPU (COMMREF_CPU defined) the CPU execution engine (cpu/engine.cpp) runs a
@@ -109,8 +114,9 @@ static __device__ __forceinline__ void commref_spin_pause(uint32_t spins) {
   asm volatile("exit;" ::: "memory");
   __builtin_unreachable();
 }
-static __device__ __forceinline__ void commref_wake_sleeper(uint32_t*) {}
-static __device__ __forceinline__ void commref_help_progress(const uint64_t*) {}
+static __device__ __forceinline__ void commref_wake_sleeper(uint32_t*, uint32_t = 0) {}
+static __device__ __forceinline__ bool commref_help_progress(const uint64_t*) { return false; }
+static __device__ __forceinline__ bool commref_help_later(const uint64_t*) { return false; }
 
 }  // namespace commref
 
@@ -135,8 +141,11 @@ struct ThreadState {
 extern thread_local ThreadState* tl_thread;
 void syncthreads();
 void spin_pause(uint32_t spins);
-void wake_sleeper(uint32_t* word);
+void wake_sleeper(uint32_t* word, uint32_t only);
 uint64_t now_ns();
+// The help hook this thread owes a call (commref_help_later), or nullptr; the engine
+// calls it as each block ends.
+extern thread_local const uint64_t* tl_owedHelp;
 [[noreturn]] void kernel_abort();
 int syncthreads_or(int predicate);
 // Every COMMREF_KERNEL of the library registers itself while the library loads; the
@@ -190,12 +199,19 @@ static inline uint64_t commref_now_ns() { return commref_cpu::now_ns(); }
 static inline void commref_spin_pause(uint32_t spins) { commref_cpu::spin_pause(spins); }
 // Throws out of the fiber: the engine abandons the block and returns kLaunchFailed.
 [[noreturn]] static inline void commref_block_exit() { commref_cpu::kernel_abort(); }
-static inline void commref_wake_sleeper(uint32_t* word) { commref_cpu::wake_sleeper(word); }
-static inline void commref_help_progress(const uint64_t* hook) {
+static inline void commref_wake_sleeper(uint32_t* word, uint32_t only = 0) { commref_cpu::wake_sleeper(word, only); }
+static inline bool commref_help_progress(const uint64_t* hook) {
   const uint64_t fn = __atomic_load_n(hook, __ATOMIC_ACQUIRE);
-  if (!fn) return;
+  if (!fn) return false;
+  commref_cpu::tl_owedHelp = nullptr;
   COMMREF_PROFILE_SCOPE(kProfileHelp, 0);
   reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
+  return true;
+}
+static inline bool commref_help_later(const uint64_t* hook) {
+  if (!__atomic_load_n(hook, __ATOMIC_ACQUIRE)) return false;
+  commref_cpu::tl_owedHelp = hook;
+  return true;
 }
 }  // namespace commref
 #endif

@@ -60,7 +60,8 @@ struct CommrefGinEngineConfig {
   int32_t duplicates;       // unordered: every segment is placed a second time after its original
   int32_t flushOrdersLaterWrites;  // the backend promises that local completion orders later writes (gda)
   int32_t releasePolls;            // unordered: held puts are released once the queue was found empty this many times
-  int32_t overtakenPolls;          // ... this many times instead while a held put was overtaken by a later put's signal
+  int32_t overtakenPolls;          // ... while a held put was overtaken by a later put's signal: this many times, or
+  uint64_t overtakenNs;            // ... for this long since the first of them, if that is sooner
   int32_t independentContexts;     // ordered: contexts as separate ordering domains (contexts.h)
   int32_t batched;                 // unordered: kernels ring doorbells; links served at them from the first put
   int32_t paths;                   // unordered: packets sprayed over this many paths (unordered.h); 1: no spraying

@@ -12,53 +12,28 @@
 //   unordered.h the unordered wire: held puts, doorbells, seeded landing orders
 //   contexts.h  independent contexts on the ordered wire
 //   lossy.h   the lossy link under the unordered wire, and its reliability layer
+//   idle.h    the idle word the thread sleeps on, and when it polls after all
 //   shm_net.h the SHM network: landing in mapped peer windows
 //   mpi_net.h the MPI network: messages to the peer's engine
 //   this file the engine: reading the queue, executing descriptors, the progress loop
 //
-// What it does, per descriptor (include/commref/gin.h, the same protocol as
-// transports/gin/queue.py's QueueReader): it takes slot `next` once the slot's seq reads
-// next + 1 (acquire: the descriptor's fields, written before the producer's release
-// store, are visible), executes it, and stores consumed = next + 1 with release. One
-// taker at a time takes every descriptor in slot order, so each (peer, ctx) is FIFO: the
-// engine thread, or on network shm a CPU kernel through the queue's help hook (gin.h,
-// "Help"; the `taking_` flag below decides who):
-//   put:      src (this window) -> dst (peer window) by ShmNet::land; counter (release
-//             add, this rank's counters + 8*id) once the source is copied; signal
-//             (release add, index: peer window + signals offset + 8*id, VA: peer window +
-//             offset);
-//   putValue: the 8-byte value stored at dst of the peer, then its signal;
-//   signal:   the signal alone;
-//   get:      peer window src -> this window dst before the slot is consumed, so a
-//             flush (which waits for consumed) covers it;
-//   flush, doorbell: nothing more on this wire (everything lands when taken).
-// Offsets address the windows a descriptor names (GinDescriptor.windows, gin.h): 0 the
-// connection window, others those given by commref_gin_engine_add_window (this rank's
-// base and size, and each peer's base where it is mapped here). Every access is checked
-// against its window's size first (Core::at, Core::known). On the MPI network (mpi_net.h)
-// the same descriptors become messages to the peer's engine, which lands them in its own
-// window. Refusals (GinRefusalCode, tested in abi.GIN_REFUSALS' order) end the engine
-// (core.h).
+// What it does, per descriptor: docs/gin.md, "Threads and words" (the protocol of gin.h,
+// as transports/gin/queue.py's QueueReader). One taker at a time (the engine thread, or on
+// network shm a CPU kernel through the help hook; `taking_` decides) takes every
+// descriptor in slot order, so each (peer, ctx) is FIFO. Every access is checked against
+// its window first (Core::at, Core::known); refusals end the engine (core.h).
 //
-// Polling: after `spin_polls` empty polls with a pause instruction, `yield_polls` polls
-// with sched_yield, then sleeps on the queue's idle word (a futex, gin.h's
-// COMMREF_GIN_QUEUE_IDLE) until a producer rings it or a timeout that doubles from 1 us
-// up to `sleep_max_ns` passes (the thread's timer slack is set to 1 us so that short
-// sleeps are short). Kernels ring after each descriptor they publish and before they
-// wait on a GIN signal, counter or credit, so an idle engine costs its host almost
-// nothing and wakes when work comes; the timeout is for what does not ring: host
-// producers (tests), and on network mpi the messages of peers. Any descriptor taken or
-// message handled resets the backoff; while MPI sends or receives are in flight the
-// engine yields but does not sleep (MPI moves their data only when polled).
-#include <linux/futex.h>
+// Polling (docs/gin.md, "Polling"): `spin_polls` empty polls with a pause, `yield_polls`
+// with sched_yield, then sleeps (idle.h) doubling from 1 us to `sleep_max_ns`; where kernels
+// help and nothing needs a clock (helped_), it sleeps from the first empty poll unless
+// traffic was heavy lately (BusyWatch). Work resets the backoff; MPI in flight: yields.
 #include <sys/prctl.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <thread>
 
 #include "contexts.h"
 #include "core.h"
+#include "idle.h"
 #include "lossy.h"
 #include "mpi_net.h"
 #include "shm_net.h"
@@ -82,17 +57,19 @@ class Engine : public Core {
     const uint64_t header = c.queueBase + c.capacity * sizeof(GinDescriptor);  // gin.h: the words after the ring
     consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
     claimed_ = reinterpret_cast<const uint64_t*>(header + COMMREF_GIN_QUEUE_CLAIMED);
-    idle_ = reinterpret_cast<uint32_t*>(header + COMMREF_GIN_QUEUE_IDLE);
+    idle_ = IdleWord(reinterpret_cast<uint32_t*>(header + COMMREF_GIN_QUEUE_IDLE));
     helperFn_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_FN);
     helperCtx_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_CTX);
   }
 
   void start() {
-    thread_ = std::thread([this] { run(); });
     // On network shm the CPU engine's kernels may take descriptors too (gin.h, "Help"). On
     // network mpi they do not: MPI progress from kernel threads measured no faster there, and
     // slowed the other communicators of the process.
-    if (!mpi() && cfg_.kernelsHelp) {
+    const bool help = !mpi() && cfg_.kernelsHelp;
+    helped_ = help && !wire_.modeled && !lossy_.active();  // before the thread reads it
+    thread_ = std::thread([this] { run(); });
+    if (help) {
       __atomic_store_n(helperCtx_, reinterpret_cast<uint64_t>(this), __ATOMIC_RELAXED);
       __atomic_store_n(helperFn_, reinterpret_cast<uint64_t>(&Engine::helpHook), __ATOMIC_RELEASE);
     }
@@ -106,16 +83,23 @@ class Engine : public Core {
     if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !held_.load(std::memory_order_relaxed) &&
         !lossyOut_.load(std::memory_order_relaxed))
       return 0;  // nothing to take, nothing held or outstanding: no RMW
-    if (!tryTake()) return 0;
-    const int took = drain(64);  // a failure sets failed_: the engine thread ends
-    release();
-    if (took <= 0) return 0;
-    byKernels_.fetch_add((uint64_t)took, std::memory_order_relaxed);
+    int took = 0, empty = 0;
+    // Looks again after letting go (gin.h, "Help"); a second empty pass ends (wire model).
+    for (;;) {
+      if (!tryTake()) break;
+      const int n = drain(kTakeBudget);  // a failure sets failed_: the engine thread ends
+      release();
+      if (n < 0 || (n == 0 && ++empty > 1)) break;
+      took += n;
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // the release before the look
+      if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) break;
+    }
+    if (took) byKernels_.fetch_add((uint64_t)took, std::memory_order_relaxed);
+    if (!helped_ || (took && busy_.lately())) wake();  // a clock to keep, or bulk to copy beside kernels
     return took;
   }
 
-  // Parked, an idle engine sleeps 20 ms at a time instead of polling; a ring or park() wakes it.
-  void park(bool on) { parked_.store(on, std::memory_order_seq_cst), wake(); }
+  void park(bool on) { parked_.store(on, std::memory_order_seq_cst), wake(); }  // parked: 20 ms sleeps; rung: awake
   // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
   int stop(double timeoutS) {
     stop_.store(true, std::memory_order_seq_cst);
@@ -157,14 +141,16 @@ class Engine : public Core {
   // ---- the progress loop ----
 
   void run() {
-    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: short sleeps stay short
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);   // 1 us: short sleeps stay short
+    prctl(PR_SET_NAME, "commref-gin", 0, 0, 0);  // as top and perf name it
     uint64_t idle = 0, sleepNs = 1000, heldPolls = 0;
     constexpr uint64_t kYieldEvery = 8;
     const uint64_t spin = (uint64_t)cfg_.spinPolls, yields = spin + (uint64_t)cfg_.yieldPolls;
     while (!stop_.load(std::memory_order_acquire) && !failed_.load(std::memory_order_acquire)) {
-      int took = 0, moved = 0;  // descriptors taken; messages received and sends completed (MPI)
-      if (tryTake()) {
-        took = drain(64);
+      int took = 0, moved = 0;            // descriptors taken; messages received and sends completed (MPI)
+      const bool contended = !tryTake();  // another taker holds the queue: it looks again as it lets go
+      if (!contended) {
+        took = drain(kTakeBudget);
         if (took >= 0) moved = mpi() ? mpi_.progress() : 0;
         release();
       }
@@ -172,6 +158,14 @@ class Engine : public Core {
       if (took > 0 || moved > 0 || waitingForWire()) {
         idle = 0;
         sleepNs = 1000;
+        continue;
+      }
+      if (helped_ && !parked_.load(std::memory_order_relaxed) && !busy_.lately()) {  // kernels take theirs: sleep
+        // Contended, it sleeps all the same, and long: waking soon would keep a taker
+        // preempted on this core from the queue.
+        const bool nap = held_.load(std::memory_order_relaxed) && !contended && sleepNs > kHeldNapNs;
+        sleep(nap ? kHeldNapNs : sleepNs, true, true, contended);
+        sleepNs = sleepNs * 2 < cfg_.sleepMaxNs ? sleepNs * 2 : cfg_.sleepMaxNs;
         continue;
       }
       if (held_.load(std::memory_order_relaxed) || lossyOut_.load(std::memory_order_relaxed)) {
@@ -220,28 +214,23 @@ class Engine : public Core {
     return __atomic_load_n(&ring_[slot % cfg_.capacity].seq, __ATOMIC_ACQUIRE) == slot + 1;
   }
 
-  // Sleeps until rung, stopped, or `ns` pass (the protocol: gin.h, COMMREF_GIN_QUEUE_IDLE).
-  void sleep(uint64_t ns) {
-    __atomic_store_n(idle_, 1u, __ATOMIC_RELAXED);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !stop_.load(std::memory_order_seq_cst) &&
-        !held_.load(std::memory_order_relaxed)) {
-      const struct timespec ts = timespecOf(ns);
-      syscall(SYS_futex, idle_, FUTEX_WAIT_PRIVATE, 1u, &ts, nullptr, 0);
-    }
-    __atomic_store_n(idle_, 0u, __ATOMIC_RELAXED);
+  // Sleeps until rung, stopped, or `ns` pass; not while something is published (unless
+  // `contended`: its taker looks again) or, unless `whileHeld`, while puts are held.
+  // `kernelsTake`: helping kernels need not ring (gin.h).
+  void sleep(uint64_t ns, bool whileHeld = false, bool kernelsTake = false, bool contended = false) {
+    idle_.sleep(ns, kernelsTake ? kGinIdleKernelsTake : kGinIdleRingAll, [&] {
+      return (!contended && published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE))) ||
+             stop_.load(std::memory_order_seq_cst) || (!whileHeld && held_.load(std::memory_order_relaxed));
+    });
   }
-
-  void wake() {
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (__atomic_load_n(idle_, __ATOMIC_RELAXED)) syscall(SYS_futex, idle_, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
-  }
+  void wake() { idle_.wake(); }
 
   // ---- reading the queue ----
 
   // Takes up to `budget` published descriptors in slot order; how many, or -1 on error.
   int drain(int budget) {
     int took = 0;
+    uint64_t bytes = 0;  // put and get bytes taken
     if (lossy_.active() && !lossy_.progress([this](const Packet& q) { return deliver(q); },
                                             [this](const std::string& m) { return fail(who() + m); }))
       return -1;
@@ -258,7 +247,9 @@ class Engine : public Core {
       __atomic_store_n(consumed_, next_, __ATOMIC_RELEASE);  // frees the entry, completes flushes
       ops_.fetch_add(1, std::memory_order_release);
       took++;
+      if (c.op == kGinPut || c.op == kGinGet) bytes += c.bytes;
     }
+    if (helped_ && took) busy_.took(took, kTakeBudget, bytes);
     if (cfg_.unordered || cfg_.independentContexts) {
       pending_.store(uw_.pending() + ch_.pending() + lossy_.outstanding(), std::memory_order_release);
       lossyOut_.store(lossy_.outstanding(), std::memory_order_relaxed);
@@ -289,8 +280,9 @@ class Engine : public Core {
   Seg<Engine> segFn() { return {this}; }
 
   // The queue was found empty after taking `took`: links without doorbells land; held
-  // puts are released once the takers found it empty releasePolls times in a row (overtakenPolls
-  // while a held put was overtaken: unordered.h, "Liveness"). False on error.
+  // puts are released once the takers found it empty releasePolls times in a row (while a
+  // held put was overtaken, also for overtakenNs, or overtakenPolls times if sooner:
+  // unordered.h, "Liveness"). False on error.
   bool idleUnordered(int took) {
     std::string why;
     if (!uw_.serveUnrung(landing(), &why)) return failUnordered(why);
@@ -298,7 +290,10 @@ class Engine : public Core {
       emptyPolls_ = 0;
       return true;
     }
-    if (++emptyPolls_ < (uint64_t)(uw_.overtaken() || ch_.held() ? cfg_.overtakenPolls : cfg_.releasePolls))
+    if (++emptyPolls_ == 1) emptySinceNs_ = nowNs();
+    if (emptyPolls_ < (uint64_t)cfg_.releasePolls) return true;
+    if ((uw_.overtaken() || ch_.held()) && emptyPolls_ < (uint64_t)cfg_.overtakenPolls &&
+        nowNs() - emptySinceNs_ < cfg_.overtakenNs)
       return true;
     emptyPolls_ = 0;
     auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
@@ -609,11 +604,12 @@ class Engine : public Core {
   Lossy lossy_;
   std::atomic<uint64_t> lossyOut_{0};   // packets the lossy link has not delivered (lossy_'s, mirrored)
   std::atomic<uint64_t> overtaken_{0};  // unordered: held puts a later signal overtook (uw_'s, mirrored)
-  uint64_t emptyPolls_ = 0;  // unordered: the takers found the queue empty this many times in a row, puts held
+  uint64_t emptyPolls_ = 0;    // unordered: the takers found the queue empty this many times in a row, puts held
+  uint64_t emptySinceNs_ = 0;  // ... since this time (nowNs)
   GinDescriptor* ring_;
   uint64_t* consumed_;
   const uint64_t* claimed_;
-  uint32_t* idle_;       // the queue's idle word (the engine alone stores it)
+  IdleWord idle_;        // the queue's idle word (idle.h)
   uint64_t* helperFn_;   // the queue's help hook (gin.h): the function, 0 when none ...
   uint64_t* helperCtx_;  // ... and its argument (this engine)
   // Whoever holds it takes descriptors: the engine thread, or a kernel waiting on the
@@ -623,6 +619,10 @@ class Engine : public Core {
   std::atomic<bool> taking_{false};
   uint64_t next_ = 0;  // the next slot to take (taker only)
   std::atomic<bool> stop_{false}, exited_{false}, parked_{false};
+  bool helped_ = false;  // kernels help and nothing needs the thread's clock: it sleeps when idle (the top)
+  static constexpr uint64_t kHeldNapNs = 16000;  // helped_: the longest sleep while puts are held
+  static constexpr int kTakeBudget = 64;         // descriptors a take drains at most
+  BusyWatch busy_;                               // helped_: whether the thread polls after all (idle.h)
   std::thread thread_;
 };
 

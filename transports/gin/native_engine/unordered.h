@@ -30,8 +30,11 @@
 // every held put is released, per link in sequence order, each in its pre-drawn order.
 // A held put that a later signal to its peer has overtaken (applied while the held one
 // waits, on any context: what a receiver can be fooled by) is held for overtakenPolls
-// empty polls instead, so that a receiver has time to act on that signal; a held put
-// nothing overtook only delays its own signal, and goes after releasePolls.
+// empty polls instead, or until overtakenNs have passed since the first of them if that
+// is sooner (at least releasePolls polls either way), so that a receiver has time to act
+// on that signal: a count alone would be a few hundred nanoseconds where the takers poll
+// fast and tens of microseconds where they yield. A held put nothing overtook only delays
+// its own signal, and goes after releasePolls.
 // Links that ring no doorbells (raw device API use, host producers) are served at the
 // end of each pass over the queue, as one batch with no holds; where the kernels ring
 // doorbells (config `batched`) every link is served at its doorbells from its first put,

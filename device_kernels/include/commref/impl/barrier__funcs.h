@@ -98,7 +98,7 @@ __device__ inline void DeviceComm::teamBarrier(const Coop& coop, int team, GinFe
         if (!barrierMember(team, peer) || (phase == 1 && isLsaPeer(peer))) continue;
         const bool twice = acked && !isLsaPeer(peer);
         for (int c = first; c <= last && !env.failed; c++) {
-          if (a.gin.capacity) ginOn(0).wakeEngine();
+          if (a.gin.capacity) ginOn(0).kick();
           const uint64_t least = twice ? 2 * epoch[c] - 1 + (uint64_t)phase : epoch[c];
           waitReached(barrierWord(a.rank, barrierSet(team, fenced, c), peer), least, env, kWaitBarrier, peer,
                       blockIdx.x, help());

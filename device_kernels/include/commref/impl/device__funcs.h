@@ -97,7 +97,7 @@ __device__ inline uint64_t DeviceComm::waitSignal(uint32_t id, uint64_t least, i
   ringBlock();
   if (threadIdx.x == 0 && signalOk(id)) {
     ringDoorbells();
-    if (a.gin.capacity) ginOn(0).wakeEngine();
+    if (a.gin.capacity) ginOn(0).kick();
     seen = waitReached(signalWord(a.rank, id), least, env, kWaitSignal, peer, blockIdx.x, help());
   }
   return shared(seen);
@@ -114,7 +114,7 @@ __device__ inline uint64_t DeviceComm::waitCounter(uint32_t id, uint64_t least) 
   ringBlock();
   if (threadIdx.x == 0 && counterOk(id)) {
     ringDoorbells();
-    if (a.gin.capacity) ginOn(0).wakeEngine();
+    if (a.gin.capacity) ginOn(0).kick();
     seen = waitReached(counterWord(id), least, env, kWaitCounter, -1, blockIdx.x, help());
   }
   return shared(seen);

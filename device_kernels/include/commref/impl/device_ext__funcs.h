@@ -299,7 +299,7 @@ __device__ inline uint64_t DeviceComm::waitWord(const Coop& c, const uint64_t* w
   if (a.gin.doorbells) c.sync();
   uint64_t v = 0;
   if (c.thread_rank() == 0 && word && bitsOk(bits) && !env.failed) {
-    if (a.gin.capacity) ginOn(0).wakeEngine();
+    if (a.gin.capacity) ginOn(0).kick();
     const uint64_t* hook = help();
     v = load_acquire(word);
     if (!signalReached(v, least, bits)) {

@@ -32,8 +32,12 @@ __device__ __forceinline__ uint64_t* Gin::claimed() const {
 __device__ __forceinline__ const uint64_t* Gin::consumed() const {
   return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_CONSUMED);
 }
-__device__ __forceinline__ void Gin::wakeEngine() const {
-  commref_wake_sleeper((uint32_t*)(queueHeader() + COMMREF_GIN_QUEUE_IDLE));
+__device__ __forceinline__ void Gin::kick() const {
+  if (!commref_help_progress(helpHook())) commref_wake_sleeper((uint32_t*)(queueHeader() + COMMREF_GIN_QUEUE_IDLE));
+}
+__device__ __forceinline__ void Gin::handOff() const {
+  uint32_t* idle = (uint32_t*)(queueHeader() + COMMREF_GIN_QUEUE_IDLE);
+  commref_wake_sleeper(idle, commref_help_later(helpHook()) ? kGinIdleRingAll : 0);
 }
 __device__ __forceinline__ const uint64_t* Gin::helpHook() const {
   return (const uint64_t*)(queueHeader() + COMMREF_GIN_QUEUE_HELP_FN);
@@ -65,7 +69,7 @@ __device__ inline uint64_t Gin::post(uint32_t op, uint32_t flags, int peer, uint
   d->counter = counter;
   d->windows = windows;
   store_release(&d->seq, slot + 1);
-  wakeEngine();
+  handOff();
   return slot;
 }
 
@@ -92,13 +96,13 @@ __device__ inline void Gin::flush() const {
 
 __device__ __forceinline__ uint64_t Gin::readSignal(uint64_t id) const { return load_acquire(signals() + id); }
 __device__ inline uint64_t Gin::waitSignal(uint64_t id, uint64_t least, int peer, int channel) const {
-  wakeEngine();
+  kick();
   return waitReached(signals() + id, least, env, kWaitRecvReady, peer, channel, helpHook());
 }
 __device__ __forceinline__ void Gin::resetSignal(uint64_t id) const { store_relaxed(signals() + id, 0); }
 __device__ __forceinline__ uint64_t Gin::readCounter(uint64_t id) const { return load_acquire(counters() + id); }
 __device__ inline uint64_t Gin::waitCounter(uint64_t id, uint64_t least) const {
-  wakeEngine();
+  kick();
   return waitReached(counters() + id, least, env, kWaitGinFlush, -1, -1, helpHook());
 }
 __device__ __forceinline__ void Gin::resetCounter(uint64_t id) const { store_relaxed(counters() + id, 0); }

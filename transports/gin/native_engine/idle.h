@@ -1,0 +1,75 @@
+// What the engine thread does when it finds nothing to take: the idle word it sleeps on
+// (include/commref/gin.h, COMMREF_GIN_QUEUE_IDLE) and, where CPU kernels help, whether
+// traffic lately was heavy enough for the thread to keep polling (docs/gin.md,
+// "Polling", measures both).
+#pragma once
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include "core.h"
+
+namespace {
+
+// The engine's side of the idle word's protocol (gin.h): it stores the value that says
+// who must ring, a sequentially consistent fence, looks at the queue once more, and only
+// then sleeps; a producer publishes, fences, and wakes the word if it reads nonzero.
+class IdleWord {
+ public:
+  IdleWord() = default;
+  explicit IdleWord(uint32_t* word) : word_(word) {}
+
+  // Sleeps until rung or `ns` pass, unless `mustStayAwake()` (called after the fence:
+  // something published, a stop) says otherwise. `asleep`: kGinIdleRingAll or
+  // kGinIdleKernelsTake.
+  template <typename Check>
+  void sleep(uint64_t ns, uint32_t asleep, Check mustStayAwake) {
+    __atomic_store_n(word_, asleep, __ATOMIC_RELAXED);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (!mustStayAwake()) {
+      const struct timespec ts = timespecOf(ns);
+      syscall(SYS_futex, word_, FUTEX_WAIT_PRIVATE, asleep, &ts, nullptr, 0);
+    }
+    __atomic_store_n(word_, 0u, __ATOMIC_RELAXED);
+  }
+
+  // Wakes the thread if it sleeps (after a fence: the caller's stores before the load).
+  void wake() const {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (__atomic_load_n(word_, __ATOMIC_RELAXED)) syscall(SYS_futex, word_, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+  }
+
+ private:
+  uint32_t* word_ = nullptr;  // the queue's idle word (the engine alone stores it)
+};
+
+// Where kernels help, the engine thread sleeps from its first empty poll, except for a
+// while after heavy traffic: a take that drained its whole budget (a backlog), or
+// kBytes of puts and gets taken within kWindowNs. Then it polls for kAwakeNs as where
+// kernels do not help, so that it takes the next bulk puts beside the kernels instead of
+// leaving each to the kernel's next wait.
+class BusyWatch {
+ public:
+  static constexpr uint64_t kBytes = 16384, kWindowNs = 100000, kAwakeNs = 1000000;
+
+  bool lately() const { return nowNs() - busyAtNs_.load(std::memory_order_relaxed) < kAwakeNs; }
+
+  // The taker's part, after a take of `took` descriptors carrying `bytes` of puts and gets.
+  void took(int took, int budget, uint64_t bytes) {
+    const uint64_t now = nowNs();
+    if (now - windowNs_ > kWindowNs) windowNs_ = now, bytes_ = 0;
+    bytes_ += bytes;
+    if (took < budget && bytes_ < kBytes) return;
+    busyAtNs_.store(now, std::memory_order_relaxed);
+    windowNs_ = now, bytes_ = 0;
+  }
+
+ private:
+  std::atomic<uint64_t> busyAtNs_{0};  // when the last heavy take was (nowNs)
+  uint64_t windowNs_ = 0, bytes_ = 0;  // taker only: the window's start and its bytes
+};
+
+}  // namespace
