@@ -51,7 +51,7 @@ SOURCE = ENGINE_DIR / "engine.cpp"  # the translation unit; it includes the head
 # The idle policy (engine.cpp's run()): polls with a pause instruction, then polls
 # with sched_yield, then sleeps doubling from 1 us to sleep_max_ns; where CPU kernels
 # help (network shm) it sleeps from the first empty poll on. Measured at 2 ranks on 2
-# cores (docs/gin.md, "The native engine" and "The engine's idle policy").
+# cores (docs/gin.md, "The native engine" and "Polling").
 # On the unordered wire held puts are released once the takers found the queue empty
 # release_polls times in a row; while a later signal has been applied past a held put,
 # overtaken_polls times or for overtaken_ns, whichever comes first
@@ -62,7 +62,7 @@ POLLING = {
     "sleep_max_ns": 1_000_000,
     "release_polls": 4,
     "overtaken_polls": 64,
-    "overtaken_ns": 2000,
+    "overtaken_ns": 20000,
 }
 
 # Planted bugs (native_engine/core.h, kPlant*), for the tests that must catch them; 0 in
