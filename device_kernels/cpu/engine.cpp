@@ -223,11 +223,7 @@ void fiberEntry(unsigned lo, unsigned hi) {
 // The help a thread of the block owes (port.h, commref_help_later), failed or not: what
 // it published is taken before the block ends.
 void settleHelp() {
-  const uint64_t* hook = tl_owedHelp;
-  if (!hook) return;
-  tl_owedHelp = nullptr;
-  const uint64_t fn = __atomic_load_n(hook, __ATOMIC_ACQUIRE);
-  if (fn) reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
+  if (tl_owedHelp) commref::commref_help_progress(tl_owedHelp);  // clears tl_owedHelp
 }
 
 void runBlock(Launch* L, unsigned blockId) {

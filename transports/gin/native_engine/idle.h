@@ -57,12 +57,12 @@ class BusyWatch {
 
   bool lately() const { return nowNs() - busyAtNs_.load(std::memory_order_relaxed) < kAwakeNs; }
 
-  // The taker's part, after a take of `took` descriptors carrying `bytes` of puts and gets.
-  void took(int took, int budget, uint64_t bytes) {
+  // The taker's part, after a take of `descriptors` carrying `bytes` of puts and gets.
+  void took(int descriptors, int budget, uint64_t bytes) {
     const uint64_t now = nowNs();
     if (now - windowNs_ > kWindowNs) windowNs_ = now, bytes_ = 0;
     bytes_ += bytes;
-    if (took < budget && bytes_ < kBytes) return;
+    if (descriptors < budget && bytes_ < kBytes) return;
     busyAtNs_.store(now, std::memory_order_relaxed);
     windowNs_ = now, bytes_ = 0;
   }
