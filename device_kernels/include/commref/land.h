@@ -40,9 +40,10 @@ static inline void landLines(void* to, const void* from, uint64_t n) { memcpy(to
 // ThreadSanitizer does not see non-temporal stores: its builds copy with memcpy.
 #if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
 #define COMMREF_HAVE_STREAM 1
-// memcpy with non-temporal stores; ends with a store fence, so that the flag that
-// publishes the bytes is ordered after them.
-static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
+// memcpy with non-temporal stores, not fenced: they may become visible after later
+// stores of this thread, so the caller fences (_mm_sfence) before the store that
+// publishes them.
+static inline void streamBytesUnfenced(char* dst, const char* src, uint64_t bytes) {
   uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
   if (head > bytes) head = bytes;
   memcpy(dst, src, head);
@@ -58,6 +59,12 @@ static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
     _mm_stream_si128((__m128i*)(dst + i + 48), d);
   }
   memcpy(dst + i, src + i, bytes - i);
+}
+
+// memcpy with non-temporal stores; ends with a store fence, so that the flag that
+// publishes the bytes is ordered after them.
+static inline void streamBytes(char* dst, const char* src, uint64_t bytes) {
+  streamBytesUnfenced(dst, src, bytes);
   _mm_sfence();
 }
 #endif

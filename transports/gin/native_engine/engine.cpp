@@ -66,7 +66,7 @@ class Engine : public Core {
     // On network shm the CPU engine's kernels may take descriptors too (gin.h, "Help"). On
     // network mpi they do not: MPI progress from kernel threads measured no faster there, and
     // slowed the other communicators of the process.
-    const bool help = !mpi() && cfg_.kernelsHelp;
+    const bool help = kernelsHelp();
     helped_ = help && !wire_.modeled && !lossy_.active();  // before the thread reads it
     thread_ = std::thread([this] { run(); });
     if (help) {
@@ -137,6 +137,10 @@ class Engine : public Core {
 
  private:
   bool mpi() const { return cfg_.network == kNetworkMpi; }
+  bool kernelsHelp() const { return !mpi() && cfg_.kernelsHelp; }
+  auto failWith() {  // a failure's callback: the message, named by this rank
+    return [this](const std::string& m) { return fail(who() + m); };
+  }
 
   // ---- the progress loop ----
 
@@ -167,6 +171,13 @@ class Engine : public Core {
         sleep(nap ? kHeldNapNs : sleepNs, true, true, contended);
         sleepNs = sleepNs * 2 < cfg_.sleepMaxNs ? sleepNs * 2 : cfg_.sleepMaxNs;
         continue;
+      }
+      if (lossyOut_.load(std::memory_order_relaxed) && !held_.load(std::memory_order_relaxed) && kernelsHelp()) {
+        const uint64_t due = lossyDueNs_.load(std::memory_order_relaxed), now = nowNs();  // its next timer:
+        if (due > now + kLossyNapMinNs) {  // sleeps toward it; waiting kernels help (progress) meanwhile
+          sleep(due - now);
+          continue;
+        }
       }
       if (held_.load(std::memory_order_relaxed) || lossyOut_.load(std::memory_order_relaxed)) {
         // unordered: each empty poll counts toward a release; the lossy link's timers run
@@ -201,7 +212,10 @@ class Engine : public Core {
   void take() {
     while (!tryTake()) std::this_thread::yield();
   }
-  void release() { taking_.store(false, std::memory_order_release); }
+  void release() {  // the unordered wire's streamed stores fenced first (shm_net.h)
+    shm_.settle();
+    taking_.store(false, std::memory_order_release);
+  }
 
   // The wire model holds the head back (published, not due): waits toward its time.
   bool waitingForWire() {
@@ -231,9 +245,7 @@ class Engine : public Core {
   int drain(int budget) {
     int took = 0;
     uint64_t bytes = 0;  // put and get bytes taken
-    if (lossy_.active() && !lossy_.progress([this](const Packet& q) { return deliver(q); },
-                                            [this](const std::string& m) { return fail(who() + m); }))
-      return -1;
+    if (lossy_.active() && !lossy_.progress([this](const Packet& q) { return deliver(q); }, failWith())) return -1;
     while (took < budget) {
       const uint64_t slot = next_;
       if (!published(slot)) {
@@ -253,6 +265,7 @@ class Engine : public Core {
     if (cfg_.unordered || cfg_.independentContexts) {
       pending_.store(uw_.pending() + ch_.pending() + lossy_.outstanding(), std::memory_order_release);
       lossyOut_.store(lossy_.outstanding(), std::memory_order_relaxed);
+      lossyDueNs_.store(lossy_.nextDueNs(), std::memory_order_relaxed);
       held_.store(uw_.held() + ch_.held(), std::memory_order_relaxed);
       overtaken_.store(uw_.overtaken() + ch_.held(), std::memory_order_relaxed);  // a held context: overtaken
     }
@@ -316,11 +329,8 @@ class Engine : public Core {
     if (p.dataLeft && p.dataLeft == p.landed.size()) {
       if (mpi()) {
         if (p.stagedSrc) {  // staged: segment by segment, each inline (a staged copy may not outlive its send)
-          for (uint64_t k = 0; k < p.landed.size(); k++) {
-            p.landed[k]++;
-            p.dataLeft--;
-            if (!carry(Landing{&p, (int64_t)k, 0})) return false;
-          }
+          for (uint64_t k = 0; k < p.landed.size(); k++)
+            if (!landSegment(p, k)) return false;
         } else {
           GinDescriptor put{};
           put.peer = p.peer;
@@ -339,10 +349,7 @@ class Engine : public Core {
       }
       std::fill(p.landed.begin(), p.landed.end(), 1);
       p.dataLeft = 0;
-      if (delivery_.tracing() && !(mpi() && p.stagedSrc)) {
-        const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceData, 0, p.seq, 0, 0, 0, 0};
-        delivery_.record(&r, 1);
-      }
+      if (!(mpi() && p.stagedSrc)) trace(p.peer, p.ctx, kTraceData, p.seq);
     }
     if (p.hasSignal && !p.signalDone) {
       p.signalDone = true;
@@ -366,11 +373,13 @@ class Engine : public Core {
 
   bool failUnordered(const std::string& why) { return failed() ? false : fail(who() + "unordered GIN wire: " + why); }
 
-  void traceHeld(const Pending& p, uint32_t kind, uint64_t a) {
+  // One trace record of `kind` (wire.h, the trace) when tracing.
+  void trace(int32_t peer, int32_t ctx, uint32_t kind, uint64_t seq, uint64_t a = 0, uint64_t b = 0) {
     if (!delivery_.tracing()) return;
-    const CommrefGinTraceRecord r{p.peer, p.ctx, kind, 0, p.seq, a, 0, 0, 0};
+    const CommrefGinTraceRecord r{peer, ctx, kind, 0, seq, a, b, 0, 0};
     delivery_.record(&r, 1);
   }
+  void traceHeld(const Pending& p, uint32_t kind, uint64_t a) { trace(p.peer, p.ctx, kind, p.seq, a); }
 
   // A put's source copied into the put (it is reusable from here on) and its counter bumped.
   void stage(Pending& p) {
@@ -406,10 +415,7 @@ class Engine : public Core {
     k.dst = p.dst ? p.dst + (off - p.dstOffset) : nullptr;
     k.src = p.src + (off - p.dstOffset);
     if (!send(std::move(k))) return false;
-    if (delivery_.tracing()) {
-      const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSeg, 0, p.seq, (uint64_t)e.segment, e.copy, 0, 0};
-      delivery_.record(&r, 1);
-    }
+    trace(p.peer, p.ctx, kTraceSeg, p.seq, (uint64_t)e.segment, e.copy);
     if (p.dataLeft == 0) count(p);  // its bytes are sent (or copied): the source is reusable
     return true;
   }
@@ -418,15 +424,13 @@ class Engine : public Core {
     Packet k = Packet::of(p);
     k.isSignal = true;
     if (!send(std::move(k))) return false;
-    if (delivery_.tracing()) {
-      const CommrefGinTraceRecord r{p.peer, p.ctx, kTraceSignal, 0, p.seq, 0, 0, 0, 0};
-      delivery_.record(&r, 1);
-    }
+    trace(p.peer, p.ctx, kTraceSignal, p.seq);
     return true;
   }
 
   bool send(Packet&& k) {
-    return lossy_.active() ? lossy_.send(std::move(k), [this](const Packet& q) { return deliver(q); }) : deliver(k);
+    if (!lossy_.active()) return deliver(k);
+    return lossy_.send(std::move(k), [this](const Packet& q) { return deliver(q); }, failWith());
   }
 
   // Lands one packet on this engine's network.
@@ -491,11 +495,7 @@ class Engine : public Core {
     if (d.op == kGinFlush) {  // shm: everything landed when taken; mpi: every send completes first
       if (cfg_.unordered) {   // the sources of what is not landed yet are copied: reusable
         auto stageIt = [this](Pending& p) { stage(p); };
-        auto traced = [this](int32_t peer, int32_t ctx) {
-          if (!delivery_.tracing()) return;
-          const CommrefGinTraceRecord r{peer, ctx, kTraceFlush, 0, 0, 0, 0, 0, 0};
-          delivery_.record(&r, 1);
-        };
+        auto traced = [this](int32_t peer, int32_t ctx) { trace(peer, ctx, kTraceFlush, 0); };
         uw_.flush(d.ctx, stageIt, traced);
       }
       if (cfg_.independentContexts) ch_.flush(d.ctx, [this](Pending& p) { stage(p); });
@@ -505,20 +505,13 @@ class Engine : public Core {
     }
     if (d.op == kGinDoorbell && cfg_.unordered) {
       doorbells_.fetch_add(1, std::memory_order_relaxed);
-      if (delivery_.tracing()) {
-        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceDoorbell, 0, uw_.link(d.peer, d.ctx).doorbells + 1, 0, 0,
-                                      0,      0};
-        delivery_.record(&r, 1);
-      }
+      if (delivery_.tracing()) trace(d.peer, d.ctx, kTraceDoorbell, uw_.link(d.peer, d.ctx).doorbells + 1);
       return doorbellUnordered(d);
     }
     if (d.op == kGinDoorbell) {
       const uint64_t n = ++delivery_.link(d.peer, d.ctx).doorbells;
       doorbells_.fetch_add(1, std::memory_order_relaxed);
-      if (delivery_.tracing()) {
-        const CommrefGinTraceRecord r{d.peer, d.ctx, kTraceDoorbell, 0, n, 0, 0, 0, 0};
-        delivery_.record(&r, 1);
-      }
+      trace(d.peer, d.ctx, kTraceDoorbell, n);
       return true;
     }
     if (d.peer < 0 || d.peer >= cfg_.nranks) return refuse({kGinRefusePeerOutside, 0, d.op, d.peer, 0, 0, 0, 0, 0});
@@ -602,8 +595,9 @@ class Engine : public Core {
   UnorderedWire uw_;
   IndependentContexts ch_;
   Lossy lossy_;
-  std::atomic<uint64_t> lossyOut_{0};   // packets the lossy link has not delivered (lossy_'s, mirrored)
-  std::atomic<uint64_t> overtaken_{0};  // unordered: held puts a later signal overtook (uw_'s, mirrored)
+  std::atomic<uint64_t> lossyOut_{0};    // packets the lossy link has not delivered (lossy_'s, mirrored)
+  std::atomic<uint64_t> lossyDueNs_{0};  // ... and when its next timer or late copy is due
+  std::atomic<uint64_t> overtaken_{0};   // unordered: held puts a later signal overtook (uw_'s, mirrored)
   uint64_t emptyPolls_ = 0;    // unordered: the takers found the queue empty this many times in a row, puts held
   uint64_t emptySinceNs_ = 0;  // ... since this time (nowNs)
   GinDescriptor* ring_;
@@ -620,9 +614,10 @@ class Engine : public Core {
   uint64_t next_ = 0;  // the next slot to take (taker only)
   std::atomic<bool> stop_{false}, exited_{false}, parked_{false};
   bool helped_ = false;  // kernels help and nothing needs the thread's clock: it sleeps when idle (the top)
-  static constexpr uint64_t kHeldNapNs = 16000;  // helped_: the longest sleep while puts are held
-  static constexpr int kTakeBudget = 64;         // descriptors a take drains at most
-  BusyWatch busy_;                               // helped_: whether the thread polls after all (idle.h)
+  static constexpr uint64_t kHeldNapNs = 16000;     // helped_: the longest sleep while puts are held
+  static constexpr uint64_t kLossyNapMinNs = 2000;  // the lossy link: the shortest sleep toward a timer
+  static constexpr int kTakeBudget = 64;            // descriptors a take drains at most
+  BusyWatch busy_;                                  // helped_: whether the thread polls after all (idle.h)
   std::thread thread_;
 };
 

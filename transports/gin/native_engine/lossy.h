@@ -29,11 +29,13 @@
 //   when sent, so the source is reusable at once (the wire bumps counters as it sends).
 // The receiver's half lives beside the sender's (the taker is the only writer of its
 // links); on network mpi the messages under it are MPI's, reliable and ordered.
-// Liveness: while anything is outstanding the engine polls (progress()) and does not
-// sleep; every outstanding packet is delivered or failed within faultTransmissions
+// Liveness: while anything is outstanding the takers run progress() (the engine's thread
+// polls, or sleeps no later than nextDueNs()), and every send runs what is due first;
+// every outstanding packet is delivered or failed within faultTransmissions
 // retransmission periods plus the largest delay.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <queue>
 
@@ -55,20 +57,28 @@ class Lossy {
 
   bool active() const { return active_; }
   uint64_t outstanding() const { return outstanding_; }
+  // When progress() has work next: a late copy's arrival or a timer (~0: none).
+  uint64_t nextDueNs() const {
+    const uint64_t timer = timers_.empty() ? ~0ull : timers_.front().dueNs;
+    return arriving_.empty() ? timer : std::min(timer, arriving_.top().atNs);
+  }
 
   // packets, dropped, duplicated, delayed, retransmits, dupDropped (faults.STATS' order)
   void stats(uint64_t* out) const {
     for (int i = 0; i < 6; i++) out[i] = stats_[i].load(std::memory_order_relaxed);
   }
 
-  // Sends `p` over the lossy link; deliver(const Packet&) lands one packet. False when a
-  // landing failed (the engine's message says).
-  template <typename Deliver>
-  bool send(Packet&& p, Deliver deliver) {
+  // Sends `p` over the lossy link; deliver(const Packet&) lands one packet. What is due
+  // first arrives or is sent again (progress()), so that a long run of sends does not
+  // leave a lost packet waiting for its timer. False on failure (a landing's message is
+  // the engine's; an undeliverable packet's goes to fail).
+  template <typename Deliver, typename Fail>
+  bool send(Packet&& p, Deliver deliver, Fail fail) {
+    const uint64_t now = nowNs();
+    if (now >= nextDueNs() && !due(now, deliver, fail)) return false;
     Link& l = link(p.peer, p.ctx);
     const uint64_t seq = l.nextSeq++;
     bump(kPackets);
-    const uint64_t now = nowNs();
     const Draw d = draw();
     const bool plant = cfg_.plant & kPlantNoDedup;
     if (!plant && l.packets.empty() && d.copies > 0 && !d.late[0]) {  // delivered as sent, from its source
@@ -77,52 +87,57 @@ class Lossy {
       if (d.copies == 2) arriveLater(l, seq, now, d, 1);
       return true;
     }
-    if (p.src && p.nbytes) p.bytes.assign(p.src, p.src + p.nbytes);
+    if (p.src && p.nbytes) {
+      p.bytes = spare();
+      p.bytes.assign(p.src, p.src + p.nbytes);
+    }
     p.src = nullptr;
     Entry& e = l.packets[seq];
     e.packet = std::move(p);
-    e.lastSentNs = now;
     e.transmissions = 1;
+    timers_.push_back({now + cfg_.faultRetransmitNs, &l, seq, 1});
     outstanding_++;
     return transmit(l, seq, now, d, deliver);
   }
 
-  // Copies due arrive, unacknowledged packets past their timer are sent again; false on
-  // failure (an undeliverable packet: the message names it, through fail).
+  // Copies due arrive, unacknowledged packets past their timer are sent again (every one
+  // due, in the order their timers expire); false on failure (an undeliverable packet:
+  // the message names it, through fail).
   template <typename Deliver, typename Fail>
   bool progress(Deliver deliver, Fail fail) {
-    if (!outstanding_ && arriving_.empty()) return true;
-    const uint64_t now = nowNs();
+    return (!outstanding_ && arriving_.empty()) || due(nowNs(), deliver, fail);
+  }
+
+ private:
+  // progress() at `now`.
+  template <typename Deliver, typename Fail>
+  bool due(uint64_t now, Deliver deliver, Fail fail) {
     while (!arriving_.empty() && arriving_.top().atNs <= now) {
       const Arrival a = arriving_.top();
       arriving_.pop();
       if (!arrive(*a.link, a.seq, deliver)) return false;
     }
-    if (!outstanding_ || now < nextCheckNs_) return true;
-    nextCheckNs_ = now + cfg_.faultRetransmitNs / 4;
-    for (auto& kv : links_) {
-      Link& l = kv.second;
-      for (auto it = l.packets.begin(); it != l.packets.end(); ++it) {
-        const uint64_t seq = it->first;
-        Entry& e = it->second;
-        if (e.acked || now - e.lastSentNs < cfg_.faultRetransmitNs) continue;
-        if (e.transmissions >= cfg_.faultTransmissions)
-          return fail("lossy GIN wire: packet " + std::to_string(seq) + " to peer " + std::to_string(l.peer) +
-                      " on context " + std::to_string(l.ctx) + " is undeliverable (expected its acknowledgement, " +
-                      "seen none after " + std::to_string(e.transmissions) + " transmissions; " +
-                      std::to_string(l.packets.size()) + " packets of the link outstanding, the next due " +
-                      std::to_string(l.nextDue) + ")");
-        bump(kRetransmits);
-        e.lastSentNs = now;
-        e.transmissions++;
-        if (!transmit(l, seq, now, draw(), deliver)) return false;
-        break;  // the map may have changed under the iterator: the rest at the next check
-      }
+    while (!timers_.empty() && timers_.front().dueNs <= now) {
+      const Timer t = timers_.front();
+      timers_.pop_front();
+      Link& l = *t.link;
+      auto it = l.packets.find(t.seq);
+      if (it == l.packets.end() || it->second.acked || it->second.transmissions != t.transmission) continue;
+      Entry& e = it->second;
+      if (e.transmissions >= cfg_.faultTransmissions)
+        return fail("lossy GIN wire: packet " + std::to_string(t.seq) + " to peer " + std::to_string(l.peer) +
+                    " on context " + std::to_string(l.ctx) + " is undeliverable (expected its acknowledgement, " +
+                    "seen none after " + std::to_string(e.transmissions) + " transmissions; " +
+                    std::to_string(l.packets.size()) + " packets of the link outstanding, the next due " +
+                    std::to_string(l.nextDue) + ")");
+      bump(kRetransmits);
+      e.transmissions++;
+      timers_.push_back({now + cfg_.faultRetransmitNs, &l, t.seq, e.transmissions});
+      if (!transmit(l, t.seq, now, draw(), deliver)) return false;
     }
     return true;
   }
 
- private:
   enum { kPackets, kDropped, kDuplicated, kDelayed, kRetransmits, kDupDropped };
   struct Draw {
     int copies = 0;
@@ -131,7 +146,7 @@ class Lossy {
   };
   struct Entry {
     Packet packet;
-    uint64_t lastSentNs = 0, transmissions = 0;
+    uint64_t transmissions = 0;
     bool acked = false;      // arrived: in the receiver's reorder buffer (or delivered, planted)
     bool delivered = false;  // planted only: kept after delivery
   };
@@ -139,6 +154,13 @@ class Lossy {
     int32_t peer = 0, ctx = 0;
     uint64_t nextSeq = 0, nextDue = 0;  // the sender's next number; the receiver's next to deliver
     std::map<uint64_t, Entry> packets;  // sent, not delivered (unacknowledged or buffered)
+  };
+  // A transmission's retransmission timer: the packet is sent again at dueNs unless it
+  // was acknowledged (or sent again) first. One period for all: dues come in push order.
+  struct Timer {
+    uint64_t dueNs;
+    Link* link;
+    uint64_t seq, transmission;
   };
   struct Arrival {
     uint64_t atNs, tiebreak;
@@ -148,6 +170,14 @@ class Lossy {
   };
 
   void bump(int k) { stats_[k].fetch_add(1, std::memory_order_relaxed); }
+
+  // A buffer for a packet's copy: one a delivered packet left, or a new one.
+  std::vector<char> spare() {
+    if (spare_.empty()) return {};
+    std::vector<char> b = std::move(spare_.back());
+    spare_.pop_back();
+    return b;
+  }
 
   double uniform() { return (double)(rng_.next() >> 11) * (1.0 / 9007199254740992.0); }
 
@@ -210,6 +240,7 @@ class Lossy {
         due->second.delivered = true;
         outstanding_--;
       } else {
+        if (spare_.size() < kSpareBuffers) spare_.push_back(std::move(due->second.packet.bytes));
         l.packets.erase(due);
         outstanding_--;
       }
@@ -222,7 +253,10 @@ class Lossy {
   Stream rng_;
   LinkMap<Link> links_;
   std::priority_queue<Arrival, std::vector<Arrival>, std::greater<Arrival>> arriving_;  // late copies
-  uint64_t tiebreak_ = 0, outstanding_ = 0, nextCheckNs_ = 0;
+  std::deque<Timer> timers_;              // every transmission of a packet not yet acknowledged
+  std::vector<std::vector<char>> spare_;  // delivered packets' copies, reused (at most kSpareBuffers)
+  static constexpr size_t kSpareBuffers = 1024;
+  uint64_t tiebreak_ = 0, outstanding_ = 0;
   std::atomic<uint64_t> stats_[6] = {};
 };
 

@@ -20,41 +20,64 @@ class ShmNet {
   // each line from this one (on a host whose cores do not share a cache that is several
   // times faster: docs/performance.md, "Two placements"). Anything else line by line
   // (commref/land.h: in order, for kernels that poll LL lines there).
-  // `whole`: the bytes of the put these are a segment of (the unordered wire lands a put
-  // in segments; a bulk put streams by its size, not its segments').
-  void land(char* dst, const char* src, uint64_t nbytes, bool bulk, uint64_t whole = 0) const {
+  void land(char* dst, const char* src, uint64_t nbytes, bool bulk) const {
 #ifdef COMMREF_HAVE_STREAM
-    if (bulk && streamMinBytes_ && (whole > nbytes ? whole : nbytes) >= streamMinBytes_) {
+    if (streams(nbytes, bulk, nbytes)) {
       streamBytes(dst, src, nbytes);
       return;
     }
 #endif
-    (void)bulk;
-    (void)whole;
     landLines(dst, src, nbytes);
   }
 
   // A signal of `value` at the peer whose connection window is mapped at `peer`: index
   // `signal` (its signal slot) or, `va`, the word at window offset `signal`. Release:
-  // after the data landed before it.
-  void signal(char* peer, bool va, uint64_t signal, uint64_t value) const {
+  // after the data landed before it (its streamed stores fenced first).
+  void signal(char* peer, bool va, uint64_t signal, uint64_t value) {
+    settle();
     __atomic_fetch_add(reinterpret_cast<uint64_t*>(peer + (va ? signal : signalsOff_ + 8 * signal)), value,
                        __ATOMIC_RELEASE);
   }
 
-  // A packet of the unordered wire (a segment, or a signal) at the peer whose window is mapped at `peer`.
-  void deliver(const Packet& k, char* peer) const {
-    if (k.isSignal)
+  // A packet of the unordered wire (a segment, or a signal) at the peer whose window is
+  // mapped at `peer`. A put's segments need no order among themselves, only before what
+  // publishes them: a streamed segment is not fenced, the next signal or settle() fences.
+  void deliver(const Packet& k, char* peer) {
+    if (k.isSignal) {
       signal(peer, k.va, k.signal, k.value);
-    else
-      land(k.dst, k.data(), k.nbytes, k.bulk, k.whole);
+      return;
+    }
+#ifdef COMMREF_HAVE_STREAM
+    if (streams(k.nbytes, k.bulk, k.whole)) {
+      streamBytesUnfenced(k.dst, k.data(), k.nbytes);
+      unfenced_ = true;
+      return;
+    }
+#endif
+    landLines(k.dst, k.data(), k.nbytes);
+  }
+
+  // Fences what this taker streamed and did not fence yet; the taker calls it before it
+  // lets the queue go (the next taker's fences do not order this one's stores).
+  void settle() {
+#ifdef COMMREF_HAVE_STREAM
+    if (unfenced_) _mm_sfence();
+#endif
+    unfenced_ = false;
   }
 
   // A get: the peer's bytes copied here before the descriptor is done.
   static void get(char* dst, const char* from, uint64_t nbytes) { std::memcpy(dst, from, nbytes); }
 
  private:
+  // Whether `nbytes` of a put of `whole` bytes stream: bulk, by the put's size (the
+  // unordered wire lands a put in segments).
+  bool streams(uint64_t nbytes, bool bulk, uint64_t whole) const {
+    return bulk && streamMinBytes_ && (whole > nbytes ? whole : nbytes) >= streamMinBytes_;
+  }
+
   const uint64_t streamMinBytes_, signalsOff_;
+  bool unfenced_ = false;  // streamed stores not fenced yet (deliver)
 };
 
 }  // namespace
