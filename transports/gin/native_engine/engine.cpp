@@ -414,6 +414,7 @@ class Engine : public Core {
     std::tie(k.dstOffset, k.nbytes, k.whole) = std::tie(off, n, p.nbytes);
     k.dst = p.dst ? p.dst + (off - p.dstOffset) : nullptr;
     k.src = p.src + (off - p.dstOffset);
+    std::tie(k.ahead, k.aheadBytes) = std::tie(e.ahead, e.aheadBytes);
     if (!send(std::move(k))) return false;
     trace(p.peer, p.ctx, kTraceSeg, p.seq, (uint64_t)e.segment, e.copy);
     if (p.dataLeft == 0) count(p);  // its bytes are sent (or copied): the source is reusable

@@ -49,12 +49,12 @@ class ShmNet {
     }
 #ifdef COMMREF_HAVE_STREAM
     if (streams(k.nbytes, k.bulk, k.whole)) {
-      streamBytesUnfenced(k.dst, k.data(), k.nbytes);
+      streamBytesUnfenced(k.dst, k.data(), k.nbytes, k.ahead, k.aheadBytes);
       unfenced_ = true;
       return;
     }
 #endif
-    landLines(k.dst, k.data(), k.nbytes);
+    landLines(k.dst, k.data(), k.nbytes, k.ahead, k.aheadBytes);
   }
 
   // Fences what this taker streamed and did not fence yet; the taker calls it before it

@@ -121,7 +121,9 @@ struct Landing {
   Pending* put;
   int64_t segment;
   uint32_t copy;
-  uint64_t at = 0;  // spraying: its arrival, in the paths' time
+  uint64_t at = 0;              // spraying: its arrival, in the paths' time
+  const char* ahead = nullptr;  // the source of the segment that lands next (if known: to prefetch) ...
+  uint64_t aheadBytes = 0;      // ... and its bytes
 };
 
 // One landing as a network carries it (ShmNet::deliver, MpiNet::deliver), and the lossy
@@ -137,6 +139,8 @@ struct Packet {
   uint64_t signal = 0, value = 0;      // signal: index or VA offset, value
   const char* src = nullptr;           // the data, or null once copied into `bytes`
   std::vector<char> bytes;             // the data's copy (a packet not delivered as sent)
+  const char* ahead = nullptr;         // Landing's: the next segment's source, to prefetch ...
+  uint64_t aheadBytes = 0;             // ... and its bytes
   const char* data() const { return src ? src : bytes.data(); }
   static Packet of(const Pending& p) {  // the put's fields (a segment's are the caller's)
     Packet k;
@@ -430,6 +434,7 @@ class UnorderedWire {
           }
       }
       now = std::max(now, e.at);
+      if (!sprayed && e.segment >= 0) lookAhead(e, pool, ready.size(), rng);
       if (e.segment >= 0) {
         e.put->landed[(size_t)e.segment]++;
         if (e.copy == 0) {
@@ -450,6 +455,22 @@ class UnorderedWire {
         return false;
       }
     return true;
+  }
+
+  // The data segment that lands after `e` (taken from `pool`, not landed yet) where the
+  // draw can tell: when landing e enables nothing new (a duplicate, or not its put's last
+  // segment), the next draw is rng's next below what is left. Its source goes with e, to
+  // be prefetched while e's bytes are copied; the draw itself is not changed.
+  void lookAhead(Landing& e, const std::vector<Landing>& pool, uint64_t ready, const Stream& rng) const {
+    if (e.copy == 0 && e.put->dataLeft <= 1) return;
+    const bool dup = e.copy == 0 && cfg_.duplicates;  // e's duplicate joins the pool after it
+    Stream peek = rng;
+    const uint64_t r = peek.below(pool.size() + (dup ? 1 : 0) + ready);
+    if (r >= pool.size()) return;  // e's duplicate (its source is e's) or a signal
+    uint64_t off, n;
+    pool[r].put->segment(sb_, (uint64_t)pool[r].segment, &off, &n);
+    e.ahead = pool[r].put->src + (off - pool[r].put->dstOffset);
+    e.aheadBytes = n;
   }
 
   // Spraying: a packet of `bytes` sent on a path drawn from `rng` when that path is free;
