@@ -57,6 +57,7 @@
 // the wire as one link, wire.h).
 #pragma once
 
+#include <algorithm>
 #include <deque>
 #include <tuple>
 
@@ -104,6 +105,7 @@ struct Pending {
   uint64_t dataLeft = 0;        // segments whose original has not landed
   uint64_t heldUntil = 0;       // 0: not held; else the doorbell that releases it at the latest
   bool inBatch = false, overtaken = false;
+  uint32_t signalKey = 0;  // the unordered wire's landSet: its signal's index there
 
   uint64_t nseg(uint64_t sb) const { return nbytes ? (dstOffset + nbytes - 1) / sb - dstOffset / sb + 1 : 0; }
   // Segment k: [*off, *off + *n) of the destination.
@@ -362,15 +364,23 @@ class UnorderedWire {
   }
 
   // Lands every event of the puts `set` in an order drawn from `rng` among those enabled.
+  // The signals not landed yet are kept in post order (`signals`, a signal's key its
+  // index there); those enabled, by key (`ready`), updated as landings enable more: a
+  // weak signal once its own data has landed, a strong one or one after a flush (the
+  // "conditional" ones) looked at again whenever a put's data completes or a strong
+  // signal lands. Enabled stays enabled (data and strong signals only land), so the draw
+  // is among the same events, in the same order, as a scan of every signal per landing.
   template <typename Land>
   bool landSet(Link& l, std::vector<Pending*>& set, Stream& rng, Land land, std::string* why) {
     std::vector<Landing>& pool = pool_;  // data landings enabled now
-    std::vector<Pending*>&blocked = blocked_, &signals = signals_;
-    std::vector<uint64_t>& signalAt = signalAt_;  // spraying: each of `signals`' arrival
+    std::vector<Pending*>& blocked = blocked_;
+    std::vector<Signal>& signals = signals_;
+    std::vector<uint32_t>&ready = ready_, &waiting = waiting_;  // keys: enabled; conditional, not yet
     pool.clear();
     blocked.clear();
     signals.clear();
-    signalAt.clear();
+    ready.clear();
+    waiting.clear();
     const bool sprayed = paths_ > 1;
     uint64_t now = 0;  // spraying: the arrival of the last landing
     if (sprayed) {
@@ -386,6 +396,20 @@ class UnorderedWire {
       }
       return e;
     };
+    auto enabled = [&](const Pending* p) {
+      return !p->dataLeft && (!(p->strong || strongAlways_) || earlierLanded(l, p, true)) &&
+             (!p->afterFlush || earlierLanded(l, p, false));
+    };
+    auto enable = [&](uint32_t key) { ready.insert(std::upper_bound(ready.begin(), ready.end(), key), key); };
+    auto lookAgain = [&] {  // the conditional signals not enabled yet
+      size_t kept = 0;
+      for (uint32_t key : waiting)
+        if (enabled(signals[key].put))
+          enable(key);
+        else
+          waiting[kept++] = key;
+      waiting.resize(kept);
+    };
     for (Pending* p : set) {
       if (p->afterFlush && !earlierLanded(l, p, false)) {
         blocked.push_back(p);
@@ -394,12 +418,15 @@ class UnorderedWire {
           if (!p->landed[k]) pool.push_back(segmentOf(p, k, 0));
       }
       if (p->hasSignal && !p->signalDone) {
-        signals.push_back(p);
-        signalAt.push_back(sprayed ? send(rng, 8) : 0);
+        const uint32_t key = (uint32_t)signals.size();
+        p->signalKey = key;
+        signals.push_back({p, sprayed ? send(rng, 8) : 0});
+        if (enabled(p))
+          ready.push_back(key);
+        else if (p->strong || strongAlways_ || p->afterFlush)
+          waiting.push_back(key);
       }
     }
-    std::vector<Pending*>& ready = ready_;
-    std::vector<uint64_t>& readyAt = readyAt_;  // spraying: each of `ready`'s landing
     for (;;) {
       for (size_t i = 0; i < blocked.size(); i++)
         if (earlierLanded(l, blocked[i], false)) {
@@ -407,44 +434,37 @@ class UnorderedWire {
             if (!blocked[i]->landed[k]) pool.push_back(segmentOf(blocked[i], k, 0));
           blocked.erase(blocked.begin() + (long)i--);
         }
-      ready.clear();
-      readyAt.clear();
-      for (size_t i = 0; i < signals.size(); i++) {
-        Pending* p = signals[i];
-        if (!p->dataLeft && (!(p->strong || strongAlways_) || earlierLanded(l, p, true)) &&
-            (!p->afterFlush || earlierLanded(l, p, false))) {
-          ready.push_back(p);
-          readyAt.push_back(std::max(signalAt[i], now));
-        }
-      }
       const uint64_t n = pool.size() + ready.size();
       if (n == 0) break;
-      const uint64_t r = sprayed ? earliest(pool, readyAt) : rng.below(n);
+      const uint64_t r = sprayed ? earliest(pool, ready, now) : rng.below(n);
       Landing e;
       if (r < pool.size()) {
         e = pool[r];
         pool[r] = pool.back();
         pool.pop_back();
       } else {
-        e = {ready[r - pool.size()], -1, 0, readyAt[r - pool.size()]};
-        for (size_t i = 0; i < signals.size(); i++)
-          if (signals[i] == e.put) {
-            signals.erase(signals.begin() + (long)i);
-            signalAt.erase(signalAt.begin() + (long)i);
-          }
+        const Signal& g = signals[ready[r - pool.size()]];
+        e = {g.put, -1, 0, std::max(g.at, now)};
+        ready.erase(ready.begin() + (long)(r - pool.size()));
       }
       now = std::max(now, e.at);
       if (!sprayed && e.segment >= 0) lookAhead(e, pool, ready.size(), rng);
+      bool changed = false;  // a put's data completed or a strong signal landed
       if (e.segment >= 0) {
         e.put->landed[(size_t)e.segment]++;
         if (e.copy == 0) {
-          e.put->dataLeft--;
+          changed = --e.put->dataLeft == 0;
           if (cfg_.duplicates) pool.push_back(segmentOf(e.put, (uint64_t)e.segment, 1));
+          Pending* p = e.put;  // its own weak signal, if it waits only for this data
+          if (changed && p->hasSignal && !p->signalDone && !(p->strong || strongAlways_) && !p->afterFlush)
+            enable(p->signalKey);
         }
       } else {
         e.put->signalDone = true;
+        changed = e.put->strong || strongAlways_;
         overtake(l.peer);
       }
+      if (changed && !waiting.empty()) lookAgain();
       if (!land(e)) return false;
       if (e.put->done()) pending_--;
     }
@@ -485,12 +505,14 @@ class UnorderedWire {
   }
 
   // Spraying: the index (pool first, then the ready signals) of the earliest arrival.
-  static uint64_t earliest(const std::vector<Landing>& pool, const std::vector<uint64_t>& readyAt) {
+  uint64_t earliest(const std::vector<Landing>& pool, const std::vector<uint32_t>& ready, uint64_t now) const {
     uint64_t best = 0, at = ~0ull;
     for (size_t i = 0; i < pool.size(); i++)
       if (pool[i].at < at) at = pool[i].at, best = i;
-    for (size_t i = 0; i < readyAt.size(); i++)
-      if (readyAt[i] < at) at = readyAt[i], best = pool.size() + i;
+    for (size_t i = 0; i < ready.size(); i++) {
+      const uint64_t t = std::max(signals_[ready[i]].at, now);  // a signal lands once it is enabled
+      if (t < at) at = t, best = pool.size() + i;
+    }
     return best;
   }
 
@@ -507,9 +529,14 @@ class UnorderedWire {
   uint64_t held_ = 0, pending_ = 0, overtaken_ = 0;  // puts held; not fully landed; held and overtaken
   bool unrung_ = false;                              // a put was posted on a link that rang no doorbell yet
   // Scratch (taker only, reused so that a doorbell allocates nothing once warm).
-  std::vector<Pending*> batch_, released_, now_, one_, blocked_, signals_, ready_;
+  struct Signal {
+    Pending* put;
+    uint64_t at;  // spraying: its arrival
+  };
+  std::vector<Pending*> batch_, released_, now_, one_, blocked_;
+  std::vector<Signal> signals_;
+  std::vector<uint32_t> ready_, waiting_;
   std::vector<Landing> pool_;
-  std::vector<uint64_t> signalAt_, readyAt_;
   const uint32_t paths_;                 // spraying: the paths (1: none)
   std::vector<uint64_t> pathFree_;       // ... when each is free again, in the set being landed
   std::vector<uint64_t> pathLast_;       // ... and its last arrival (a path is FIFO)
