@@ -1,8 +1,10 @@
-"""MoE dispatch and combine (commref.ep, high-throughput mode) against the same exchange
-built on mpi4py's Alltoallv, in the same run.
+"""MoE dispatch and combine (commref.ep; --mode ht: high-throughput, DeepEP's normal
+mode, against the same exchange built on mpi4py's Alltoallv in the same run; --mode ll:
+low-latency, commref alone).
 
     mpiexec -n 4 python -m mpi4py -m commref.bench.ep_bench [--tokens 8,64,512] [--hidden 256,2048]
-        [--topk 4] [--experts 16] [-n 30] [-w 5] [--path auto] [--wire ordered] [--protocol auto] [--json F]
+        [--topk 4] [--experts 16] [-n 30] [-w 5] [--path auto] [--wire ordered] [--protocol auto]
+        [--mode ht] [--json F]
     python -m commref.bench.ep_bench -t 4 ...  # 4 ranks as threads (ThreadWorld): commref alone, no MPI baseline
 
 Per (tokens, hidden): one Buffer sized for it, DeepEP-style inputs (collectives/device_api/ep_check.py:
@@ -25,6 +27,11 @@ its weights) back with one Alltoallv and sums each token's copies in float32. "b
 is the mean over ranks of the token bytes one dispatch sends (hidden x dtype size per
 (token, destination), the rank's own copies included); "mpi/commref" > 1 means commref
 is faster.
+
+--mode ll times low_latency_dispatch and low_latency_combine of a Buffer made with
+low_latency_mode=True the same way, checked first with ep_check.check_ll_dispatch and
+check_ll_combine; "bytes" counts hidden x dtype size per (token, expert) it sends. It
+has no baseline: its packed per-expert layout is not what one Alltoallv of rows gives.
 """
 
 from __future__ import annotations
@@ -159,8 +166,28 @@ def _timed(world, impls: list[list], warmup: int, iters: int) -> list[list[float
     ]
 
 
+def _ll_steps(world, args, buf, x, topk, w) -> tuple[list, list[str], int]:
+    """Low-latency mode: the timed steps (dispatch, combine), the checks' problems, and
+    the token bytes one dispatch sends."""
+    all_topk = world.allgather(topk, what="bench ep: topk")
+    ll = buf.low_latency_dispatch(x, topk)
+    wrong = ep_check.check_ll_dispatch(world.rank, world.size, args.experts, buf.max_tokens, all_topk, ll)
+    wrong += ep_check.check_ll_combine(
+        world.rank, x, topk, w, buf.low_latency_combine(ll.packed_recv_x, topk, w, ll.handle)
+    )
+    out = {}
+
+    def dispatch():
+        out["ll"] = buf.low_latency_dispatch(x, topk)
+
+    def combine():
+        buf.low_latency_combine(out["ll"].packed_recv_x, topk, w, out["ll"].handle)
+
+    return [dispatch, combine], wrong, int((topk >= 0).sum()) * x.shape[1] * buf.dtype.itemsize
+
+
 def run_rank(world, args) -> list[dict]:
-    mpi = world.kind == "mpi"
+    mpi = world.kind == "mpi" and args.mode == "ht"
     rows = []
     for tokens in args.tokens:
         for hidden in args.hidden:
@@ -172,11 +199,20 @@ def run_rank(world, args) -> list[dict]:
                 max_tokens_per_rank=tokens,
                 num_topk=args.topk,
                 device="cpu",
+                low_latency_mode=args.mode == "ll",
                 **opts,
             ) as buf:
                 x, topk, w = ep_check.make_inputs(
                     world.rank, world.size, tokens, hidden, args.experts, args.topk, seed=args.seed
                 )
+                row = {"tokens": tokens, "hidden": hidden, "path": args.path, "protocol": buf.protocol}
+                if args.mode == "ll":
+                    steps, wrong, row["bytes"] = _ll_steps(world, args, buf, x, topk, w)
+                    row["commref_dispatch_us"], row["commref_combine_us"] = _timed(
+                        world, [steps], args.warmup, args.iters
+                    )[0]
+                    rows.append(dict(row, wrong=wrong))
+                    continue
                 layout = buf.get_dispatch_layout(topk)
                 all_topk = world.allgather(topk, what="bench ep: topk")
                 all_w = world.allgather(w, what="bench ep: weights")
@@ -184,13 +220,7 @@ def run_rank(world, args) -> list[dict]:
                 wrong = ep_check.check_ht_dispatch(world.rank, world.size, args.experts, all_topk, all_w, res)
                 cx, cw = buf.combine(res.recv_x, res.handle, res.recv_topk_weights)
                 wrong += ep_check.check_ht_combine(world.rank, world.size, args.experts, x, topk, w, cx, cw)
-                row = {
-                    "tokens": tokens,
-                    "hidden": hidden,
-                    "path": args.path,
-                    "protocol": buf.protocol,
-                    "bytes": int(np.asarray(layout.num_tokens_per_rank).sum()) * hidden * buf.dtype.itemsize,
-                }
+                row["bytes"] = int(np.asarray(layout.num_tokens_per_rank).sum()) * hidden * buf.dtype.itemsize
                 out = {}
 
                 def ours():
@@ -242,8 +272,11 @@ def _size(b: int) -> str:
 
 
 def format_table(rows: list[dict], nranks: int, kind: str, args, load: tuple) -> str:
+    mode = (
+        "high-throughput dispatch/combine vs mpi4py Alltoallv" if args.mode == "ht" else "low-latency dispatch/combine"
+    )
     lines = [
-        f"# commref.ep high-throughput dispatch/combine vs mpi4py Alltoallv: {nranks} ranks ({kind}), "
+        f"# commref.ep {mode}: {nranks} ranks ({kind}), "
         f"path {args.path}, wire {args.wire}, protocol {rows[0]['protocol'] if rows else args.protocol}, "
         f"topk {args.topk}, experts {args.experts}, bfloat16; median of {args.iters} (slowest rank), us",
         f"# load average {load[0]:.2f} at the start, {load[1]:.2f} at the end (2 cores here is 2.0 busy)",
@@ -299,6 +332,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", *ep_buffer.PROTOCOLS],
         help="how GIN dispatches publish a token (default auto)",
+    )
+    p.add_argument(
+        "--mode",
+        default="ht",
+        choices=["ht", "ll"],
+        help="high-throughput dispatch and combine beside the MPI baseline (ht, the default), or low-latency (ll)",
     )
     p.add_argument("--seed", type=int_type(0), default=1, help="seed of the inputs (default 1)")
     add_timeout_and_threads(p, 4)

@@ -329,6 +329,19 @@ def test_bench_as_threads(capsys):
     assert re.search(r"^\s+4\s+32\s+\S+ \|\s+\d+\.\d\s+n/a\s+n/a \|", out, re.M), out
 
 
+def test_bench_low_latency_mode_checks_and_times_it(capsys):
+    """--mode ll: the low-latency dispatch and combine, checked exactly (a row's wrong
+    column 0) and timed; no MPI baseline (n/a)."""
+    from commref.bench import ep_bench as bench
+
+    argv = ["-t", "2", "--mode", "ll", "--tokens", "4,16", "--hidden", "32", "-n", "2", "-w", "1"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "low-latency dispatch/combine" in out, out
+    rows = re.findall(r"^\s+(4|16)\s+32\s+\S+ \|\s+\d+\.\d\s+n/a\s+n/a \|\s+\d+\.\d\s+n/a\s+n/a \| 0$", out, re.M)
+    assert rows == ["4", "16"], out
+
+
 @pytest.mark.mpi
 def test_bench_under_mpiexec_checks_both_implementations():
     res = run_mpi(
