@@ -217,7 +217,7 @@ def gin_windows(src: int, dst: int) -> int:
     return src | dst << 16
 
 
-GIN_QUEUE_HELP_FN, GIN_QUEUE_HELP_CTX = 136, 144  # the help hook (gin.h)
+GIN_QUEUE_HELP_FN, GIN_QUEUE_HELP_CTX, GIN_QUEUE_HELP_END = 136, 144, 152  # the help and end hooks (gin.h)
 
 
 def p2p_channels(nranks: int) -> int:

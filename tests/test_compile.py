@@ -86,6 +86,7 @@ def test_abi_table_covers_the_abi(cxx_table):
         "GIN_QUEUE_IDLE",
         "GIN_QUEUE_HELP_FN",
         "GIN_QUEUE_HELP_CTX",
+        "GIN_QUEUE_HELP_END",
         "GIN_QUEUE_HEADER",
         "LAUNCH_REFUSED",
         "WAIT_LSA_BARRIER",

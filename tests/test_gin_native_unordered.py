@@ -9,6 +9,7 @@ every engine.
   protocol, each link's trace replayed (per-context FIFO), holds and cut puts seen;
 - the adversary: holds are a function of the seed and the posted sequence (the same in
   two runs), no held put lands before its release, and none is released after its bound;
+- a kernel that ends leaves no put held (the end hook's polls);
 - planted bugs (native.PLANT): the strong flag stripped where the engine takes the
   descriptors, and a put's signal applied before its data, must break the collectives
   on the native unordered wire, as the stripped flag does on the Python proxy
@@ -184,6 +185,37 @@ def test_planted_bugs_fail_on_the_native_unordered_wire(plant, native, monkeypat
         if kind is not None:
             failed[seed] = kind
     assert len(failed) >= len(PLANTED_SEEDS) // 2, f"{plant} broke only seeds {failed} of {list(PLANTED_SEEDS)}"
+
+
+def _held_after_calls(world, rounds):
+    """`rounds` small AllReduces over the native unordered wire, each followed by a world
+    barrier (which polls no GIN queue): (calls after which this rank's engine still held
+    a put, puts held in all, wrong results)."""
+    comm = Communicator(world, "cpu", timeout=30.0, path="gin", wire="unordered", seed=11)
+    x = np.full(16, world.rank + 1, np.float32)
+    y = np.empty_like(x)
+    left = wrong = 0
+    try:
+        comm.proxy.trace = {}
+        for _ in range(rounds):
+            comm.allreduce(x, y)
+            left += comm.proxy.pending()
+            wrong += int((y != world.size * (world.size + 1) // 2).sum())
+            world.barrier(what="held after calls: a round")
+        proxy = comm.proxy
+    finally:
+        comm.close()
+    return left, trace_kinds(proxy.trace).get("hold", 0), wrong
+
+
+def test_a_kernel_that_ends_leaves_no_put_held(native):
+    """A CPU block that ends makes the polls its waits would have made (the queue's end
+    hook, gin.h): as each call returns, none of its puts is still held, whatever the
+    engine thread sleeps. Without the hook a put held as its kernel ends waits for the
+    thread's next wake (up to sleep_max_ns) while the peer waits for it."""
+    results = ThreadWorld.run(2, _held_after_calls, 200, timeout=120)
+    assert sum(h for _, h, _ in results) > 20, results  # the adversary held puts
+    assert [(left, wrong) for left, _, wrong in results] == [(0, 0), (0, 0)], results
 
 
 # ---------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ void __tsan_switch_to_fiber(void* fiber, unsigned flags);
 namespace commref_cpu {
 
 thread_local ThreadState* tl_thread = nullptr;
-thread_local const uint64_t* tl_owedHelp = nullptr;
+thread_local const uint64_t *tl_owedHelp = nullptr, *tl_helped = nullptr;
 
 namespace {
 
@@ -221,9 +221,15 @@ void fiberEntry(unsigned lo, unsigned hi) {
 }
 
 // The help a thread of the block owes (port.h, commref_help_later), failed or not: what
-// it published is taken before the block ends.
+// it published is taken before the block ends; then the end hook of the last hook it
+// called (gin.h, "Help").
 void settleHelp() {
   if (tl_owedHelp) commref::commref_help_progress(tl_owedHelp);  // clears tl_owedHelp
+  const uint64_t* hook = tl_helped;
+  tl_helped = nullptr;
+  if (!hook) return;
+  const uint64_t end = __atomic_load_n(hook + 2, __ATOMIC_ACQUIRE);
+  if (end) reinterpret_cast<void (*)(void*)>(end)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
 }
 
 void runBlock(Launch* L, unsigned blockId) {

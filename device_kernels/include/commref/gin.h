@@ -57,12 +57,17 @@ namespace commref {
 // taker looks at the queue again after it lets go, so whatever was published while it
 // took is taken. One taker at a time keeps each (peer, context) FIFO. On a handful of
 // cores this saves the handoff to the engine thread, which may be waiting for the very
-// core the kernel spins on. GPU kernels do not call it.
+// core the kernel spins on. A block that called the help hook calls the end hook (the
+// third word; the engine stores the three) once as it ends (cpu/engine.cpp), where an
+// engine makes the polls the block's waits would have made: the native engine's release
+// the unordered wire's held puts (transports/gin/native_engine/idle.h, HeldRelease).
+// GPU kernels call neither.
 #define COMMREF_GIN_QUEUE_CLAIMED 0     // slots claimed by producers (fetch-add)
 #define COMMREF_GIN_QUEUE_CONSUMED 64   // slots the proxy has completed (it alone stores)
 #define COMMREF_GIN_QUEUE_IDLE 128      // nonzero while the engine sleeps or is about to (it alone stores)
 #define COMMREF_GIN_QUEUE_HELP_FN 136   // the help hook: int (*)(void*), 0 when none (the engine alone stores)
 #define COMMREF_GIN_QUEUE_HELP_CTX 144  // ... and its argument
+#define COMMREF_GIN_QUEUE_HELP_END 152  // the end hook: void (*)(void*), the same argument; 0 when none
 #define COMMREF_GIN_QUEUE_HEADER 192
 // The idle word's values while the engine sleeps (0: awake).
 constexpr uint32_t kGinIdleRingAll = 1;      // every producer rings
@@ -70,8 +75,9 @@ constexpr uint32_t kGinIdleKernelsTake = 2;  // host producers ring; helping ker
 static_assert(COMMREF_GIN_QUEUE_CONSUMED >= COMMREF_GIN_QUEUE_CLAIMED + 8 &&
                   COMMREF_GIN_QUEUE_IDLE >= COMMREF_GIN_QUEUE_CONSUMED + 8 &&
                   COMMREF_GIN_QUEUE_HELP_FN >= COMMREF_GIN_QUEUE_IDLE + 8 &&
-                  COMMREF_GIN_QUEUE_HELP_CTX >= COMMREF_GIN_QUEUE_HELP_FN + 8 &&
-                  COMMREF_GIN_QUEUE_HEADER >= COMMREF_GIN_QUEUE_HELP_CTX + 8 && COMMREF_GIN_QUEUE_CLAIMED % 8 == 0 &&
+                  COMMREF_GIN_QUEUE_HELP_CTX == COMMREF_GIN_QUEUE_HELP_FN + 8 &&
+                  COMMREF_GIN_QUEUE_HELP_END == COMMREF_GIN_QUEUE_HELP_CTX + 8 &&
+                  COMMREF_GIN_QUEUE_HEADER >= COMMREF_GIN_QUEUE_HELP_END + 8 && COMMREF_GIN_QUEUE_CLAIMED % 8 == 0 &&
                   COMMREF_GIN_QUEUE_CONSUMED % 8 == 0 && COMMREF_GIN_QUEUE_IDLE % 8 == 0,
               "the GIN queue words are aligned inside the header");
 

@@ -19,7 +19,8 @@
 //     (false on the GPU, where it does nothing)
 //   - commref_help_later(hook): as commref_help_progress, but at the calling thread's next
 //     commref_help_progress or, at the latest, as its block ends (cpu/engine.cpp);
-//     whether hook[0] was set (false on the GPU)
+//     whether hook[0] was set (false on the GPU). A block that called a hook calls its
+//     end hook, ((void (*)(void*))hook[2])((void*)hook[1]), once as it ends, if set
 //   - COMMREF_ELEM_STRIDE: the stride of a thread's element loop (see below)
 //
 // On the CPU (COMMREF_CPU defined) the CPU execution engine (cpu/engine.cpp) runs a
@@ -144,8 +145,9 @@ void spin_pause(uint32_t spins);
 void wake_sleeper(uint32_t* word, uint32_t only);
 uint64_t now_ns();
 // The help hook this thread owes a call (commref_help_later), or nullptr; the engine
-// calls it as each block ends.
-extern thread_local const uint64_t* tl_owedHelp;
+// calls it as each block ends. tl_helped: the last help hook the thread called, whose
+// end hook (gin.h) the engine calls as the block ends.
+extern thread_local const uint64_t *tl_owedHelp, *tl_helped;
 [[noreturn]] void kernel_abort();
 int syncthreads_or(int predicate);
 // Every COMMREF_KERNEL of the library registers itself while the library loads; the
@@ -204,6 +206,7 @@ static inline bool commref_help_progress(const uint64_t* hook) {
   const uint64_t fn = __atomic_load_n(hook, __ATOMIC_ACQUIRE);
   if (!fn) return false;
   commref_cpu::tl_owedHelp = nullptr;
+  commref_cpu::tl_helped = hook;
   COMMREF_PROFILE_SCOPE(kProfileHelp, 0);
   reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
   return true;

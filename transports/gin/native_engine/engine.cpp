@@ -12,7 +12,8 @@
 //   unordered.h the unordered wire: held puts, doorbells, seeded landing orders
 //   contexts.h  independent contexts on the ordered wire
 //   lossy.h   the lossy link under the unordered wire, and its reliability layer
-//   idle.h    the idle word the thread sleeps on, and when it polls after all
+//   idle.h    the idle word the thread sleeps on, when it polls after all, the help
+//             hooks, when held puts are released
 //   shm_net.h the SHM network: landing in mapped peer windows
 //   mpi_net.h the MPI network: messages to the peer's engine
 //   this file the engine: reading the queue, executing descriptors, the progress loop
@@ -58,8 +59,7 @@ class Engine : public Core {
     consumed_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_CONSUMED);
     claimed_ = reinterpret_cast<const uint64_t*>(header + COMMREF_GIN_QUEUE_CLAIMED);
     idle_ = IdleWord(reinterpret_cast<uint32_t*>(header + COMMREF_GIN_QUEUE_IDLE));
-    helperFn_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_FN);
-    helperCtx_ = reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_CTX);
+    hooks_ = HelpHooks(reinterpret_cast<uint64_t*>(header + COMMREF_GIN_QUEUE_HELP_FN));
   }
 
   void start() {
@@ -69,15 +69,25 @@ class Engine : public Core {
     const bool help = kernelsHelp();
     helped_ = help && !wire_.modeled && !lossy_.active();  // before the thread reads it
     thread_ = std::thread([this] { run(); });
-    if (help) {
-      __atomic_store_n(helperCtx_, reinterpret_cast<uint64_t>(this), __ATOMIC_RELAXED);
-      __atomic_store_n(helperFn_, reinterpret_cast<uint64_t>(&Engine::helpHook), __ATOMIC_RELEASE);
-    }
+    if (help) hooks_.install(&Engine::helpHook, cfg_.unordered ? &Engine::endHook : nullptr, this);
   }
 
   // A kernel's turn at the queue (the help hook, network shm): takes what is published, if
   // no other thread is taking descriptors now; how many it took.
   static int helpHook(void* engine) { return static_cast<Engine*>(engine)->help(); }
+  // A block that helped ends (gin.h; the hook is installed on the unordered wire only):
+  // it makes the empty polls its next waits would have made while puts are held, up to
+  // the count that releases an overtaken one (HeldRelease). On the ordered wire held
+  // contexts (independent contexts) stay held for the next kernel's contexts to overtake.
+  static void endHook(void* engine) { static_cast<Engine*>(engine)->ended(); }
+  void ended() {
+    for (int i = 0, n = 0; i < cfg_.overtakenPolls && n >= 0 && held_.load(std::memory_order_relaxed); i++) {
+      take();  // waits for its turn: each of these polls counts (a failed drain sets failed_)
+      n = stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed) ? -1 : drain(kTakeBudget);
+      release();
+      if (n > 0) byKernels_.fetch_add((uint64_t)n, std::memory_order_relaxed);
+    }
+  }
   int help() {
     if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
     if (!published(__atomic_load_n(consumed_, __ATOMIC_ACQUIRE)) && !held_.load(std::memory_order_relaxed) &&
@@ -103,8 +113,7 @@ class Engine : public Core {
   // 0: the thread ended and was joined; 1: it did not end within the timeout (not joined).
   int stop(double timeoutS) {
     stop_.store(true, std::memory_order_seq_cst);
-    __atomic_store_n(helperFn_, 0, __ATOMIC_RELEASE);  // no new helper; wait out one inside drain()
-    __atomic_store_n(helperCtx_, 0, __ATOMIC_RELAXED);
+    hooks_.clear();  // no new helper; wait out one inside drain()
     take();
     release();
     if (!thread_.joinable()) return 0;
@@ -293,22 +302,12 @@ class Engine : public Core {
   Seg<Engine> segFn() { return {this}; }
 
   // The queue was found empty after taking `took`: links without doorbells land; held
-  // puts are released once the takers found it empty releasePolls times in a row (while a
-  // held put was overtaken, also for overtakenNs, or overtakenPolls times if sooner:
-  // unordered.h, "Liveness"). False on error.
+  // puts are released when HeldRelease says (a held context counts as overtaken). False
+  // on error.
   bool idleUnordered(int took) {
     std::string why;
     if (!uw_.serveUnrung(landing(), &why)) return failUnordered(why);
-    if (took > 0 || !(uw_.held() + ch_.held())) {
-      emptyPolls_ = 0;
-      return true;
-    }
-    if (++emptyPolls_ == 1) emptySinceNs_ = nowNs();
-    if (emptyPolls_ < (uint64_t)cfg_.releasePolls) return true;
-    if ((uw_.overtaken() || ch_.held()) && emptyPolls_ < (uint64_t)cfg_.overtakenPolls &&
-        nowNs() - emptySinceNs_ < cfg_.overtakenNs)
-      return true;
-    emptyPolls_ = 0;
+    if (!heldRelease_.poll(took, uw_.held() + ch_.held(), uw_.overtaken() || ch_.held())) return true;
     auto release = [this](const Pending& p, uint32_t why) { traceHeld(p, kTraceRelease, why); };
     if (cfg_.independentContexts) return ch_.releaseIdle(wholeFn(), segFn(), release);
     return uw_.releaseHeld(release, landing(), &why) || failUnordered(why);
@@ -599,14 +598,12 @@ class Engine : public Core {
   std::atomic<uint64_t> lossyOut_{0};    // packets the lossy link has not delivered (lossy_'s, mirrored)
   std::atomic<uint64_t> lossyDueNs_{0};  // ... and when its next timer or late copy is due
   std::atomic<uint64_t> overtaken_{0};   // unordered: held puts a later signal overtook (uw_'s, mirrored)
-  uint64_t emptyPolls_ = 0;    // unordered: the takers found the queue empty this many times in a row, puts held
-  uint64_t emptySinceNs_ = 0;  // ... since this time (nowNs)
+  HeldRelease heldRelease_{cfg_};        // unordered: when held puts are released (idle.h; taker only)
   GinDescriptor* ring_;
   uint64_t* consumed_;
   const uint64_t* claimed_;
-  IdleWord idle_;        // the queue's idle word (idle.h)
-  uint64_t* helperFn_;   // the queue's help hook (gin.h): the function, 0 when none ...
-  uint64_t* helperCtx_;  // ... and its argument (this engine)
+  IdleWord idle_;    // the queue's idle word (idle.h)
+  HelpHooks hooks_;  // the queue's help and end hooks (idle.h)
   // Whoever holds it takes descriptors: the engine thread, or a kernel waiting on the
   // queue (help()). So descriptors are taken one at a time, in slot order; the state
   // marked "taker only" (next_, the links, the wire model, the MPI network) is touched

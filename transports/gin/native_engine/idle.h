@@ -1,7 +1,8 @@
-// What the engine thread does when it finds nothing to take: the idle word it sleeps on
-// (include/commref/gin.h, COMMREF_GIN_QUEUE_IDLE) and, where CPU kernels help, whether
-// traffic lately was heavy enough for the thread to keep polling (docs/gin.md,
-// "Polling", measures both).
+// What the engine does when it finds nothing to take: the idle word its thread sleeps on
+// (include/commref/gin.h, COMMREF_GIN_QUEUE_IDLE), the help and end hooks through which
+// CPU kernels take turns, when the unordered wire's held puts go, and where kernels help,
+// whether traffic lately was heavy enough for the thread to keep polling (docs/gin.md,
+// "Polling", measures these).
 #pragma once
 
 #include <linux/futex.h>
@@ -44,6 +45,54 @@ class IdleWord {
 
  private:
   uint32_t* word_ = nullptr;  // the queue's idle word (the engine alone stores it)
+};
+
+// The queue's help and end hooks (include/commref/gin.h, "Help"): the help function, its
+// argument and the end function, three words from COMMREF_GIN_QUEUE_HELP_FN that the
+// engine alone stores and kernels read as hook[0], hook[1] and hook[2].
+class HelpHooks {
+ public:
+  HelpHooks() = default;
+  explicit HelpHooks(uint64_t* words) : w_(words) {}
+
+  // The help function last: a kernel that reads it set reads the others set.
+  void install(int (*help)(void*), void (*end)(void*), void* arg) {
+    __atomic_store_n(&w_[1], reinterpret_cast<uint64_t>(arg), __ATOMIC_RELAXED);
+    __atomic_store_n(&w_[2], reinterpret_cast<uint64_t>(end), __ATOMIC_RELEASE);
+    __atomic_store_n(&w_[0], reinterpret_cast<uint64_t>(help), __ATOMIC_RELEASE);
+  }
+  void clear() {
+    __atomic_store_n(&w_[0], 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&w_[1], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&w_[2], 0, __ATOMIC_RELAXED);
+  }
+
+ private:
+  uint64_t* w_ = nullptr;
+};
+
+// When the unordered wire's held puts are released (unordered.h, "Liveness"): once the
+// takers found the queue empty releasePolls times in a row with puts held; while one of
+// them was overtaken, also overtakenPolls times or for overtakenNs since the first of
+// them, whichever is sooner. Taker only.
+class HeldRelease {
+ public:
+  explicit HeldRelease(const CommrefGinEngineConfig& c)
+      : releasePolls_((uint64_t)c.releasePolls), overtakenPolls_((uint64_t)c.overtakenPolls), graceNs_(c.overtakenNs) {}
+
+  // A pass over the queue that took `took` descriptors ended, `held` puts held: whether
+  // to release them now.
+  bool poll(int took, uint64_t held, bool overtaken) {
+    if (took > 0 || !held) return polls_ = 0, false;
+    if (++polls_ == 1) sinceNs_ = nowNs();
+    if (polls_ < releasePolls_) return false;
+    if (overtaken && polls_ < overtakenPolls_ && nowNs() - sinceNs_ < graceNs_) return false;
+    return polls_ = 0, true;
+  }
+
+ private:
+  uint64_t releasePolls_, overtakenPolls_, graceNs_;
+  uint64_t polls_ = 0, sinceNs_ = 0;  // empty passes in a row with puts held, since (nowNs)
 };
 
 // Where kernels help, the engine thread sleeps from its first empty poll, except for a

@@ -34,7 +34,10 @@
 // is sooner (at least releasePolls polls either way), so that a receiver has time to act
 // on that signal: a count alone would be a few hundred nanoseconds where the takers poll
 // fast and tens of microseconds where they yield. A held put nothing overtook only delays
-// its own signal, and goes after releasePolls.
+// its own signal, and goes after releasePolls. A CPU block that ends makes the polls its
+// waits would have made, up to overtakenPolls while puts are held (Engine::ended, through
+// the queue's end hook; idle.h, HeldRelease): as a kernel ends the count is what gives a
+// receiver time, so that a put held then does not wait for the engine thread's next wake.
 // Links that ring no doorbells (raw device API use, host producers) are served at the
 // end of each pass over the queue, as one batch with no holds; where the kernels ring
 // doorbells (config `batched`) every link is served at its doorbells from its first put,
