@@ -225,11 +225,7 @@ void fiberEntry(unsigned lo, unsigned hi) {
 // called (gin.h, "Help").
 void settleHelp() {
   if (tl_owedHelp) commref::commref_help_progress(tl_owedHelp);  // clears tl_owedHelp
-  const uint64_t* hook = tl_helped;
-  tl_helped = nullptr;
-  if (!hook) return;
-  const uint64_t end = __atomic_load_n(hook + 2, __ATOMIC_ACQUIRE);
-  if (end) reinterpret_cast<void (*)(void*)>(end)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
+  commref::commref_help_end();                                   // clears tl_helped
 }
 
 void runBlock(Launch* L, unsigned blockId) {

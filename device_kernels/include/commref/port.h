@@ -211,6 +211,16 @@ static inline bool commref_help_progress(const uint64_t* hook) {
   reinterpret_cast<int (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
   return true;
 }
+// The end hook of the last help hook the thread called (tl_helped), if set; the engine
+// calls it as each block ends, after the help the block owes.
+static inline void commref_help_end() {
+  const uint64_t* hook = commref_cpu::tl_helped;
+  commref_cpu::tl_helped = nullptr;
+  const uint64_t fn = hook ? __atomic_load_n(hook + 2, __ATOMIC_ACQUIRE) : 0;
+  if (!fn) return;
+  COMMREF_PROFILE_SCOPE(kProfileHelp, 0);
+  reinterpret_cast<void (*)(void*)>(fn)(reinterpret_cast<void*>(__atomic_load_n(hook + 1, __ATOMIC_RELAXED)));
+}
 static inline bool commref_help_later(const uint64_t* hook) {
   if (!__atomic_load_n(hook, __ATOMIC_ACQUIRE)) return false;
   commref_cpu::tl_owedHelp = hook;

@@ -81,12 +81,15 @@ class Engine : public Core {
   // contexts (independent contexts) stay held for the next kernel's contexts to overtake.
   static void endHook(void* engine) { static_cast<Engine*>(engine)->ended(); }
   void ended() {
+    if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return;
+    int took = 0;
     for (int i = 0, n = 0; i < cfg_.overtakenPolls && n >= 0 && held_.load(std::memory_order_relaxed); i++) {
-      take();  // waits for its turn: each of these polls counts (a failed drain sets failed_)
-      n = stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed) ? -1 : drain(kTakeBudget);
+      take();                  // waits for its turn, unlike help(): each of these polls counts
+      n = drain(kTakeBudget);  // a failure sets failed_: the engine thread ends
       release();
-      if (n > 0) byKernels_.fetch_add((uint64_t)n, std::memory_order_relaxed);
+      if (n > 0) took += n;
     }
+    if (took) byKernels_.fetch_add((uint64_t)took, std::memory_order_relaxed);
   }
   int help() {
     if (stop_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) return 0;
