@@ -153,12 +153,14 @@ struct Ep {
       if (threadIdx.x == 0) {
         // The signal first, then the headers: every put signalled by then has a valid
         // header when they are read, so signalled >= valid means they are the same puts.
+        // Until the count message's header is valid the slots need no scan: the wait is
+        // for one more put, which the count message's own increment guarantees.
         const uint64_t seen = comm.readSignal(data(s)) - *base(data(s));
         const bool counted = load_relaxed(countWord) != 0;
         uint64_t validHeaders = counted;
-        slots([&](int, int, const char* row) { validHeaders += valid(row); });
+        if (counted) slots([&](int, int, const char* row) { validHeaders += valid(row); });
         done = counted && seen >= validHeaders;
-        target = *base(data(s)) + (seen >= validHeaders ? validHeaders + 1 : validHeaders);
+        target = *base(data(s)) + (seen >= validHeaders ? seen + 1 : validHeaders);
       }
       if (fromThread0(done)) return;
       comm.waitSignal(data(s), fromThread0(target), s);
@@ -168,10 +170,14 @@ struct Ep {
   // Dispatch, second half, and combine: the `rows` rows of the message from `s`, each
   // passed to consume(a, b, row) once it may be read (rows(f) calls f(a, b, row) for
   // them in order; a, b: the caller's indices). `countMessage`: the message had one
-  // (awaitCounts has run). Then this message's signal increments are consumed.
+  // (awaitCounts has run). `streamed`: consume reads the rows, so under headers each is
+  // passed on as soon as the rule allows; otherwise (a combine, which reads the rows
+  // after every message) the wait is for every put's increment. Then this message's
+  // signal increments are consumed.
   template <class Rows, class Consume>
-  __device__ void receive(int s, int64_t rows, bool countMessage, Rows forRows, Consume consume) {
+  __device__ void receive(int s, int64_t rows, bool countMessage, bool streamed, Rows forRows, Consume consume) {
     const bool gin = overGin(s);
+    const uint64_t puts = (uint64_t)rows + countMessage;
     if (!gin || c.protocol == kEpStrong || c.protocol == kEpWeakLast) {
       if (!countMessage && rows == 0) return;  // a combine message of no rows is not sent
       if (!countMessage) waitData(s, 1);
@@ -179,29 +185,38 @@ struct Ep {
       consumed(data(s), 1);
       return;
     }
-    if (c.protocol == kEpSignalPerPut) {
-      waitData(s, rows);
+    if (c.protocol == kEpSignalPerPut || !streamed) {
+      const uint64_t increments = c.protocol == kEpHeaders ? puts : rows;  // headers: the count message too
+      waitData(s, increments);
       forRows(consume);
-      consumed(data(s), rows);
+      consumed(data(s), increments);
       return;
     }
-    // headers: rows are read in order as soon as the rule allows, while others land
+    // headers, streamed: rows are read in order as soon as the rule allows, while others
+    // land. Rows before `next` were valid when consumed and stay so; once every put is
+    // signalled, every row may be read without looking at its header.
     int64_t next = 0;  // rows consumed
     for (;;) {
       int64_t upto = 0;
       uint64_t target = 0;
       if (threadIdx.x == 0) {
         const uint64_t seen = comm.readSignal(data(s)) - *base(data(s));
-        uint64_t validHeaders = countMessage;  // the count message, read valid by awaitCounts
-        int64_t j = 0, firstInvalid = -1;
-        forRows([&](int, int, const char* row) {
-          const bool v = valid(row);
-          validHeaders += v;
-          if (!v && firstInvalid < 0 && j >= next) firstInvalid = j;
-          j++;
-        });
-        upto = seen >= validHeaders ? (firstInvalid < 0 ? rows : firstInvalid) : next;
-        target = *base(data(s)) + (seen >= validHeaders ? validHeaders + 1 : validHeaders);
+        if (seen >= puts) {
+          upto = rows;
+        } else {
+          uint64_t validHeaders = countMessage + next;  // the count message, read valid by awaitCounts
+          int64_t j = 0, firstInvalid = -1;
+          forRows([&](int, int, const char* row) {
+            if (j >= next) {
+              const bool v = valid(row);
+              validHeaders += v;
+              if (!v && firstInvalid < 0) firstInvalid = j;
+            }
+            j++;
+          });
+          upto = seen >= validHeaders ? (firstInvalid < 0 ? rows : firstInvalid) : next;
+          target = *base(data(s)) + (seen >= validHeaders ? seen + 1 : validHeaders);
+        }
       }
       upto = fromThread0(upto);
       int64_t j = 0;
@@ -213,7 +228,7 @@ struct Ep {
       if (next == rows) break;
       comm.waitSignal(data(s), fromThread0(target), s);
     }
-    consumed(data(s), rows + countMessage);
+    consumed(data(s), puts);
   }
 };
 
@@ -373,7 +388,8 @@ COMMREF_KERNEL(ep_ht_dispatch, KernelArgs, args) {
   int64_t start = 0;  // where source s's rows go in the flat buffer
   for (int s = 0; s < n; s++) {
     const int64_t rows = (int64_t)~matrix[s * n + me];
-    ep.receive(s, rows, true, SlotRows{comm.local<const char>(c.htRecv + (uint64_t)s * T * c.htRow), c.htRow, rows},
+    ep.receive(s, rows, true, true,
+               SlotRows{comm.local<const char>(c.htRecv + (uint64_t)s * T * c.htRow), c.htRow, rows},
                [&](int, int i, const char* row) {
                  const int64_t pos = start + i;
                  blockCopy(recvX + pos * c.xBytes, row + 8, c.xBytes);
@@ -476,7 +492,8 @@ COMMREF_KERNEL(ep_ht_combine, KernelArgs, args) {
   }
   for (int d = 0; d < n; d++) {  // the rows of the tokens this rank sent to d
     const int64_t rows = perRank[d];
-    ep.receive(d, rows, false, SlotRows{comm.local<const char>(c.htComb + (uint64_t)d * T * combRow), combRow, rows},
+    ep.receive(d, rows, false, false,
+               SlotRows{comm.local<const char>(c.htComb + (uint64_t)d * T * combRow), combRow, rows},
                [](int, int, const char*) {});
   }
   for (int64_t t = 0; t < ntok; t++) {
@@ -563,7 +580,7 @@ COMMREF_KERNEL(ep_ll_dispatch, KernelArgs, args) {
   for (int s = 0; s < n; s++) {
     int64_t rows = 0;
     for (int64_t e = 0; e < per; e++) rows += (int64_t)~counts[s * per + e];
-    ep.receive(s, rows, true, ExpertRows{recv, c.llRow, T, n, s, per, counts + s * per},
+    ep.receive(s, rows, true, true, ExpertRows{recv, c.llRow, T, n, s, per, counts + s * per},
                [&](int e, int i, const char* row) {
                  const int64_t pos = e * n * T + (range[e * n + s] >> 32) + i;
                  blockCopy(recvX + pos * c.xBytes, row + 8, c.xBytes);
@@ -619,7 +636,7 @@ COMMREF_KERNEL(ep_ll_combine, KernelArgs, args) {
   for (int d = 0; d < n; d++) {  // the rows of this rank's (token, slot) pairs on d's experts
     int64_t rows = 0;
     for (int64_t i = 0; i < ntok * K; i++) rows += topk[i] >= 0 && topk[i] / per == d;
-    ep.receive(d, rows, false, PairRows{comm.local<const char>(c.llComb), c.llRow, topk, ntok * K, per, d},
+    ep.receive(d, rows, false, false, PairRows{comm.local<const char>(c.llComb), c.llRow, topk, ntok * K, per, d},
                [](int, int, const char*) {});
   }
   for (int64_t t = 0; t < ntok; t++) {
