@@ -59,8 +59,9 @@ namespace commref {
 // cores this saves the handoff to the engine thread, which may be waiting for the very
 // core the kernel spins on. A block that called the help hook calls the end hook (the
 // third word; the engine stores the three) once as it ends (cpu/engine.cpp), where an
-// engine makes the polls the block's waits would have made: the native engine's release
-// the unordered wire's held puts (transports/gin/native_engine/idle.h, HeldRelease).
+// engine makes the polls the block's waits would have made: the polls that release the
+// native engine's held puts on the unordered wire (transports/gin/native_engine/idle.h,
+// HeldRelease).
 // GPU kernels call neither.
 #define COMMREF_GIN_QUEUE_CLAIMED 0     // slots claimed by producers (fetch-add)
 #define COMMREF_GIN_QUEUE_CONSUMED 64   // slots the proxy has completed (it alone stores)

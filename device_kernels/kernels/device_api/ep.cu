@@ -127,6 +127,11 @@ struct Ep {
 
   // ---- receiving ----
   __device__ void waitData(int s, uint64_t increments) { comm.waitSignal(data(s), *base(data(s)) + increments, s); }
+  // Headers: the signal target after a read of `seen` increments and `validHeaders`
+  // valid headers: their signals if some are missing, else one more put.
+  __device__ uint64_t headersTarget(int s, uint64_t seen, uint64_t validHeaders) const {
+    return *base(data(s)) + (seen >= validHeaders ? seen + 1 : validHeaders);
+  }
   __device__ void consumed(int id, uint64_t increments) {
     __syncthreads();
     if (threadIdx.x == 0) *base(id) += increments;
@@ -160,7 +165,7 @@ struct Ep {
         uint64_t validHeaders = counted;
         if (counted) slots([&](int, int, const char* row) { validHeaders += valid(row); });
         done = counted && seen >= validHeaders;
-        target = *base(data(s)) + (seen >= validHeaders ? seen + 1 : validHeaders);
+        target = headersTarget(s, seen, validHeaders);
       }
       if (fromThread0(done)) return;
       comm.waitSignal(data(s), fromThread0(target), s);
@@ -215,7 +220,7 @@ struct Ep {
             j++;
           });
           upto = seen >= validHeaders ? (firstInvalid < 0 ? rows : firstInvalid) : next;
-          target = *base(data(s)) + (seen >= validHeaders ? seen + 1 : validHeaders);
+          target = headersTarget(s, seen, validHeaders);
         }
       }
       upto = fromThread0(upto);
