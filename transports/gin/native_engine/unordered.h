@@ -62,6 +62,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <memory>
 #include <tuple>
 
 #include "core.h"
@@ -93,6 +94,33 @@ class Stream {
 
 enum : uint64_t { kStreamDoorbell = 1, kStreamPut = 2, kStreamUnrung = 3, kStreamContext = 4 };
 
+// Per segment of a put, the copies of it placed so far: inline up to kInline segments (a
+// put of up to 16 segments, the common case, allocates nothing), on the heap beyond.
+class SegmentCopies {
+ public:
+  void assign(uint64_t n, uint8_t v) {
+    n_ = n;
+    heap_.reset(n > kInline ? new uint8_t[n] : nullptr);
+    std::fill(data(), data() + n, v);
+  }
+  uint64_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  uint8_t& operator[](uint64_t k) { return data()[k]; }
+  uint8_t operator[](uint64_t k) const { return data()[k]; }
+  uint8_t* begin() { return data(); }
+  uint8_t* end() { return data() + n_; }
+  const uint8_t* begin() const { return data(); }
+  const uint8_t* end() const { return data() + n_; }
+
+ private:
+  static constexpr uint64_t kInline = 16;
+  uint8_t* data() { return heap_ ? heap_.get() : inline_; }
+  const uint8_t* data() const { return heap_ ? heap_.get() : inline_; }
+  uint64_t n_ = 0;
+  std::unique_ptr<uint8_t[]> heap_;
+  uint8_t inline_[kInline] = {};
+};
+
 // One put taken and not fully landed.
 struct Pending {
   int32_t peer = 0, ctx = 0;
@@ -101,12 +129,12 @@ struct Pending {
   bool signalDone = false, stagedSrc = false, bulk = false;
   uint32_t counterId = 0, dstWin = 0;
   uint64_t signal = 0, value = 0, dstOffset = 0, nbytes = 0;
-  const char* src = nullptr;    // the source (this window, or staged below)
-  char* dst = nullptr;          // network shm: where the data lands
-  std::vector<char> staged;     // the source's copy, once staged (putValue: its 8 bytes always)
-  std::vector<uint8_t> landed;  // per segment: copies placed
-  uint64_t dataLeft = 0;        // segments whose original has not landed
-  uint64_t heldUntil = 0;       // 0: not held; else the doorbell that releases it at the latest
+  const char* src = nullptr;  // the source (this window, or staged below)
+  char* dst = nullptr;        // network shm: where the data lands
+  std::vector<char> staged;   // the source's copy, once staged (putValue: its 8 bytes always)
+  SegmentCopies landed;       // per segment: copies placed
+  uint64_t dataLeft = 0;      // segments whose original has not landed
+  uint64_t heldUntil = 0;     // 0: not held; else the doorbell that releases it at the latest
   bool inBatch = false, overtaken = false;
   uint32_t signalKey = 0;  // the unordered wire's landSet: its signal's index there
 
@@ -368,11 +396,13 @@ class UnorderedWire {
 
   // Lands every event of the puts `set` in an order drawn from `rng` among those enabled.
   // The signals not landed yet are kept in post order (`signals`, a signal's key its
-  // index there); those enabled, by key (`ready`), updated as landings enable more: a
+  // index there); the keys of those enabled in `ready`, added as landings enable more: a
   // weak signal once its own data has landed, a strong one or one after a flush (the
   // "conditional" ones) looked at again whenever a put's data completes or a strong
   // signal lands. Enabled stays enabled (data and strong signals only land), so the draw
-  // is among the same events, in the same order, as a scan of every signal per landing.
+  // is among exactly the events enabled; `pool` and `ready` are unordered sets (a landing
+  // drawn is replaced by the last), so a landing costs O(1), and the order is a function
+  // of the seed and the posted sequence alone.
   template <typename Land>
   bool landSet(Link& l, std::vector<Pending*>& set, Stream& rng, Land land, std::string* why) {
     std::vector<Landing>& pool = pool_;  // data landings enabled now
@@ -403,7 +433,7 @@ class UnorderedWire {
       return !p->dataLeft && (!(p->strong || strongAlways_) || earlierLanded(l, p, true)) &&
              (!p->afterFlush || earlierLanded(l, p, false));
     };
-    auto enable = [&](uint32_t key) { ready.insert(std::upper_bound(ready.begin(), ready.end(), key), key); };
+    auto enable = [&](uint32_t key) { ready.push_back(key); };
     auto lookAgain = [&] {  // the conditional signals not enabled yet
       size_t kept = 0;
       for (uint32_t key : waiting)
@@ -448,7 +478,8 @@ class UnorderedWire {
       } else {
         const Signal& g = signals[ready[r - pool.size()]];
         e = {g.put, -1, 0, std::max(g.at, now)};
-        ready.erase(ready.begin() + (long)(r - pool.size()));
+        ready[r - pool.size()] = ready.back();
+        ready.pop_back();
       }
       now = std::max(now, e.at);
       if (!sprayed && e.segment >= 0) lookAhead(e, pool, ready.size(), rng);
