@@ -47,6 +47,12 @@ DIRECT_EFFICIENCY = 0.95
 # Where ranks share a core, a rank spinning for its peer holds the core its peer needs:
 # in-cache work runs this much slower again (fitted: --np 4 on 2 cores).
 SPIN_PENALTY = 1.2
+# Where ranks share a core over GIN, each rank's engine is a thread of its own beside its
+# kernel, and a hop waits twice (kernel -> its engine -> the peer's kernel) for a turn
+# among twice as many threads: this many scheduler turns per hop instead of one (fitted:
+# --np 4 --path gin on 2 cores, 8 B-8 KiB AllReduce, 4 tree steps: a median of 40 us a
+# call over 3 runs, 28-70 us).
+GIN_SHARED_SWITCHES = 4
 DIRECT_HOPS = 4  # the direct kernels' handshake and two barriers
 # S through memory per rank of the double binary tree AllReduce: its levels hand a step
 # on one after the other, so it moves more than its bytes say (fitted: 32-128 KiB on 4 ranks).
@@ -141,10 +147,16 @@ class Model:
             rate = c.cached_Bps ** (1 - f) * c.dram_Bps**f
         return rate / self.share(local_ranks)
 
+    def switch_s(self, gin: bool, local_ranks: int | None = None) -> float:
+        """The scheduler's turns a dependent step waits for where ranks share a core."""
+        if self.share(local_ranks) <= 1:
+            return 0.0
+        return self.calibration.switch_s * (GIN_SHARED_SWITCHES if gin else 1)
+
     def hop_s(self, gin: bool, local_ranks: int | None = None) -> float:
         """One dependent step's latency over LSA or GIN."""
         c, p = self.calibration, self.paths
-        switch = c.switch_s if self.share(local_ranks) > 1 else 0.0
+        switch = self.switch_s(gin, local_ranks)
         if not gin:
             return c.hop_s + switch
         t = c.gin_op_s + switch
@@ -204,7 +216,7 @@ class Model:
             bw += steps * self.calibration.switch_s  # the engine yields while its head is not due
         parallel = self._parallel(nchannels)
         hop = self.hop_s(gin)
-        switch = self.calibration.switch_s if self.share() > 1 else 0.0
+        switch = self.switch_s(gin)
         return (
             self.call_s
             + steps * ((hop - switch) * lat + switch)

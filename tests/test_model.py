@@ -13,7 +13,7 @@ import pytest
 from commref.collectives import calibration, tuner
 from commref.collectives.calibration import REFERENCE, Calibration
 from commref.collectives.hierarchical import NodeShape
-from commref.collectives.model import Model, Paths
+from commref.collectives.model import GIN_SHARED_SWITCHES, Model, Paths
 from commref.transports.thread_world import ThreadWorld
 
 # (collective, size, ranks, paths, symmetric, nodes): points across sizes, ranks and paths.
@@ -24,6 +24,7 @@ POINTS = [
         (2, Paths(local_ranks=2)),
         (4, Paths(local_ranks=4)),
         (2, Paths(gin=True, local_ranks=2)),
+        (4, Paths(gin=True, local_ranks=4)),
         (2, Paths(gin=True, local_ranks=2, wire_rate=1e9, wire_modeled=True)),
     )
     for symmetric in (False, True)
@@ -53,6 +54,24 @@ def test_auto_takes_the_models_argmin(coll, size, ranks, paths, symmetric, nodes
     assert got.algorithm == want[0]
     if got.algorithm in tuner.PROTOCOL_ALGORITHMS:
         assert got.protocol == want[1]
+
+
+def test_a_gin_hop_where_ranks_share_a_core_waits_for_the_engines_turns_too():
+    """Over GIN each rank's engine is a thread beside its kernel: where ranks share the
+    cores (4 on REFERENCE's 2) a hop costs GIN_SHARED_SWITCHES scheduler turns, over LSA
+    one, and none where every rank has a core; so 4 GIN ranks take the tree further up."""
+    turn = REFERENCE.switch_s
+    gin_own, gin_shared = (
+        Model(REFERENCE, Paths(gin=True, local_ranks=2)),
+        Model(REFERENCE, Paths(gin=True, local_ranks=4)),
+    )
+    lsa_own, lsa_shared = Model(REFERENCE, Paths(local_ranks=2)), Model(REFERENCE, Paths(local_ranks=4))
+    assert gin_shared.hop_s(True) - gin_own.hop_s(True) == pytest.approx(GIN_SHARED_SWITCHES * turn)
+    assert lsa_shared.hop_s(False) - lsa_own.hop_s(False) == pytest.approx(turn)
+    size = 32768
+    tree, ring = (gin_shared.time("allreduce", a, "simple", size, 4) for a in ("tree", "ring"))
+    assert tree < ring
+    assert tuner.plan("allreduce", "auto", size, 4, "cpu", 1, False, None, model=gin_shared).algorithm == "tree"
 
 
 def test_the_points_cover_every_choice():
