@@ -144,14 +144,16 @@ def shm_leak_check():
     """Fails the test if it leaves /dev/shm/commref-* files behind. Files that appear
     and vanish within a moment (another job running concurrently) are not leaks.
 
-    MPICH leaves its own segments (/dev/shm/mpich_shm_*) behind when a job is aborted,
-    as the deadline, abort and setup-failure tests do on purpose: about 3 MB each, which
-    would pile up run after run. Those that appeared during the test and that no live
-    process maps are removed (transports/launcher.py's remove_orphans, the rule the --np
-    launcher applies after a failed job)."""
+    MPICH leaves its own segments (/dev/shm/mpich_shm_*, its UCX netmod's
+    ucx_shm_posix_*) and a killed hydra proxy its topology file
+    (/tmp/hydra_hwloc_xmlfile_*) behind when a job is aborted, as the deadline, abort and
+    setup-failure tests do on purpose: about 3 MB each, which would pile up run after
+    run. Those that appeared during the test and that no live process maps or holds open
+    are removed (transports/launcher.py's remove_orphans, the rule the --np launcher
+    applies after a failed job)."""
     before = launcher.shm_segments()
     yield
-    launcher.remove_orphans(before, patterns=(launcher.MPICH_SEGMENTS,))
+    launcher.remove_orphans(before, patterns=launcher.LIBRARY_LEFTOVERS)
     new = shm_files() - before
     if new:
         time.sleep(1.0)

@@ -19,7 +19,7 @@ from commref.collectives.catalogue import CATALOGUE
 from commref.collectives.catalogue import KERNEL_NAMES as COLLECTIVES
 from commref.collectives.communicator import Communicator
 from commref.device_kernels import abi, build
-from commref.transports import launcher
+from commref.transports import job_reaper, launcher
 from commref.transports.gin import semantics
 from commref.transports.gin.atomics import host_atomics
 from commref.transports.gin.backends import BACKENDS
@@ -331,12 +331,13 @@ GEOMETRIES = {
 
 
 def orphan_segments(before: set[str], patience_s: float = 5.0) -> set[str]:
-    """Segments that appeared since `before` and that no live process maps. A concurrent
-    job's live segments are not ours, nor those that vanish within `patience_s` (another
-    test's cleanup, as shm_leak_check's)."""
+    """Segments (launcher.SEGMENTS: hydra's topology files too) that appeared since
+    `before` and that no live process maps or holds open. A concurrent job's live
+    segments are not ours, nor those that vanish within `patience_s` (another test's
+    cleanup, as shm_leak_check's)."""
     deadline = time.monotonic() + patience_s
     while True:
-        left = (launcher.shm_segments() - before) - launcher.mapped_files()
+        left = (launcher.shm_segments() - before) - job_reaper.held_files()
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)

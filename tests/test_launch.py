@@ -6,7 +6,8 @@
 - Signals (transports/launcher.py): SIGTERM, SIGINT and SIGHUP to `commref check --np 8`
   end the whole job, and so does SIGKILL of the launcher itself; 5 s after the signal no
   process of the job (the launcher, mpiexec, hydra's proxy, the ranks, the reaper) and no
-  /dev/shm segment of the job is left. The job's processes are told apart from other
+  file of the job is left (its /dev/shm segments, commref's and MPICH's, and the topology
+  file hydra's proxy holds in /tmp). The job's processes are told apart from other
   jobs' (other engineers run the same programs on this host) by a marker in their
   environment, COMMREF_TEST_JOB, which the launcher passes on to everything it starts.
 """
@@ -244,17 +245,13 @@ def test_a_signal_ends_the_whole_job(how, when):
 
         _wait_for(f"{when} job of {NRANKS} ranks", ready, proc, START_S)
         procs = _job(marker)
-        job_segments = {
-            p
-            for p in job_reaper.mapped_files(list(procs))
-            if os.path.basename(p).startswith(("commref-", "mpich_shm_"))
-        } - before
+        job_segments = (job_reaper.held_files(list(procs)) & launcher.shm_segments()) - before
         assert when == "starting" or job_segments, "the running job maps no segment"
         start = time.monotonic()
         os.kill(proc.pid, getattr(signal, f"SIG{how}"))
         seconds, left, segments = _everything_gone(marker, job_segments, before, start)
         assert not left, f"{len(left)} process(es) of the job {seconds:.1f} s after SIG{how}: {left}"
-        assert not segments, f"left in /dev/shm {seconds:.1f} s after SIG{how}: {sorted(segments)}"
+        assert not segments, f"left {seconds:.1f} s after SIG{how}: {sorted(segments)}"
         _, err = proc.communicate(timeout=30)  # its pipes' other ends are gone with the job
         print(
             f"SIG{how} ({when}, {len(procs)} processes, {len(job_segments)} segments): everything gone in "

@@ -9,8 +9,8 @@ host at the same time. A process manager may put its proxies and ranks in sessio
 their own (MPICH's hydra does: setsid), so a process group does not hold the job either.
 
 `end_processes` stops (SIGSTOP) every marked process, so that a proxy cannot start
-more ranks meanwhile, reads which /dev/shm files they map, then kills them (SIGKILL),
-and scans again until none is left.
+more ranks meanwhile, reads which /dev/shm files they map or hold open (and hydra's
+topology files they hold), then kills them (SIGKILL), and scans again until none is left.
 
 The reaper is this file run as a script (``python -I -S job_reaper.py``: the standard
 library only, so it starts in milliseconds), in a session of its own, before the job
@@ -34,10 +34,17 @@ import sys
 import time
 
 SHM_DIR = "/dev/shm"
+# MPICH's hydra proxy writes its node's topology for its ranks to a file of this name
+# (hard-coded, not under TMPDIR), held open while it runs and removed when it exits: a
+# proxy that is killed leaves it. Patterns of the segments' kind are names in SHM_DIR,
+# or absolute like this one.
+HYDRA_TOPOLOGY = "/tmp/hydra_hwloc_xmlfile_*"
+_HELD_PREFIXES = (SHM_DIR + "/", HYDRA_TOPOLOGY.removesuffix("*"))
 
 
 def shm_segments(patterns: tuple[str, ...]) -> set[str]:
-    """The files in /dev/shm whose names match any of `patterns`."""
+    """The files in /dev/shm whose names match any of `patterns` (an absolute pattern:
+    the files it matches)."""
     return {p for pattern in patterns for p in glob.glob(os.path.join(SHM_DIR, pattern))}
 
 
@@ -58,13 +65,28 @@ def mapped_files(pids=None) -> set[str]:
     return mapped
 
 
+def held_files(pids=None) -> set[str]:
+    """The /dev/shm files that the processes `pids` (default: every process this user can
+    read) map, and those and hydra's topology files (HYDRA_TOPOLOGY) they hold open."""
+    held = mapped_files(pids)
+    fds = glob.glob("/proc/[0-9]*/fd/*") if pids is None else [f for p in pids for f in glob.glob(f"/proc/{p}/fd/*")]
+    for fd in fds:
+        try:
+            path = os.readlink(fd)
+        except OSError:  # closed meanwhile, or another user's
+            continue
+        if path.startswith(_HELD_PREFIXES):
+            held.add(path.removesuffix(" (deleted)"))
+    return held
+
+
 def remove_orphans(
     before: set[str], patterns: tuple[str, ...], settle_s: float = 3.0, poll_s: float = 0.2
 ) -> list[str]:
     """Removes the segments matching `patterns` that are not in `before` (a shm_segments()
-    snapshot taken when the job started) and that no live process maps in two scans
-    `poll_s` apart. Segments still mapped are waited for (their processes may be
-    exiting) up to `settle_s`, then left alone. Returns the paths removed."""
+    snapshot taken when the job started) and that no live process maps or holds open
+    (held_files) in two scans `poll_s` apart. Segments still held are waited for (their
+    processes may be exiting) up to `settle_s`, then left alone. Returns the paths removed."""
     removed: list[str] = []
     candidates = shm_segments(patterns) - before
     unmapped_before: set[str] = set()
@@ -72,7 +94,7 @@ def remove_orphans(
     scans = 0
     while candidates:
         scans += 1
-        unmapped = candidates - mapped_files()
+        unmapped = candidates - held_files()
         for path in sorted(unmapped & unmapped_before):
             try:
                 os.unlink(path)
@@ -108,8 +130,8 @@ def job_processes(marker: str) -> list[int]:
 
 def end_processes(marker: str, timeout_s: float = 3.0) -> tuple[list[int], set[str]]:
     """Stops then kills every process of the job (`marker`), scanning again until none is
-    left or `timeout_s` has passed. Returns (the pids killed, the /dev/shm files they
-    mapped when stopped)."""
+    left or `timeout_s` has passed. Returns (the pids killed, the files they held when
+    stopped: held_files)."""
     killed: list[int] = []
     segments: set[str] = set()
     deadline = time.monotonic() + timeout_s
@@ -124,7 +146,7 @@ def end_processes(marker: str, timeout_s: float = 3.0) -> tuple[list[int], set[s
                 except (ProcessLookupError, PermissionError):
                     pass
             if sig == signal.SIGSTOP:
-                segments |= mapped_files(pids)
+                segments |= held_files(pids)
         killed.extend(p for p in pids if p not in killed)
         time.sleep(0.02)  # the killed processes become zombies, which job_processes skips
 

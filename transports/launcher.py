@@ -6,11 +6,13 @@ MPI_Abort, so a failing rank ends the job) and returns the job's exit status.
 
 When the job fails (non-zero status, or the launcher is interrupted), the shared-memory
 segments the job created and left behind are removed before that status is returned:
-commref's window files (transports/windows.py, SHM_PREFIX) and MPICH's
-``/dev/shm/mpich_shm_*``. A segment counts as the job's when it appeared while the
-job ran and no live process maps it (checked twice, a moment apart, so that a segment
-another job is just creating is left alone); `remove_orphans` is that rule, and the
-test suite's shm_leak_check fixture uses it too.
+commref's window files (transports/windows.py, SHM_PREFIX), MPICH's
+``/dev/shm/mpich_shm_*`` and its UCX netmod's ``/dev/shm/ucx_shm_posix_*``, and the
+topology file a killed hydra proxy leaves (``/tmp/hydra_hwloc_xmlfile_*``). A file
+counts as the job's when a process of the job held it, or when it appeared while the
+job ran and no live process maps it or holds it open (checked twice, a moment apart, so
+that a segment another job is just creating is left alone); `remove_orphans` is that
+rule, and the test suite's shm_leak_check fixture uses it too.
 
 Rank death: every rank of a relaunched job announces itself in the job's directory
 (`announce_rank`, called by the command line on each rank: its pid, MPI rank and start
@@ -69,7 +71,10 @@ SHM_DIR = job_reaper.SHM_DIR
 assert SHM_DIR == os.path.dirname(SHM_PREFIX)
 COMMREF_SEGMENTS = os.path.basename(SHM_PREFIX) + "*"
 MPICH_SEGMENTS = "mpich_shm_*"
-SEGMENTS = (COMMREF_SEGMENTS, MPICH_SEGMENTS)
+UCX_SEGMENTS = "ucx_shm_posix_*"  # MPICH's UCX netmod's
+# What a job may leave that is its own: the segments, and hydra's topology files in /tmp.
+SEGMENTS = (COMMREF_SEGMENTS, MPICH_SEGMENTS, UCX_SEGMENTS, job_reaper.HYDRA_TOPOLOGY)
+LIBRARY_LEFTOVERS = (MPICH_SEGMENTS, UCX_SEGMENTS, job_reaper.HYDRA_TOPOLOGY)  # the MPI library's, not commref's
 UNDER_MPIEXEC_ENV = "COMMREF_UNDER_MPIEXEC"  # set in the ranks of a relaunched job
 JOB_DIR_ENV = "COMMREF_JOB_DIR"  # set in the ranks of a relaunched job: where they announce themselves
 LAUNCHER_ENV = "COMMREF_LAUNCHER"  # set in the ranks of a relaunched job: "PID START" of their launcher
