@@ -72,9 +72,9 @@ assert SHM_DIR == os.path.dirname(SHM_PREFIX)
 COMMREF_SEGMENTS = os.path.basename(SHM_PREFIX) + "*"
 MPICH_SEGMENTS = "mpich_shm_*"
 UCX_SEGMENTS = "ucx_shm_posix_*"  # MPICH's UCX netmod's
-# What a job may leave that is its own: the segments, and hydra's topology files in /tmp.
-SEGMENTS = (COMMREF_SEGMENTS, MPICH_SEGMENTS, UCX_SEGMENTS, job_reaper.HYDRA_TOPOLOGY)
 LIBRARY_LEFTOVERS = (MPICH_SEGMENTS, UCX_SEGMENTS, job_reaper.HYDRA_TOPOLOGY)  # the MPI library's, not commref's
+# What a job may leave that is its own: the segments, and hydra's topology files in /tmp.
+SEGMENTS = (COMMREF_SEGMENTS, *LIBRARY_LEFTOVERS)
 UNDER_MPIEXEC_ENV = "COMMREF_UNDER_MPIEXEC"  # set in the ranks of a relaunched job
 JOB_DIR_ENV = "COMMREF_JOB_DIR"  # set in the ranks of a relaunched job: where they announce themselves
 LAUNCHER_ENV = "COMMREF_LAUNCHER"  # set in the ranks of a relaunched job: "PID START" of their launcher
