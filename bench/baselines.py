@@ -25,8 +25,10 @@ reduce_scatter differ). GPU libraries are imported only when a GPU baseline is b
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import socket
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,6 +56,7 @@ class MPIBaseline:
         from mpi4py import MPI
 
         self.MPI = MPI
+        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}  # avg: check()
         if world.kind == "mpi":
             self.comm = world.comm.Dup()
         elif world.size == 1:
@@ -79,24 +82,57 @@ class MPIBaseline:
         if op == "avg":
             self.notes.append("MPI has no average: avg measured as MPI_SUM")
 
-    def _op(self, op: str):
-        return {
-            "sum": self.MPI.SUM,
-            "avg": self.MPI.SUM,
-            "prod": self.MPI.PROD,
-            "max": self.MPI.MAX,
-            "min": self.MPI.MIN,
-        }[op]
+    def bind_call(self, name: str, *args) -> Callable[[], None]:
+        """Collective `name`'s call on `args` (catalogue.Collective.bound's order) with
+        its arguments bound: where MPI makes it in one call, that mpi4py method itself,
+        so that a timed loop reaches MPI through no frame of this class's (as the
+        standalone peer's loop does, bench/standalone.py); else the method below."""
+        one = self._one_call(name, *args)
+        return functools.partial(*one) if one else functools.partial(getattr(self, name), *args)
+
+    def _one_call(self, name: str, *args) -> tuple | None:
+        """(mpi4py method, its arguments) of `name` on `args` where that one call is all
+        of it; None where it is more (broadcast's root copy, alltoallv's counts,
+        hypercube's steps) or takes keywords (sendrecv)."""
+        c, r = self.comm, self.rank
+        if name == "allreduce":
+            s, d, op = args
+            return c.Allreduce, self.MPI.IN_PLACE if s is d else s, d, self._ops[op]
+        if name == "reduce_scatter":
+            s, d, op = args
+            return c.Reduce_scatter_block, s, d, self._ops[op]
+        if name == "reduce":
+            s, d, op, root = args
+            return (
+                c.Reduce,
+                self.MPI.IN_PLACE if s is d and r == root else s,
+                d if r == root else None,
+                self._ops[op],
+                root,
+            )
+        if name in ("allgather", "alltoall"):
+            s, d = args
+            return getattr(c, name.capitalize()), _bytes(s), _bytes(d)
+        if name == "gather":
+            s, d, root = args
+            return c.Gather, _bytes(s), _bytes(d) if r == root else None, root
+        if name == "scatter":
+            s, d, root = args
+            return c.Scatter, _bytes(s) if r == root else None, _bytes(d), root
+        return None
+
+    def _call(self, name: str, *args) -> None:
+        f, *a = self._one_call(name, *args)
+        f(*a)
 
     def allreduce(self, sendbuf, recvbuf, op="sum") -> None:
-        send = self.MPI.IN_PLACE if sendbuf is recvbuf else sendbuf
-        self.comm.Allreduce(send, recvbuf, self._op(op))
+        self._call("allreduce", sendbuf, recvbuf, op)
 
     def allgather(self, sendbuf, recvbuf) -> None:
-        self.comm.Allgather(_bytes(sendbuf), _bytes(recvbuf))
+        self._call("allgather", sendbuf, recvbuf)
 
     def reduce_scatter(self, sendbuf, recvbuf, op="sum") -> None:
-        self.comm.Reduce_scatter_block(sendbuf, recvbuf, self._op(op))
+        self._call("reduce_scatter", sendbuf, recvbuf, op)
 
     def broadcast(self, sendbuf, recvbuf, root: int) -> None:
         if self.rank == root and sendbuf is not recvbuf:
@@ -104,17 +140,16 @@ class MPIBaseline:
         self.comm.Bcast(_bytes(recvbuf), root)
 
     def reduce(self, sendbuf, recvbuf, op="sum", root: int = 0) -> None:
-        send = self.MPI.IN_PLACE if sendbuf is recvbuf and self.rank == root else sendbuf
-        self.comm.Reduce(send, recvbuf if self.rank == root else None, self._op(op), root)
+        self._call("reduce", sendbuf, recvbuf, op, root)
 
     def alltoall(self, sendbuf, recvbuf) -> None:
-        self.comm.Alltoall(_bytes(sendbuf), _bytes(recvbuf))
+        self._call("alltoall", sendbuf, recvbuf)
 
     def gather(self, sendbuf, recvbuf, root: int) -> None:
-        self.comm.Gather(_bytes(sendbuf), _bytes(recvbuf) if self.rank == root else None, root)
+        self._call("gather", sendbuf, recvbuf, root)
 
     def scatter(self, sendbuf, recvbuf, root: int) -> None:
-        self.comm.Scatter(_bytes(sendbuf) if self.rank == root else None, _bytes(recvbuf), root)
+        self._call("scatter", sendbuf, recvbuf, root)
 
     def alltoallv(self, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls) -> None:
         t = sendbuf.itemsize

@@ -119,10 +119,15 @@ class Collective:
     def bound(self, comm, sendbuf, recvbuf, op: str | None, root: int, **kwargs) -> Callable[[], None]:
         """call()'s call with its arguments bound: calling it (no arguments) makes the
         call, through no Python frame of commref's before the method's own (a timed
-        loop's repeated call)."""
+        loop's repeated call). A `comm` with bind_call (an in-process baseline,
+        bench/baselines.py) binds its own call, so that no frame of its class stands
+        between the loop and its library where the library makes the call in one."""
         if self.compose is not None:
             return functools.partial(self.compose, comm, sendbuf, recvbuf, root, **kwargs)
         args = _CALL_ARGS[self.reducing, self.rooted](sendbuf, recvbuf, op, root)
+        bind = getattr(comm, "bind_call", None)  # a baseline's: straight to its library's call
+        if bind is not None and not kwargs:
+            return bind(self.name, *args)
         return functools.partial(getattr(comm, self.name), *args, **kwargs)
 
     def buffers(self, mem, x, count: int, rank: int, nranks: int, in_place: bool) -> CallBuffers:
