@@ -56,7 +56,8 @@ class MPIBaseline:
         from mpi4py import MPI
 
         self.MPI = MPI
-        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}  # avg: check()
+        # MPI has no average: avg runs as SUM (check() notes it).
+        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
         if world.kind == "mpi":
             self.comm = world.comm.Dup()
         elif world.size == 1:
