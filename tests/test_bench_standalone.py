@@ -102,7 +102,10 @@ def _bound_main() -> None:
 
 
 if __name__ == "__main__":
-    _bound_main() if sys.argv[1:] == ["bound"] else _parked_main()
+    if sys.argv[1:] == ["bound"]:
+        _bound_main()
+    else:
+        _parked_main()
     sys.exit(0)
 
 
