@@ -176,9 +176,18 @@ def plan(
 # thresholds): it is left on and not timed.
 STORE_CHOOSER_MIN_BYTES = 64 * 1024
 # The setting not in use is tried again after this many calls of a kind at first; each
-# try that confirms the setting in use doubles the wait, up to STORE_TRY_MAX_EVERY.
-STORE_TRY_EVERY = 8
-STORE_TRY_MAX_EVERY = 128
+# try that confirms the setting in use doubles the wait, up to STORE_TRY_MAX_EVERY. A try
+# costs its STORE_TRY_CALLS calls and the STORE_WARM_CALLS after it.
+STORE_TRY_EVERY = 32
+STORE_TRY_MAX_EVERY = 256
+# A call is timed only after this many calls of its kind in a row with its setting: the
+# cache state the other setting left takes that long to wear off. On the 2-core host, 16
+# MiB AllReduce on symmetric buffers, calls in a row after a change took 3527, 2819,
+# 1822, 1476, 1335, 1299 us with cached stores (after streamed ones, which settle at
+# about 1850; docs/performance.md, "Streamed stores: how auto chooses").
+STORE_WARM_CALLS = 4
+# A try of the other setting: this many calls, the try's time the least of the timed ones.
+STORE_TRY_CALLS = STORE_WARM_CALLS + 2
 # The setting in use is left at once when a call of it is this much slower than the
 # other setting's last time (a placement change); less is taken for noise.
 STORE_SWITCH_MARGIN = 1.15
@@ -191,7 +200,9 @@ class _StoreKind:
     seconds_per_byte: list  # [off, on]: the last warm time of each (None: not yet)
     current: int = 1  # the setting in use
     last: int | None = None  # the setting of this kind's previous call (None: no call yet)
+    run: int = 0  # calls of this kind in a row with `last`
     trial: int = 0  # calls left in a try of the other setting
+    best: float | None = None  # the try's least seconds per byte so far
     wait: int = STORE_TRY_EVERY  # calls between tries
     countdown: int = 0  # calls until the next try
 
@@ -203,17 +214,18 @@ class StoreChooser:
     (move.h), which a virtual machine may change under the program, and on the call: an
     in-place call rewrites lines it has just read. So for each kind of call (kernel,
     size class, in place or not) the chooser uses the setting with the lower seconds
-    per byte and keeps the last time of each. Only warm calls are timed: a call whose
-    previous call of its kind used the other setting pays for the other's cache state
-    (streamed stores leave the output out of the cache, plain ones in it), and a kind's
-    first call for first touches. So the other setting is tried for two calls, the
-    second timed, right away and then after STORE_TRY_EVERY calls, a wait that doubles
-    up to STORE_TRY_MAX_EVERY while tries confirm the setting in use, and starts again
-    when one does not. A placement change that slows the setting in use shows at once
-    (its time passes the other's by STORE_SWITCH_MARGIN); one that speeds the other
-    up, at the next try. Each rank chooses alone (how a rank stores changes no result,
-    only its speed); ranks that see the same times try in the same calls. Mode "on"
-    or "off" fixes the setting (for measurements and tests)."""
+    per byte and keeps the last time of each. Only warm calls are timed: a call pays for
+    the cache state its kind's earlier calls left (streamed stores leave the output out
+    of the cache, plain ones in it), for STORE_WARM_CALLS calls after the setting
+    changes, and a kind's first calls for first touches. So the other setting is tried
+    for STORE_TRY_CALLS calls, the last two timed, right away and then after
+    STORE_TRY_EVERY calls, a wait that doubles up to STORE_TRY_MAX_EVERY while tries
+    confirm the setting in use, and starts again when one does not. A placement change
+    that slows the setting in use shows at its next warm call (its time passes the
+    other's by STORE_SWITCH_MARGIN); one that speeds the other up, at the next try.
+    Each rank chooses alone (how a rank stores changes no result, only its speed);
+    ranks that see the same times try in the same calls. Mode "on" or "off" fixes the
+    setting (for measurements and tests)."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in ("auto", "on", "off"):
@@ -233,30 +245,35 @@ class StoreChooser:
             k = self._kinds[key] = _StoreKind([None, None])
         rates = k.seconds_per_byte
         if not k.trial and rates[k.current] is not None and (rates[1 - k.current] is None or k.countdown <= 0):
-            k.trial = 2  # the other setting was never timed, or its wait is over
+            k.trial, k.best = STORE_TRY_CALLS, None  # the other setting was never timed, or its wait is over
         setting = 1 - k.current if k.trial else k.current
-        warm, k.last = k.last == setting, setting
+        k.run = k.run + 1 if k.last == setting else 1
+        k.last = setting
         if k.trial:
             k.trial -= 1
         else:
             k.countdown -= 1
-        return setting, (key if warm else None)
+        return setting, (key if k.run > STORE_WARM_CALLS else None)
 
     def record(self, key: tuple, setting: int, seconds: float, nbytes: int) -> None:
         """The time of a warm call that choose() returned `key` for."""
         k = self._kinds[key]
         rates = k.seconds_per_byte
-        rates[setting] = seconds / max(1, nbytes)
-        other = rates[1 - setting]
-        if other is None:
-            return
-        if setting != k.current:  # a try ends: keep the faster
-            if rates[setting] < rates[k.current]:
+        rate = seconds / max(1, nbytes)
+        if setting != k.current:  # a call of a try
+            k.best = rate if k.best is None else min(k.best, rate)
+            if k.trial:
+                return  # the try goes on
+            rates[setting], k.best = k.best, None
+            if rates[setting] < rates[k.current]:  # the try ends: keep the faster
                 k.current, k.wait = setting, STORE_TRY_EVERY
             else:
                 k.wait = min(2 * k.wait, STORE_TRY_MAX_EVERY)
             k.countdown = k.wait
-        elif rates[setting] > other * STORE_SWITCH_MARGIN:  # the setting in use slowed down
+            return
+        rates[setting] = rate
+        other = rates[1 - setting]
+        if other is not None and rate > other * STORE_SWITCH_MARGIN:  # the setting in use slowed down
             k.current, k.wait, k.countdown = 1 - setting, STORE_TRY_EVERY, STORE_TRY_EVERY
 
 
