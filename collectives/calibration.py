@@ -21,7 +21,13 @@ with one block, as the collectives' kernels run:
   (CACHED_FOOTPRINT) and one beyond the last-level cache (DRAM_FOOTPRINT), the fastest
   of five batches (a batch another process slowed down is not what memory allows); the rate of
   memory one core reaches, what the ring's FIFO copies and the direct kernels' loads run at;
-- llc_bytes and cores: the last-level cache (sysfs) and the CPUs of this host.
+- llc_bytes: the footprint from which one core's copy runs at less than half the
+  in-cache rate (effective_llc: the first of 512 KiB, 1, 2, 4 MiB, ... up to the
+  last-level cache sysfs names), measured before dram_Bps, whose footprint is at least
+  twice it. A virtual machine may be shown a large shared cache it gets little of: on
+  one 2-vCPU host sysfs named 480 MiB while the copy ran at 75-88 GB/s up to 1 MiB and
+  24-27 GB/s from 4 MiB to 64 MiB;
+- cores: the CPUs of this host.
 
 The terms no probe of one process can reach (a hop between two cores, the GIN engine's
 per-operation cost and copy rate, a switch between ranks that share a core) are the
@@ -55,7 +61,7 @@ MODEL_SOURCES = ("probe", "reference")
 PROBE_DEADLINE_S = 0.5  # the probe stops measuring here and keeps REFERENCE's terms it has not reached
 LOCK_DEADLINE_S = 10.0  # another process probing this host: wait this long for its result
 CACHED_FOOTPRINT = 256 * 1024  # bytes of the in-cache copy (two arrays)
-DRAM_FOOTPRINT = 64 * 1024 * 1024  # bytes of the beyond-the-cache copy, at least 2 x the LLC
+DRAM_FOOTPRINT = 64 * 1024 * 1024  # bytes of the beyond-the-cache copy, at least 2 x effective_llc
 DEFAULT_LLC_BYTES = 32 * 1024 * 1024
 # A probe whose fastest Python batch ran with less of its core than this (thread CPU time
 # over wall time) shared the core with other work: its terms describe that load, not the
@@ -193,6 +199,23 @@ def llc_bytes() -> int:
     return best or DEFAULT_LLC_BYTES
 
 
+def effective_llc(rate_at, cached_Bps: float | None, named_llc: int, deadline: float) -> int:
+    """The first footprint (bytes, doubling from 2 x CACHED_FOOTPRINT up to `named_llc`)
+    at which `rate_at(footprint)` (loads + stores per second, None past the deadline) is
+    below half of `cached_Bps`; `named_llc` when none is, or past the deadline."""
+    if not cached_Bps:
+        return named_llc
+    footprint = 2 * CACHED_FOOTPRINT
+    while footprint < named_llc and time.perf_counter() < deadline:
+        rate = rate_at(footprint)
+        if rate is None:
+            break
+        if rate < cached_Bps / 2:
+            return footprint
+        footprint *= 2
+    return named_llc
+
+
 def _py_unit() -> None:
     """PY_UNIT: what a collective call's Python side does, in miniature."""
     d, acc = {"a": 1, "b": 2, "c": 3}, 0
@@ -238,10 +261,9 @@ def probe(deadline_s: float = PROBE_DEADLINE_S) -> Calibration:
 
     launch = _fastest(launch_empty, 500, 5, deadline)
     terms["launch_s"] = launch and launch[0]
-    for name, footprint, passes in (("cached_Bps", CACHED_FOOTPRINT, 100), ("dram_Bps", None, 3)):
-        if time.perf_counter() > deadline:
-            break
-        footprint = footprint or max(DRAM_FOOTPRINT, 2 * terms["llc_bytes"])
+
+    def copy_rate(footprint: int, passes: int) -> float | None:
+        """Loads + stores per second of the stream kernel's copy over `footprint` bytes."""
         words = footprint // 8 // 16 * 16  # two arrays of 4-byte words, whole lines
         buf = np.full(2 * words + 16, 0x3F3F3F3F, dtype=np.uint32)
         off = (-buf.ctypes.data % 64) // 4
@@ -250,14 +272,23 @@ def probe(deadline_s: float = PROBE_DEADLINE_S) -> Calibration:
         args[0]["nin"], args[0]["nout"], args[0]["shared"] = 1, 1, 0
         a_address = args.ctypes.data
 
-        def copy(args=args, a_address=a_address):
+        def copy():
             entry("commref_stream", 1, 1, args, address=a_address)
 
         copy()  # first touch
         seconds = _fastest(copy, passes, 5, deadline)  # the fastest batch: what memory allows
-        if seconds:
-            terms[name] = 2 * words * 4 / seconds[0]
-        del buf
+        return 2 * words * 4 / seconds[0] if seconds else None
+
+    if time.perf_counter() < deadline:
+        terms["cached_Bps"] = copy_rate(CACHED_FOOTPRINT, 100)
+    terms["llc_bytes"] = effective_llc(
+        lambda f: copy_rate(f, max(3, 100 * CACHED_FOOTPRINT // f)),
+        terms.get("cached_Bps"),
+        terms["llc_bytes"],
+        deadline,
+    )
+    if time.perf_counter() < deadline:
+        terms["dram_Bps"] = copy_rate(max(DRAM_FOOTPRINT, 2 * terms["llc_bytes"]), 3)
     measured = {k: v for k, v in terms.items() if v}
     cal = REFERENCE.replace(**measured, source="probe")
     # The GIN engine copies what it moves: its rate follows this host's copy rate.

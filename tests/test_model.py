@@ -209,6 +209,37 @@ def test_the_probe_keeps_reference_terms_past_its_deadline():
     assert (cal.cached_Bps, cal.dram_Bps, cal.hop_s) == (REFERENCE.cached_Bps, REFERENCE.dram_Bps, REFERENCE.hop_s)
 
 
+def test_the_effective_cache_is_where_the_copy_rate_halves():
+    """effective_llc: the first footprint, doubling from 2 x CACHED_FOOTPRINT, whose rate
+    is below half the in-cache one (planted rates: a host whose sysfs names 480 MiB of
+    cache while the copy slows from 4 MiB on), capped at the named cache; the named cache
+    when the rate never halves, or with no in-cache rate, or past the deadline."""
+    import time
+
+    KiB, MiB = 1 << 10, 1 << 20
+    asked = []
+
+    def rate(footprint):
+        asked.append(footprint)
+        return 80e9 if footprint <= 2 * MiB else 36e9
+
+    later = time.perf_counter() + 60
+    assert calibration.effective_llc(rate, 75e9, 480 * MiB, later) == 4 * MiB
+    assert asked == [512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB]
+    assert calibration.effective_llc(lambda f: 70e9, 75e9, 32 * MiB, later) == 32 * MiB
+    assert calibration.effective_llc(rate, None, 32 * MiB, later) == 32 * MiB
+    asked.clear()
+    assert calibration.effective_llc(rate, 75e9, 480 * MiB, time.perf_counter() - 1) == 480 * MiB and not asked
+
+
+def test_the_probe_measures_beyond_the_cache_it_found():
+    """Given time, the probe measures both copy rates and an effective cache between the
+    first footprint it tries and the cache sysfs names."""
+    cal = calibration.probe(deadline_s=5.0)
+    assert 2 * calibration.CACHED_FOOTPRINT <= cal.llc_bytes <= calibration.llc_bytes()
+    assert cal.dram_Bps != REFERENCE.dram_Bps and cal.cached_Bps != REFERENCE.cached_Bps
+
+
 def test_a_calibration_round_trips_through_json():
     cal = REFERENCE.replace(host="h", key="k", source="probe")
     assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
