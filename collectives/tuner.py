@@ -264,7 +264,7 @@ class StoreChooser:
             k.best = rate if k.best is None else min(k.best, rate)
             if k.trial:
                 return  # the try goes on
-            rates[setting], k.best = k.best, None
+            rates[setting] = k.best
             if rates[setting] < rates[k.current]:  # the try ends: keep the faster
                 k.current, k.wait = setting, STORE_TRY_EVERY
             else:

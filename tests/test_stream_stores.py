@@ -196,7 +196,7 @@ def test_chooser_leaves_a_setting_only_when_clearly_slower():
         if key is not None:
             jitter = 1.1 if (i % 3 == 0 and setting == 1) else 1.0  # on now and then 10% slower
             chooser.record(key, setting, rates[setting] * jitter, 1)
-    assert used[WARM + 1 :].count(0) <= 3 * TRY, used  # only its tries
+    assert used[WARM + 1 :].count(0) <= 2 * TRY, used  # only its tries: the first, and one after 2 x STORE_TRY_EVERY
 
 
 def test_chooser_fixed_modes_small_calls_and_separate_kinds():
